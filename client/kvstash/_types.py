@@ -1,0 +1,157 @@
+"""The values the client takes and returns: frozen dataclasses, free of protobuf.
+
+String fields that name one of a few cases use lower-case words:
+
+- roles: ``"system"``, ``"user"``, ``"assistant"``
+- residency: ``"hot"`` (in an engine slot), ``"warm"`` (in RAM), ``"cold"`` (on disk)
+- finish reasons: ``"length"``, ``"eos"``, ``"stop"``, ``"context_full"``, ``"cancelled"``
+
+Timestamps are unix seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How tokens are drawn; a field left None takes the session's or the daemon's value."""
+
+    temperature: float | None = None
+    """0 samples greedily."""
+    top_k: int | None = None
+    """0 turns it off."""
+    top_p: float | None = None
+    """1 turns it off."""
+    min_p: float | None = None
+    """0 turns it off."""
+    repeat_penalty: float | None = None
+    """1 turns it off."""
+    penalty_last_n: int | None = None
+    """How many recent tokens the penalty looks at; -1 for the whole history."""
+    seed: int | None = None
+    """Unset: the daemon picks one and records it in the session."""
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One turn of a session's conversation."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What one generation request cost, in tokens."""
+
+    prompt_tokens: int
+    """Tokens the request added to the session."""
+    generated_tokens: int
+    reused_tokens: int
+    """Tokens already computed that the request did not evaluate again."""
+    evaluated_tokens: int
+    """Tokens the request ran through the model."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token and its log-probability."""
+
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratedToken:
+    """A sampled token with the most likely alternatives at its position."""
+
+    sampled: TokenLogprob
+    top: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One piece of a streamed generation; only the last has a finish_reason and usage."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[GeneratedToken, ...]
+    finish_reason: str | None
+    usage: Usage | None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A whole generation: the chunks of a stream joined."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    usage: Usage
+    logprobs: tuple[GeneratedToken, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """A session's state as the daemon reports it."""
+
+    session_id: str
+    persistent: bool
+    n_tokens: int
+    n_ctx: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    messages: tuple[Message, ...]
+    residency: str
+    created_at: float
+    last_used_at: float
+    n_checkpoints: int
+    head_checkpoint_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A saved session state."""
+
+    checkpoint_id: str
+    session_id: str
+    label: str | None
+    n_tokens: int
+    bytes_written: int
+    """Bytes this checkpoint added to the store."""
+    bytes_referenced: int
+    """Bytes of all the blocks it references, shared ones included."""
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Info:
+    """What the daemon runs: its model, engine mode, limits and counters."""
+
+    version: str
+    model_path: str
+    model_fingerprint: str
+    model_description: str
+    n_vocab: int
+    n_ctx_train: int
+    slots: int
+    ctx_per_session: int
+    kv_type: str
+    mode: str
+    """``"exact"`` or ``"compact"``."""
+    has_chat_template: bool
+    slots_in_use: int
+    sessions: int
+    sessions_hot: int
+    sessions_warm: int
+    sessions_cold: int
+    swap_ins: int
+    swap_in_seconds_total: float
+    tokens_reused: int
+    tokens_evaluated: int
+    tokens_generated: int
+    max_prompt_tokens: int
+    block_tokens: int

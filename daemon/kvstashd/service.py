@@ -1,0 +1,265 @@
+"""The gRPC servicer: protobuf in, a domain call, protobuf out; errors to status codes.
+
+Nothing else happens here. Each handler is a translation; the work is in SessionManager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from kvstash.v1 import kvstash_pb2 as pb
+from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
+from kvstashd import __version__
+from kvstashd.engine import Chunk
+from kvstashd.errors import KvstashError, Unavailable
+from kvstashd.sampling import SamplingParams
+from kvstashd.sessions import ChatMessage, SamplingOverrides, Session, SessionManager
+
+log = logging.getLogger(__name__)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+FINISH = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "eos": pb.FINISH_REASON_EOS,
+    "stop": pb.FINISH_REASON_STOP,
+    "context_full": pb.FINISH_REASON_CONTEXT_FULL,
+    "cancelled": pb.FINISH_REASON_CANCELLED,
+}
+ROLES = {"system": pb.ROLE_SYSTEM, "user": pb.ROLE_USER, "assistant": pb.ROLE_ASSISTANT}
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: BaseException) -> None:
+    if isinstance(error, KvstashError) and type(error) is not KvstashError:
+        await context.abort(grpc.StatusCode[error.code], str(error))
+    log.error("internal error", exc_info=error)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error (see the daemon's log)")
+
+
+def unary(
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]]:
+    """Map domain errors of a unary handler to gRPC statuses."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except Exception as e:
+            await _abort(context, e)
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+def streaming(
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], AsyncIterator[Resp]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], AsyncIterator[Resp]]:
+    """Map domain errors of a server-streaming handler to gRPC statuses."""
+
+    @functools.wraps(fn)
+    async def wrapper(
+        self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]
+    ) -> AsyncIterator[Resp]:
+        try:
+            async with contextlib.aclosing(fn(self, request, context)) as stream:
+                async for item in stream:
+                    yield item
+        except Exception as e:
+            await _abort(context, e)
+
+    return wrapper
+
+
+class KvStashService(pb_grpc.KvStashServicer):
+    """The kvstash.v1.KvStash service over a SessionManager."""
+
+    def __init__(self, manager: SessionManager, model_path: str, fingerprint: str) -> None:
+        self.manager = manager
+        self.model_path = model_path
+        self.fingerprint = fingerprint
+        self.accepting = True
+
+    def _check_accepting(self) -> None:
+        if not self.accepting:
+            raise Unavailable("the daemon is shutting down")
+
+    @unary
+    async def GetInfo(self, request: pb.GetInfoRequest, context: Any) -> pb.GetInfoResponse:
+        m = self.manager
+        c = m.counters()
+        return pb.GetInfoResponse(
+            version=__version__,
+            model_path=self.model_path,
+            model_fingerprint=self.fingerprint,
+            model_description=m.model.description,
+            n_vocab=m.model.n_vocab,
+            n_ctx_train=m.model.n_ctx_train,
+            slots=m.settings.slots,
+            ctx_per_session=m.model.n_ctx_seq,
+            kv_type=m.settings.kv_type,
+            mode="exact" if m.settings.exact else "compact",
+            has_chat_template=m.template is not None,
+            slots_in_use=c.slots_in_use,
+            sessions=c.sessions,
+            sessions_hot=c.hot,
+            sessions_warm=c.warm,
+            sessions_cold=c.cold,
+            tokens_reused=c.tokens_reused,
+            tokens_evaluated=c.tokens_evaluated,
+            tokens_generated=c.tokens_generated,
+            max_prompt_tokens=m.settings.prompt_limit,
+        )
+
+    @unary
+    async def CreateSession(
+        self, request: pb.CreateSessionRequest, context: Any
+    ) -> pb.CreateSessionResponse:
+        self._check_accepting()
+        session = await self.manager.create(
+            system_prompt=request.system_prompt,
+            sampling=overrides_from_pb(request.sampling),
+            stop=list(request.stop),
+            persistent=request.persistent,
+        )
+        return pb.CreateSessionResponse(session=self._session_pb(session))
+
+    @unary
+    async def GetSession(self, request: pb.GetSessionRequest, context: Any) -> pb.GetSessionResponse:
+        session = self.manager.get(request.session_id)
+        return pb.GetSessionResponse(session=self._session_pb(session))
+
+    @unary
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: Any
+    ) -> pb.ListSessionsResponse:
+        return pb.ListSessionsResponse(sessions=[self._session_pb(s) for s in self.manager.list()])
+
+    @unary
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: Any
+    ) -> pb.CloseSessionResponse:
+        await self.manager.close(request.session_id)
+        return pb.CloseSessionResponse()
+
+    @unary
+    async def Rewind(self, request: pb.RewindRequest, context: Any) -> pb.RewindResponse:
+        self._check_accepting()
+        session = await self.manager.rewind(request.session_id, request.n_tokens)
+        return pb.RewindResponse(session=self._session_pb(session))
+
+    @streaming
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Any
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self._check_accepting()
+        stream = self.manager.generate(
+            request.session_id,
+            prompt=request.prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            parse_special=request.parse_special,
+            max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
+            sampling=overrides_from_pb(request.sampling),
+            stop=list(request.stop),
+            logprobs=request.logprobs,
+        )
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                yield pb.GenerateResponse(chunk=chunk_to_pb(chunk))
+
+    @streaming
+    async def Chat(self, request: pb.ChatRequest, context: Any) -> AsyncIterator[pb.ChatResponse]:
+        self._check_accepting()
+        stream = self.manager.chat(
+            request.session_id,
+            message=request.message,
+            max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
+            sampling=overrides_from_pb(request.sampling),
+            stop=list(request.stop),
+            logprobs=request.logprobs,
+        )
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                yield pb.ChatResponse(chunk=chunk_to_pb(chunk))
+
+    def _session_pb(self, session: Session) -> pb.SessionInfo:
+        return session_to_pb(session, self.manager.model.n_ctx_seq)
+
+
+# ---- conversions ---------------------------------------------------------------------------
+
+
+def overrides_from_pb(p: pb.SamplingParams) -> SamplingOverrides:
+    def opt(name: str) -> Any:
+        return getattr(p, name) if p.HasField(name) else None  # type: ignore[arg-type]
+
+    return SamplingOverrides(
+        temperature=opt("temperature"),
+        top_k=opt("top_k"),
+        top_p=opt("top_p"),
+        min_p=opt("min_p"),
+        repeat_penalty=opt("repeat_penalty"),
+        penalty_last_n=opt("penalty_last_n"),
+        seed=opt("seed"),
+    )
+
+
+def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        repeat_penalty=p.repeat_penalty,
+        penalty_last_n=p.penalty_last_n,
+        seed=p.seed,
+    )
+
+
+def message_to_pb(m: ChatMessage) -> pb.Message:
+    return pb.Message(role=ROLES[m.role], content=m.content)
+
+
+def session_to_pb(s: Session, n_ctx: int) -> pb.SessionInfo:
+    return pb.SessionInfo(
+        session_id=s.session_id,
+        persistent=s.persistent,
+        n_tokens=len(s.state.tokens),
+        n_ctx=n_ctx,
+        sampling=params_to_pb(s.params),
+        stop=list(s.stop),
+        messages=[message_to_pb(m) for m in s.messages],
+        residency=pb.RESIDENCY_HOT if s.state.slot is not None else pb.RESIDENCY_COLD,
+        created_at=s.created_at,
+        last_used_at=s.last_used_at,
+    )
+
+
+def chunk_to_pb(c: Chunk) -> pb.GenerationChunk:
+    out = pb.GenerationChunk(text=c.text, token_ids=list(c.token_ids))
+    for g in c.logprobs:
+        item = out.logprobs.add()
+        item.sampled.CopyFrom(pb.TokenLogprob(token_id=g.sampled.token_id, text=g.sampled.text,
+                                              logprob=g.sampled.logprob))
+        item.top.extend(
+            pb.TokenLogprob(token_id=t.token_id, text=t.text, logprob=t.logprob) for t in g.top
+        )
+    if c.finish_reason is not None:
+        out.finish_reason = FINISH[c.finish_reason]
+    if c.usage is not None:
+        out.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=c.usage.prompt_tokens,
+                generated_tokens=c.usage.generated_tokens,
+                reused_tokens=c.usage.reused_tokens,
+                evaluated_tokens=c.usage.evaluated_tokens,
+            )
+        )
+    return out
