@@ -26,6 +26,15 @@ class Message:
     content: str
 
 
+@dataclass
+class ChatMessage:
+    """A recorded message of a session and the history index where its tokens begin."""
+
+    role: str
+    content: str
+    start: int
+
+
 @dataclass(frozen=True)
 class Segment:
     """A piece of rendered text; `content` marks text that came from a message."""

@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from kvstashd.config import (
+    CODECS,
     DEFAULT_ADDRESS,
     KV_TYPES,
     LOG_LEVELS,
@@ -37,38 +38,111 @@ def _default_state_dir() -> Path:
 
 
 @click.command(context_settings={"auto_envvar_prefix": "KVSTASH", "show_default": True})
-@click.option("--config", type=click.Path(dir_okay=False), is_eager=True, expose_value=False,
-              callback=_load_config, help="TOML file of defaults (keys are option names).")
-@click.option("--model", "model_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="GGUF model file. Default: the embedded SmolLM2-135M-Instruct.")
-@click.option("--address", default=DEFAULT_ADDRESS,
-              help="host:port to listen on (port 0 picks a free one), or unix:PATH.")
-@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
-              default=_default_state_dir, help="Where checkpoints and caches live.")
-@click.option("--slots", type=click.IntRange(1, 256), default=4,
-              help="Sessions resident in the engine at once (KV streams).")
-@click.option("--ctx-per-session", type=click.IntRange(256, 1 << 20), default=2048,
-              help="Context of each session in tokens (a multiple of 256).")
-@click.option("--batch-size", type=click.IntRange(32, 8192), default=512,
-              help="Most tokens evaluated in one engine step.")
-@click.option("--threads", type=click.IntRange(1, 512), default=lambda: os.cpu_count() or 1,
-              help="CPU threads for evaluation.")
-@click.option("--gpu-layers", type=click.IntRange(-1, 10_000), default=0,
-              help="Layers to offload to the GPU (-1: all).")
-@click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16",
-              help="K/V cache type. q8_0/q4_0 need flash attention: compact, not bit-exact.")
-@click.option("--kv-unified/--no-kv-unified", default=False,
-              help="One KV buffer shared by all slots: compact, not bit-exact.")
-@click.option("--max-prompt-tokens", type=click.IntRange(0, 1 << 20), default=0,
-              help="Largest prompt in tokens (0: the session's context).")
-@click.option("--max-message-bytes", type=click.IntRange(1024, 256 << 20), default=4 << 20,
-              help="Largest gRPC message accepted.")
-@click.option("--max-queue", type=click.IntRange(1, 100_000), default=64,
-              help="Requests that may wait for a slot before new ones get RESOURCE_EXHAUSTED.")
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False),
+    is_eager=True,
+    expose_value=False,
+    callback=_load_config,
+    help="TOML file of defaults (keys are option names).",
+)
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="GGUF model file. Default: the embedded SmolLM2-135M-Instruct.",
+)
+@click.option(
+    "--address",
+    default=DEFAULT_ADDRESS,
+    help="host:port to listen on (port 0 picks a free one), or unix:PATH.",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=_default_state_dir,
+    help="Where checkpoints and caches live.",
+)
+@click.option(
+    "--slots",
+    type=click.IntRange(1, 256),
+    default=4,
+    help="Sessions resident in the engine at once (KV streams).",
+)
+@click.option(
+    "--ctx-per-session",
+    type=click.IntRange(256, 1 << 20),
+    default=2048,
+    help="Context of each session in tokens (a multiple of 256).",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(32, 8192),
+    default=512,
+    help="Most tokens evaluated in one engine step.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(1, 512),
+    default=lambda: os.cpu_count() or 1,
+    help="CPU threads for evaluation.",
+)
+@click.option(
+    "--gpu-layers",
+    type=click.IntRange(-1, 10_000),
+    default=0,
+    help="Layers to offload to the GPU (-1: all).",
+)
+@click.option(
+    "--kv-type",
+    type=click.Choice(KV_TYPES),
+    default="f16",
+    help="K/V cache type. q8_0/q4_0 need flash attention: compact, not bit-exact.",
+)
+@click.option(
+    "--kv-unified/--no-kv-unified",
+    default=False,
+    help="One KV buffer shared by all slots: compact, not bit-exact.",
+)
+@click.option(
+    "--max-prompt-tokens",
+    type=click.IntRange(0, 1 << 20),
+    default=0,
+    help="Largest prompt in tokens (0: the session's context).",
+)
+@click.option(
+    "--max-message-bytes",
+    type=click.IntRange(1024, 256 << 20),
+    default=4 << 20,
+    help="Largest gRPC message accepted.",
+)
+@click.option(
+    "--max-queue",
+    type=click.IntRange(1, 100_000),
+    default=64,
+    help="Requests that may wait for a slot before new ones get RESOURCE_EXHAUSTED.",
+)
+@click.option(
+    "--block-tokens",
+    type=click.IntRange(16, 128),
+    default=64,
+    help="Tokens per KV block of a checkpoint.",
+)
+@click.option("--codec", type=click.Choice(CODECS), default="lz4", help="Compression of KV blocks on disk.")
+@click.option(
+    "--disk-budget",
+    type=click.IntRange(0),
+    default=10 << 30,
+    help="Bytes of blocks kept on disk; unreferenced blocks beyond it are dropped.",
+)
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level.")
 @click.option("--log-json/--no-log-json", default=False, help="Log JSON lines.")
-@click.option("--ready-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the bound port here once serving (for supervisors and tests).")
+@click.option(
+    "--ready-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the bound port here once serving (for supervisors and tests).",
+)
 def serve(model_path: Path | None, ready_file: Path | None, **options: Any) -> None:
     """Run the kvstash daemon."""
     from kvstashd import logs

@@ -10,9 +10,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstashd.errors import InvalidRequest
-
 KV_TYPES = ("f16", "q8_0", "q4_0")
+CODECS = ("lz4", "zstd", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,7 +39,7 @@ class Settings:
 
     model_path: Path
     address: str = DEFAULT_ADDRESS
-    state_dir: Path = Path("~/.local/state/kvstash").expanduser()
+    state_dir: Path = Path(".kvstash-state")
     slots: int = 4
     ctx_per_session: int = 2048
     batch_size: int = 512
@@ -51,6 +50,9 @@ class Settings:
     max_prompt_tokens: int = 0  # 0: the session's context
     max_message_bytes: int = 4 * 1024 * 1024
     max_queue: int = 64
+    block_tokens: int = 64
+    codec: str = "lz4"
+    disk_budget: int = 10 << 30
     log_level: str = "info"
     log_json: bool = False
     grace_seconds: float = 5.0
@@ -70,13 +72,10 @@ class Settings:
             raise ConfigError(f"slots must be in [1, {MAX_SLOTS}], got {self.slots}")
         if self.ctx_per_session < CTX_ALIGN or self.ctx_per_session % CTX_ALIGN:
             raise ConfigError(
-                f"ctx-per-session must be a positive multiple of {CTX_ALIGN}, "
-                f"got {self.ctx_per_session}"
+                f"ctx-per-session must be a positive multiple of {CTX_ALIGN}, got {self.ctx_per_session}"
             )
         if not max(self.slots, 32) <= self.batch_size <= 8192:
-            raise ConfigError(
-                f"batch-size must be in [max(slots, 32), 8192], got {self.batch_size}"
-            )
+            raise ConfigError(f"batch-size must be in [max(slots, 32), 8192], got {self.batch_size}")
         if not 1 <= self.threads <= 512:
             raise ConfigError(f"threads must be in [1, 512], got {self.threads}")
         if self.gpu_layers < -1:
@@ -89,6 +88,12 @@ class Settings:
             raise ConfigError("max-message-bytes must be in [1 KiB, 256 MiB]")
         if not 1 <= self.max_queue <= 100_000:
             raise ConfigError("max-queue must be in [1, 100000]")
+        if not 16 <= self.block_tokens <= 128:
+            raise ConfigError(f"block-tokens must be in [16, 128], got {self.block_tokens}")
+        if self.codec not in CODECS:
+            raise ConfigError(f"codec must be one of {', '.join(CODECS)}")
+        if self.disk_budget < 0:
+            raise ConfigError("disk-budget must be >= 0")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log-level must be one of {', '.join(LOG_LEVELS)}")
         return self
@@ -96,10 +101,3 @@ class Settings:
     @property
     def prompt_limit(self) -> int:
         return self.max_prompt_tokens or self.ctx_per_session
-
-
-def check_limit(name: str, value: int, low: int, high: int) -> int:
-    """Raise InvalidRequest unless low <= value <= high."""
-    if not low <= value <= high:
-        raise InvalidRequest(f"{name} must be in [{low}, {high}], got {value}")
-    return value

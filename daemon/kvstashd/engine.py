@@ -26,7 +26,14 @@ from typing import Any, TypeVar
 import llama_cpp as llama
 import numpy as np
 
-from kvstashd.errors import ContextFull, InvalidRequest, KvstashError, Unavailable
+from kvstashd import state as kvstate
+from kvstashd.errors import (
+    ContextFull,
+    CorruptCheckpoint,
+    InvalidRequest,
+    KvstashError,
+    Unavailable,
+)
 from kvstashd.sampling import Logits, SamplingParams, sample, top_logprobs
 from kvstashd.text import StopMatcher, Utf8Stream
 
@@ -35,7 +42,11 @@ llama_log = logging.getLogger("kvstashd.llama_cpp")
 
 T = TypeVar("T")
 
-KV_TYPE_IDS = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0, "q4_0": llama.GGML_TYPE_Q4_0}
+KV_TYPE_IDS = {
+    "f16": llama.GGML_TYPE_F16,
+    "q8_0": llama.GGML_TYPE_Q8_0,
+    "q4_0": llama.GGML_TYPE_Q4_0,
+}
 # While other sessions are decoding, a prefill chunk this small keeps their streams moving
 # (a 512-token chunk stalls them about a second on two cores).
 BUSY_PREFILL_CHUNK = 64
@@ -68,7 +79,9 @@ class ModelInfo:
     bos_token: int
     eos_token: int
     add_bos: bool
-    kv_layout: str
+    # None when this model's sequence state is not one state.py can parse: sessions then
+    # checkpoint their token history only and restore by evaluating it again.
+    kv_layout: kvstate.KvLayout | None
 
 
 @dataclass
@@ -138,7 +151,10 @@ class Job:
     """One generation in flight. Created on the asyncio side, run by the engine thread."""
 
     def __init__(
-        self, state: SeqState, request: GenerationRequest, emit: Callable[[Chunk | BaseException], None]
+        self,
+        state: SeqState,
+        request: GenerationRequest,
+        emit: Callable[[Chunk | BaseException], None],
     ) -> None:
         self.state = state
         self.request = request
@@ -200,8 +216,7 @@ class Engine:
     def start(self) -> ModelInfo:
         """Start the engine thread and load the model there. Raises if loading fails."""
         ready: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._main, args=(ready,), name="kvstash-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._main, args=(ready,), name="kvstash-engine", daemon=True)
         self._thread.start()
         self.info = ready.result()
         return self.info
@@ -333,11 +348,6 @@ class Engine:
         desc = ctypes.create_string_buffer(256)
         llama.llama_model_desc(model, desc, 256)
         n_layer = int(llama.llama_model_n_layer(model))
-        n_embd = int(llama.llama_model_n_embd(model))
-        layout = (
-            f"k={cfg.kv_type};v={cfg.kv_type};fa={int(quantized)};unified={int(cfg.kv_unified)};"
-            f"n_layer={n_layer};n_embd={n_embd}"
-        )
         return ModelInfo(
             description=desc.value.decode("utf-8", "replace"),
             n_vocab=int(llama.llama_vocab_n_tokens(self._vocab)),
@@ -348,8 +358,27 @@ class Engine:
             bos_token=int(llama.llama_vocab_bos(self._vocab)),
             eos_token=int(llama.llama_vocab_eos(self._vocab)),
             add_bos=bool(llama.llama_vocab_get_add_bos(self._vocab)),
-            kv_layout=layout,
+            kv_layout=self._probe_layout(),
         )
+
+    def _probe_layout(self) -> kvstate.KvLayout | None:
+        """Learn the KV layout from a real one-token state of slot 0, then clear it."""
+        batch = self._batch
+        batch.token[0] = int(llama.llama_vocab_bos(self._vocab))
+        batch.pos[0] = 0
+        batch.n_seq_id[0] = 1
+        batch.seq_id[0][0] = 0
+        batch.logits[0] = 0
+        batch.n_tokens = 1
+        try:
+            if llama.llama_decode(self._ctx, batch) != 0:
+                return None
+            return kvstate.parse(self._state_bytes(0)).layout
+        except kvstate.StateFormatError as e:
+            log.warning("KV checkpoints are off for this model: %s", e)
+            return None
+        finally:
+            self.clear_slot(0)
 
     def _unload(self) -> None:
         if self._batch is not None:
@@ -374,8 +403,7 @@ class Engine:
         if n < 0:
             cap = -n
             buf = (llama.llama_token * cap)()
-            n = llama.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special,
-                                     parse_special)
+            n = llama.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
         if n < 0:
             raise InvalidRequest("the prompt could not be tokenized")
         return list(buf[:n])
@@ -413,6 +441,38 @@ class Engine:
             state.n_kv = n_tokens
             state.logits = None
         del state.tokens[n_tokens:]
+
+    def _state_bytes(self, slot: int) -> memoryview:
+        size = int(llama.llama_state_seq_get_size(self._ctx, slot))
+        buf = (ctypes.c_uint8 * size)()
+        written = int(llama.llama_state_seq_get_data(self._ctx, buf, size, slot))
+        if written != size:
+            raise KvstashError(f"llama.cpp wrote {written} of {size} bytes of sequence state")
+        return memoryview(buf).cast("B")
+
+    def export_kv(self, slot: int, n_kv: int) -> kvstate.KvCells:
+        """A slot's KV cells, parsed and checked to hold exactly positions 0..n_kv-1."""
+        if self.info is None or self.info.kv_layout is None:
+            raise KvstashError("internal: this model's KV state cannot be exported")
+        cells = kvstate.parse(self._state_bytes(slot), self.info.kv_layout)
+        if cells.n != n_kv:
+            raise KvstashError(f"internal: the slot holds {cells.n} cells, expected {n_kv}")
+        return cells
+
+    def import_kv(self, state: SeqState, cells: kvstate.KvCells) -> None:
+        """Load checked cells into the session's slot; they hold tokens[:cells.n]."""
+        slot = state.slot
+        if slot is None or self.info is None or cells.layout != self.info.kv_layout:
+            raise KvstashError("internal: importing KV that does not fit this context")
+        stream = 0 if self.config.kv_unified else slot
+        blob = kvstate.assemble(cells, slot, stream)
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
+        read = int(llama.llama_state_seq_set_data(self._ctx, buf, len(blob), slot))
+        if read != len(blob):
+            self.clear_slot(slot)
+            state.n_kv = 0
+            raise CorruptCheckpoint(f"llama.cpp took {read} of {len(blob)} bytes of KV state")
+        state.n_kv = cells.n
 
     # ---- generation --------------------------------------------------------------------------
 

@@ -31,6 +31,4 @@ def configure(level: str, as_json: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    logging.getLogger("kvstashd.llama_cpp").setLevel(
-        logging.DEBUG if level == "debug" else logging.WARNING
-    )
+    logging.getLogger("kvstashd.llama_cpp").setLevel(logging.DEBUG if level == "debug" else logging.WARNING)

@@ -65,7 +65,7 @@ class SamplingParams:
     def merged(self, **overrides: float | int | None) -> SamplingParams:
         """This value with the given non-None fields replaced, validated."""
         changes = {k: v for k, v in overrides.items() if v is not None}
-        return replace(self, **changes).validate() if changes else self
+        return replace(self, **changes).validate() if changes else self  # type: ignore[arg-type]
 
 
 def uniform(seed: int, draw: int) -> float:
@@ -75,9 +75,7 @@ def uniform(seed: int, draw: int) -> float:
     return float(int(bits) >> 11) * (1.0 / 9007199254740992.0)
 
 
-def apply_penalty(
-    row: Logits, history: Sequence[int], penalty: float, last_n: int
-) -> Logits:
+def apply_penalty(row: Logits, history: Sequence[int], penalty: float, last_n: int) -> Logits:
     """llama.cpp's repetition penalty over the last `last_n` history tokens (-1: all)."""
     if penalty == 1.0 or last_n == 0 or not history:
         return row
@@ -89,12 +87,11 @@ def apply_penalty(
     return row
 
 
-def sample(
-    logits: Logits, history: Sequence[int], params: SamplingParams, draw: int
-) -> int:
+def sample(logits: Logits, history: Sequence[int], params: SamplingParams, draw: int) -> int:
     """Pick the next token from one logits row. Does not modify `logits`."""
-    row = apply_penalty(logits.astype(np.float32, copy=True), history, params.repeat_penalty,
-                        params.penalty_last_n)
+    row = apply_penalty(
+        logits.astype(np.float32, copy=True), history, params.repeat_penalty, params.penalty_last_n
+    )
     if params.temperature <= 0.0:
         return int(np.argmax(row))
     n_vocab = row.shape[0]

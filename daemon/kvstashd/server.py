@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import signal
 from pathlib import Path
 
@@ -14,11 +16,16 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
+from kvstashd.catalog import Catalog
+from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
-from kvstashd.engine import Engine, EngineConfig
+from kvstashd.engine import Engine, EngineConfig, ModelInfo
 from kvstashd.model import fingerprint
 from kvstashd.service import KvStashService
 from kvstashd.sessions import SessionManager
+from kvstashd.store import BlockStore
+from kvstashd.store.local import LocalBlockStore
+from kvstashd.store.memory import MemoryBlockStore
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,47 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_type=settings.kv_type,
         kv_unified=settings.kv_unified,
     )
+
+
+def store_key(state_dir: Path) -> bytes:
+    """The store's HMAC key: 32 random bytes in `store.key`, made once, readable by owner only.
+    Daemons that share a store share this file."""
+    path = state_dir / "store.key"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        key = path.read_bytes()
+        if len(key) != 32:
+            raise OSError(f"{path} is not a 32-byte key") from None
+        return key
+    key = secrets.token_bytes(32)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+        f.flush()
+        os.fsync(f.fileno())
+    return key
+
+
+def checkpoint_stores(
+    settings: Settings, info: ModelInfo, fp: str
+) -> tuple[CheckpointStore, CheckpointStore]:
+    """(durable: catalog and blocks under the state dir; volatile: both in RAM)."""
+    key = store_key(settings.state_dir)
+
+    def make(catalog: Catalog, blocks: BlockStore) -> CheckpointStore:
+        return CheckpointStore(
+            catalog,
+            blocks,
+            key,
+            fingerprint=fp,
+            layout=info.kv_layout,
+            block_tokens=settings.block_tokens,
+            codec=settings.codec,
+            n_vocab=info.n_vocab,
+        )
+
+    durable = make(Catalog(settings.state_dir / "catalog.db"), LocalBlockStore(settings.state_dir / "blocks"))
+    return durable, make(Catalog(":memory:"), MemoryBlockStore())
 
 
 def build_server(
@@ -57,8 +105,11 @@ def build_server(
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME),
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
         server,
     )
     for name in ("", SERVICE_NAME):
@@ -69,39 +120,85 @@ def build_server(
     return server, health_servicer, port
 
 
-async def serve(settings: Settings, ready_file: Path | None = None) -> None:
-    """Run the daemon until SIGTERM/SIGINT, then shut down in order."""
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
-    fp = fingerprint(settings.model_path, settings.state_dir)
-    engine = Engine(engine_config(settings))
-    log.info("loading %s", settings.model_path)
-    info = engine.start()
-    try:
-        manager = SessionManager(engine, settings)
-        await manager.start()
-        service = KvStashService(manager, str(settings.model_path), fp)
-        server, health_servicer, port = build_server(settings, service)
-        await server.start()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        for name in ("", SERVICE_NAME):
-            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        where = settings.address if port == 0 else f"{settings.address.rsplit(':', 1)[0]}:{port}"
+class Daemon:
+    """The whole daemon, startable and stoppable from any event loop (tests use this)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.engine = Engine(engine_config(settings))
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._health: health.HealthServicer | None = None
+        self._service: KvStashService | None = None
+        self.manager: SessionManager | None = None
+
+    async def start(self) -> int:
+        """Load the model, start serving, report SERVING. Returns the bound port."""
+        settings = self.settings
+        settings.state_dir.mkdir(parents=True, exist_ok=True)
+        fp = fingerprint(settings.model_path, settings.state_dir)
+        log.info("loading %s", settings.model_path)
+        info = self.engine.start()
+        try:
+            durable, volatile = checkpoint_stores(settings, info, fp)
+            await asyncio.to_thread(durable.sweep, settings.disk_budget)
+            manager = SessionManager(self.engine, settings, durable, volatile)
+            await manager.start()
+            self.manager = manager
+            self._service = KvStashService(manager, str(settings.model_path), fp)
+            self._server, self._health, self.port = build_server(settings, self._service)
+            await self._server.start()
+        except BaseException:
+            self.engine.stop()
+            raise
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "serving %s (%s) on %s: %d slots x %d tokens, %s mode",
-            info.description, fp[:12], where, settings.slots, info.n_ctx_seq,
+            info.description,
+            fp[:12],
+            self.address,
+            settings.slots,
+            info.n_ctx_seq,
             "exact" if settings.exact else "compact",
         )
-        if ready_file is not None:
-            ready_file.write_text(f"{port}\n")
-        await stop.wait()
+        return self.port
+
+    @property
+    def address(self) -> str:
+        if self.settings.address.startswith("unix:"):
+            return self.settings.address
+        return f"{self.settings.address.rsplit(':', 1)[0]}:{self.port}"
+
+    async def stop(self) -> None:
+        """Health NOT_SERVING, refuse new work, drain for the grace period, free the model."""
         log.info("shutting down")
-        for name in ("", SERVICE_NAME):
-            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        service.accepting = False
-        await server.stop(settings.grace_seconds)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._service is not None:
+            self._service.accepting = False
+        if self._server is not None:
+            await self._server.stop(self.settings.grace_seconds)
+        if self.manager is not None:
+            await self.manager.shutdown()
+        self.engine.stop()
+        log.info("stopped")
+
+    def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        if self._health is not None:
+            for name in ("", SERVICE_NAME):
+                self._health.set(name, status)
+
+
+async def serve(settings: Settings, ready_file: Path | None = None) -> None:
+    """Run the daemon until SIGTERM/SIGINT, then shut down in order."""
+    daemon = Daemon(settings)
+    port = await daemon.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready_file is not None:
+        ready_file.write_text(f"{port}\n")
+    try:
+        await stop.wait()
     finally:
-        engine.stop()
-    log.info("stopped")
+        await daemon.stop()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -16,10 +16,12 @@ import grpc
 from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 from kvstashd import __version__
+from kvstashd.catalog import CheckpointRow
+from kvstashd.chat import ChatMessage
 from kvstashd.engine import Chunk
 from kvstashd.errors import KvstashError, Unavailable
 from kvstashd.sampling import SamplingParams
-from kvstashd.sessions import ChatMessage, SamplingOverrides, Session, SessionManager
+from kvstashd.sessions import SamplingOverrides, Session, SessionManager
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ FINISH = {
     "context_full": pb.FINISH_REASON_CONTEXT_FULL,
     "cancelled": pb.FINISH_REASON_CANCELLED,
 }
+RESIDENCY = {"hot": pb.RESIDENCY_HOT, "warm": pb.RESIDENCY_WARM, "cold": pb.RESIDENCY_COLD}
 ROLES = {"system": pb.ROLE_SYSTEM, "user": pb.ROLE_USER, "assistant": pb.ROLE_ASSISTANT}
 
 
@@ -60,14 +63,14 @@ def unary(
 
 
 def streaming(
-    fn: Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], AsyncIterator[Resp]],
-) -> Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], AsyncIterator[Resp]]:
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], AsyncGenerator[Resp, None]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], AsyncGenerator[Resp, None]]:
     """Map domain errors of a server-streaming handler to gRPC statuses."""
 
     @functools.wraps(fn)
     async def wrapper(
         self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]
-    ) -> AsyncIterator[Resp]:
+    ) -> AsyncGenerator[Resp, None]:
         try:
             async with contextlib.aclosing(fn(self, request, context)) as stream:
                 async for item in stream:
@@ -115,13 +118,14 @@ class KvStashService(pb_grpc.KvStashServicer):
             tokens_reused=c.tokens_reused,
             tokens_evaluated=c.tokens_evaluated,
             tokens_generated=c.tokens_generated,
+            swap_ins=c.swap_ins,
+            swap_in_seconds_total=c.swap_in_seconds,
             max_prompt_tokens=m.settings.prompt_limit,
+            block_tokens=m.settings.block_tokens,
         )
 
     @unary
-    async def CreateSession(
-        self, request: pb.CreateSessionRequest, context: Any
-    ) -> pb.CreateSessionResponse:
+    async def CreateSession(self, request: pb.CreateSessionRequest, context: Any) -> pb.CreateSessionResponse:
         self._check_accepting()
         session = await self.manager.create(
             system_prompt=request.system_prompt,
@@ -137,15 +141,11 @@ class KvStashService(pb_grpc.KvStashServicer):
         return pb.GetSessionResponse(session=self._session_pb(session))
 
     @unary
-    async def ListSessions(
-        self, request: pb.ListSessionsRequest, context: Any
-    ) -> pb.ListSessionsResponse:
-        return pb.ListSessionsResponse(sessions=[self._session_pb(s) for s in self.manager.list()])
+    async def ListSessions(self, request: pb.ListSessionsRequest, context: Any) -> pb.ListSessionsResponse:
+        return pb.ListSessionsResponse(sessions=[self._session_pb(s) for s in self.manager.all()])
 
     @unary
-    async def CloseSession(
-        self, request: pb.CloseSessionRequest, context: Any
-    ) -> pb.CloseSessionResponse:
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
         await self.manager.close(request.session_id)
         return pb.CloseSessionResponse()
 
@@ -158,7 +158,7 @@ class KvStashService(pb_grpc.KvStashServicer):
     @streaming
     async def Generate(
         self, request: pb.GenerateRequest, context: Any
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         self._check_accepting()
         stream = self.manager.generate(
             request.session_id,
@@ -175,7 +175,7 @@ class KvStashService(pb_grpc.KvStashServicer):
                 yield pb.GenerateResponse(chunk=chunk_to_pb(chunk))
 
     @streaming
-    async def Chat(self, request: pb.ChatRequest, context: Any) -> AsyncIterator[pb.ChatResponse]:
+    async def Chat(self, request: pb.ChatRequest, context: Any) -> AsyncGenerator[pb.ChatResponse, None]:
         self._check_accepting()
         stream = self.manager.chat(
             request.session_id,
@@ -189,8 +189,66 @@ class KvStashService(pb_grpc.KvStashServicer):
             async for chunk in stream:
                 yield pb.ChatResponse(chunk=chunk_to_pb(chunk))
 
+    @unary
+    async def Checkpoint(self, request: pb.CheckpointRequest, context: Any) -> pb.CheckpointResponse:
+        self._check_accepting()
+        row = await self.manager.checkpoint(request.session_id, request.label)
+        return pb.CheckpointResponse(checkpoint=checkpoint_to_pb(row))
+
+    @unary
+    async def ListCheckpoints(
+        self, request: pb.ListCheckpointsRequest, context: Any
+    ) -> pb.ListCheckpointsResponse:
+        rows = self.manager.list_checkpoints(request.session_id)
+        return pb.ListCheckpointsResponse(checkpoints=[checkpoint_to_pb(r) for r in rows])
+
+    @unary
+    async def RestoreCheckpoint(
+        self, request: pb.RestoreCheckpointRequest, context: Any
+    ) -> pb.RestoreCheckpointResponse:
+        self._check_accepting()
+        session, reprefilled = await self.manager.restore(request.session_id, request.checkpoint_id)
+        return pb.RestoreCheckpointResponse(session=self._session_pb(session), reprefilled=reprefilled)
+
+    @unary
+    async def ForkSession(self, request: pb.ForkSessionRequest, context: Any) -> pb.ForkSessionResponse:
+        self._check_accepting()
+        session, _ = await self.manager.fork(request.session_id, request.checkpoint_id, request.persistent)
+        return pb.ForkSessionResponse(session=self._session_pb(session))
+
+    @unary
+    async def DeleteCheckpoint(
+        self, request: pb.DeleteCheckpointRequest, context: Any
+    ) -> pb.DeleteCheckpointResponse:
+        await self.manager.delete_checkpoint(request.checkpoint_id)
+        return pb.DeleteCheckpointResponse()
+
+    @streaming
+    async def ExportCheckpoint(
+        self, request: pb.ExportCheckpointRequest, context: Any
+    ) -> AsyncGenerator[pb.ExportCheckpointResponse, None]:
+        stream = self.manager.export_checkpoint(request.checkpoint_id)
+        async with contextlib.aclosing(stream):
+            async for data in stream:
+                yield pb.ExportCheckpointResponse(data=data)
+
+    @unary
+    async def ImportCheckpoint(
+        self, request_iterator: AsyncIterator[pb.ImportCheckpointRequest], context: Any
+    ) -> pb.ImportCheckpointResponse:
+        self._check_accepting()
+
+        async def data() -> AsyncIterator[bytes]:
+            async for request in request_iterator:
+                yield request.data
+
+        row = await self.manager.import_checkpoint(data())
+        return pb.ImportCheckpointResponse(checkpoint=checkpoint_to_pb(row))
+
     def _session_pb(self, session: Session) -> pb.SessionInfo:
-        return session_to_pb(session, self.manager.model.n_ctx_seq)
+        info = session_to_pb(session, self.manager.model.n_ctx_seq)
+        info.n_checkpoints = self.manager.checkpoint_count(session)
+        return info
 
 
 # ---- conversions ---------------------------------------------------------------------------
@@ -236,9 +294,22 @@ def session_to_pb(s: Session, n_ctx: int) -> pb.SessionInfo:
         sampling=params_to_pb(s.params),
         stop=list(s.stop),
         messages=[message_to_pb(m) for m in s.messages],
-        residency=pb.RESIDENCY_HOT if s.state.slot is not None else pb.RESIDENCY_COLD,
+        residency=RESIDENCY[s.residency],
         created_at=s.created_at,
         last_used_at=s.last_used_at,
+        head_checkpoint_id=s.head_checkpoint_id,
+    )
+
+
+def checkpoint_to_pb(r: CheckpointRow) -> pb.CheckpointInfo:
+    return pb.CheckpointInfo(
+        checkpoint_id=r.checkpoint_id,
+        session_id=r.session_id,
+        label=r.label,
+        n_tokens=r.n_tokens,
+        bytes_written=r.bytes_written,
+        bytes_referenced=r.bytes_referenced,
+        created_at=r.created_at,
     )
 
 
@@ -246,11 +317,10 @@ def chunk_to_pb(c: Chunk) -> pb.GenerationChunk:
     out = pb.GenerationChunk(text=c.text, token_ids=list(c.token_ids))
     for g in c.logprobs:
         item = out.logprobs.add()
-        item.sampled.CopyFrom(pb.TokenLogprob(token_id=g.sampled.token_id, text=g.sampled.text,
-                                              logprob=g.sampled.logprob))
-        item.top.extend(
-            pb.TokenLogprob(token_id=t.token_id, text=t.text, logprob=t.logprob) for t in g.top
+        item.sampled.CopyFrom(
+            pb.TokenLogprob(token_id=g.sampled.token_id, text=g.sampled.text, logprob=g.sampled.logprob)
         )
+        item.top.extend(pb.TokenLogprob(token_id=t.token_id, text=t.text, logprob=t.logprob) for t in g.top)
     if c.finish_reason is not None:
         out.finish_reason = FINISH[c.finish_reason]
     if c.usage is not None:

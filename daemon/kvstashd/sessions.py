@@ -1,23 +1,35 @@
-"""SessionManager: the registry of sessions, their lifecycle and their residency in slots.
+"""SessionManager: the registry of sessions, their lifecycle, residency and checkpoints.
 
 A session is a conversation bound to the loaded model: its token history, its sampling
-parameters, its chat messages. While it is *hot* it owns one engine slot; a session that
-needs a slot when none is free takes the one of the least recently used idle session. One
-request at a time runs on a session; a second one waits its turn.
+parameters, its chat messages, and the KV cells computed for its history. The cells live
+in one of three places:
+
+- *hot*: in an engine slot;
+- *warm*: parked in RAM (`Session.parked`), after eviction, a restore or a fork;
+- *cold*: in a checkpoint store (`Session.cold`), for persistent sessions after a restart.
+
+A session that needs a slot when none is free takes the one of the least recently used
+idle session, whose cells are parked first. One request at a time runs on a session; a
+second one waits its turn. Persistent sessions are saved (delta) when a generation ends,
+on graceful shutdown and when created; ephemeral ones keep their checkpoints in RAM only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from kvstashd.chat import ChatTemplate, Message, Segment, after_prefix, text_of
+from kvstashd import state as kvstate
+from kvstashd.catalog import CheckpointRow
+from kvstashd.chat import ChatMessage, ChatTemplate, Message, Segment, after_prefix, text_of
+from kvstashd.checkpoints import CheckpointStore, Loaded
 from kvstashd.config import Settings
 from kvstashd.engine import Chunk, Engine, GenerationRequest, Job, ModelInfo, SeqState
 from kvstashd.errors import (
@@ -25,25 +37,22 @@ from kvstashd.errors import (
     ContextFull,
     FailedPrecondition,
     InvalidRequest,
+    KvstashError,
     NotFound,
 )
+from kvstashd.manifest import Snapshot
 from kvstashd.sampling import MAX_SEED, SamplingParams
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 _SESSION_ID = re.compile(r"^s_[0-9a-f]{24}$")
+_CHECKPOINT_ID = re.compile(r"^c_[0-9a-f]{24}$")
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
-
-
-@dataclass
-class ChatMessage:
-    """A recorded chat message and the history index where its tokens begin."""
-
-    role: str
-    content: str
-    start: int
+MAX_LABEL = 256
 
 
 @dataclass
@@ -56,6 +65,13 @@ class Session:
     last_used_at: float
     state: SeqState = field(default_factory=SeqState)
     messages: list[ChatMessage] = field(default_factory=list)
+    # KV cells for state.tokens[:parked.n] while not in a slot (warm).
+    parked: kvstate.KvCells | None = None
+    # A stored snapshot whose blocks hold this session's cells (cold), read on first use.
+    cold: Snapshot | None = None
+    head_checkpoint_id: str = ""
+    # Changed since its last save (persistent sessions only).
+    dirty: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     job: Job | None = None
     closed: bool = False
@@ -63,6 +79,12 @@ class Session:
     @property
     def busy(self) -> bool:
         return self.lock.locked()
+
+    @property
+    def residency(self) -> str:
+        if self.state.slot is not None:
+            return "hot"
+        return "warm" if self.parked is not None else "cold"
 
 
 @dataclass(frozen=True)
@@ -99,37 +121,73 @@ class Counters:
     tokens_evaluated: int
     tokens_generated: int
     tokens_reused: int
+    swap_ins: int
+    swap_in_seconds: float
 
 
 class SessionManager:
-    """Owns every session. Built with the engine (already started) and the settings."""
+    """Owns every session. Built with the started engine, the settings and two checkpoint
+    stores: `durable` (persistent sessions, imports) and `volatile` (ephemeral sessions)."""
 
     def __init__(
-        self, engine: Engine, settings: Settings, clock: Callable[[], float] = time.time
+        self,
+        engine: Engine,
+        settings: Settings,
+        durable: CheckpointStore,
+        volatile: CheckpointStore,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if engine.info is None:
             raise ValueError("the engine must be started before the session manager")
         self.engine = engine
         self.model: ModelInfo = engine.info
         self.settings = settings
+        self.durable = durable
+        self.volatile = volatile
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self._slots: list[Session | None] = [None] * settings.slots
         self._slot_freed = asyncio.Event()
         self._waiting = 0
         self.tokens_reused = 0
+        self.swap_ins = 0
+        self.swap_in_seconds = 0.0
         self.template: ChatTemplate | None = None
-        if self.model.chat_template:
-            self.template = ChatTemplate(self.model.chat_template, "", "")
 
     async def start(self) -> None:
-        """Finish set-up that needs the engine thread (the template's BOS/EOS text)."""
+        """Finish set-up: the template's BOS/EOS text, and persistent sessions from disk."""
         if self.model.chat_template:
             bos, eos = await self._engine(
-                lambda e: (e.detokenize([self.model.bos_token], True),
-                           e.detokenize([self.model.eos_token], True))
+                lambda e: (
+                    e.detokenize([self.model.bos_token], True),
+                    e.detokenize([self.model.eos_token], True),
+                )
             )
             self.template = ChatTemplate(self.model.chat_template, bos, eos)
+        await asyncio.to_thread(self._load_persistent)
+
+    def _load_persistent(self) -> None:
+        for session_id, _created, head in self.durable.catalog.sessions():
+            if head is None:
+                continue
+            try:
+                snap = self.durable.snapshot(head)
+            except KvstashError as e:
+                log.error("persistent session %s is not loaded: %s", session_id, e)
+                continue
+            session = self._from_snapshot(snap, session_id, True)
+            session.cold = snap if snap.n_kv else None
+            session.head_checkpoint_id = head
+            self.sessions[session_id] = session
+        if self.sessions:
+            log.info("loaded %d persistent sessions", len(self.sessions))
+
+    async def shutdown(self) -> None:
+        """Save every persistent session that changed since its last save."""
+        for session in list(self.sessions.values()):
+            if session.persistent and session.dirty and not session.closed:
+                async with session.lock:
+                    await self._save_head(session)
 
     async def _engine(self, fn: Callable[[Engine], T]) -> T:
         return await asyncio.wrap_future(self.engine.call(fn))
@@ -145,8 +203,14 @@ class SessionManager:
             raise NotFound(f"no session {session_id}")
         return session
 
-    def list(self) -> list[Session]:
+    def all(self) -> list[Session]:
         return sorted(self.sessions.values(), key=lambda s: s.created_at)
+
+    def store_of(self, session: Session) -> CheckpointStore:
+        return self.durable if session.persistent else self.volatile
+
+    def checkpoint_count(self, session: Session) -> int:
+        return self.store_of(session).catalog.count(session.session_id)
 
     async def create(
         self,
@@ -158,15 +222,7 @@ class SessionManager:
         """A new session; its system prompt is rendered now and evaluated on first use."""
         seed = sampling.seed if sampling.seed is not None else secrets.randbelow(MAX_SEED + 1)
         params = replace(sampling, seed=seed).apply(SamplingParams())
-        now = self.clock()
-        session = Session(
-            session_id="s_" + secrets.token_hex(12),
-            persistent=persistent,
-            params=params,
-            stop=_check_stop(stop),
-            created_at=now,
-            last_used_at=now,
-        )
+        session = self._new_session(params, _check_stop(stop), persistent)
         if system_prompt:
             if self.template is not None:
                 segments = self.template.render([Message("system", system_prompt)], False)
@@ -180,45 +236,254 @@ class SessionManager:
                 )
             session.state.tokens = tokens
             session.messages.append(ChatMessage("system", system_prompt, 0))
+        if persistent:
+            await self._save_head(session)
         self.sessions[session.session_id] = session
         return session
 
+    def _new_session(self, params: SamplingParams, stop: tuple[str, ...], persistent: bool) -> Session:
+        now = self.clock()
+        return Session(
+            session_id="s_" + secrets.token_hex(12),
+            persistent=persistent,
+            params=params,
+            stop=stop,
+            created_at=now,
+            last_used_at=now,
+        )
+
     async def close(self, session_id: str) -> None:
-        """Stop the session's generation if any, free its slot, forget it."""
+        """Stop the session's generation if any, free its slot and state, forget it.
+
+        A persistent session's head and checkpoints go with it; an ephemeral session's
+        checkpoints were only ever in RAM and are dropped.
+        """
         session = self.get(session_id)
         session.closed = True
         if session.job is not None:
             session.job.cancelled = True
         async with session.lock:
-            await self._release_slot(session)
+            await self._release_slot(session, park=False)
+            session.parked = None
+            session.cold = None
             self.sessions.pop(session_id, None)
+            store = self.store_of(session)
+            await asyncio.to_thread(store.catalog.delete_session, session_id)
+            for row in await asyncio.to_thread(store.catalog.checkpoints, session_id, True):
+                await asyncio.to_thread(store.catalog.delete, row.checkpoint_id)
+            if not session.persistent:
+                await asyncio.to_thread(self.volatile.sweep, 0)
 
     async def rewind(self, session_id: str, n_tokens: int) -> Session:
         """Keep the first n_tokens tokens of history; the session continues from there."""
         session = self.get(session_id)
         async with session.lock:
-            if not 0 <= n_tokens <= len(session.state.tokens):
-                raise InvalidRequest(
-                    f"n_tokens must be in [0, {len(session.state.tokens)}], got {n_tokens}"
-                )
             state = session.state
-            await self._engine(lambda e: e.truncate(state, n_tokens))
+            if not 0 <= n_tokens <= len(state.tokens):
+                raise InvalidRequest(f"n_tokens must be in [0, {len(state.tokens)}], got {n_tokens}")
+            await self._warm(session)
+            await self._truncate(session, n_tokens)
             session.messages = [m for m in session.messages if m.start < n_tokens]
-            session.last_used_at = self.clock()
+            self._touch(session)
+            if session.persistent:
+                await self._save_head(session)
         return session
 
     def counters(self) -> Counters:
-        hot = sum(1 for s in self.sessions.values() if s.state.slot is not None)
+        sessions = list(self.sessions.values())
+        hot = sum(1 for s in sessions if s.residency == "hot")
+        warm = sum(1 for s in sessions if s.residency == "warm")
         return Counters(
-            sessions=len(self.sessions),
+            sessions=len(sessions),
             hot=hot,
-            warm=0,
-            cold=len(self.sessions) - hot,
+            warm=warm,
+            cold=len(sessions) - hot - warm,
             slots_in_use=sum(1 for s in self._slots if s is not None),
             tokens_evaluated=self.engine.stats_evaluated,
             tokens_generated=self.engine.stats_generated,
             tokens_reused=self.tokens_reused,
+            swap_ins=self.swap_ins,
+            swap_in_seconds=self.swap_in_seconds,
         )
+
+    def _touch(self, session: Session) -> None:
+        session.last_used_at = self.clock()
+        session.dirty = True
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    async def checkpoint(self, session_id: str, label: str) -> CheckpointRow:
+        """An immutable, labelled checkpoint of the session as it is now."""
+        session = self.get(session_id)
+        if len(label) > MAX_LABEL:
+            raise InvalidRequest(f"labels have at most {MAX_LABEL} characters")
+        async with session.lock:
+            self._check_open(session)
+            snap, cells = await self._snapshot(session, label)
+            store = self.store_of(session)
+            return await asyncio.to_thread(store.save, snap, cells, kind="explicit", now=self.clock())
+
+    def list_checkpoints(self, session_id: str) -> list[CheckpointRow]:
+        session = self.get(session_id)
+        return self.store_of(session).catalog.checkpoints(session_id)
+
+    def _find(self, checkpoint_id: str) -> CheckpointStore:
+        if not _CHECKPOINT_ID.match(checkpoint_id):
+            raise InvalidRequest(f"malformed checkpoint id: {checkpoint_id[:80]!r}")
+        for store in (self.durable, self.volatile):
+            if store.catalog.get(checkpoint_id) is not None:
+                return store
+        raise NotFound(f"no checkpoint {checkpoint_id}")
+
+    async def restore(self, session_id: str, checkpoint_id: str) -> tuple[Session, bool]:
+        """Roll the session back to a checkpoint. Returns (session, KV re-evaluated)."""
+        session = self.get(session_id)
+        store = self._find(checkpoint_id)
+        async with session.lock:
+            self._check_open(session)
+            loaded = await asyncio.to_thread(store.load, checkpoint_id, self.clock())
+            await self._release_slot(session, park=False)
+            self._apply(session, loaded.snapshot, loaded.cells)
+            self._touch(session)
+            if session.persistent:
+                await self._save_head(session)
+        return session, loaded.reprefill
+
+    async def fork(self, session_id: str, checkpoint_id: str, persistent: bool) -> tuple[Session, bool]:
+        """A new session that continues exactly as the source (a session or a checkpoint)."""
+        if bool(session_id) == bool(checkpoint_id):
+            raise InvalidRequest("fork from a session_id or from a checkpoint_id (one of them)")
+        reprefill = False
+        if checkpoint_id:
+            store = self._find(checkpoint_id)
+            loaded: Loaded = await asyncio.to_thread(store.load, checkpoint_id, self.clock())
+            snap, cells, reprefill = loaded.snapshot, loaded.cells, loaded.reprefill
+        else:
+            source = self.get(session_id)
+            async with source.lock:
+                self._check_open(source)
+                snap, cells = await self._snapshot(source, "")
+        child = self._new_session(snap.params, snap.stop, persistent)
+        self._apply(child, snap, cells)
+        if persistent:
+            await self._save_head(child)
+        self.sessions[child.session_id] = child
+        return child, reprefill
+
+    async def delete_checkpoint(self, checkpoint_id: str) -> None:
+        store = self._find(checkpoint_id)
+        for session in self.sessions.values():
+            if session.head_checkpoint_id == checkpoint_id:
+                raise FailedPrecondition("that checkpoint is a live session's head; close the session")
+        await asyncio.to_thread(store.delete, checkpoint_id)
+
+    async def export_checkpoint(self, checkpoint_id: str) -> AsyncGenerator[bytes, None]:
+        store = self._find(checkpoint_id)
+        chunks = await asyncio.to_thread(lambda: list(store.export(checkpoint_id)))
+        for chunk in chunks:
+            yield chunk
+
+    async def import_checkpoint(self, chunks: AsyncIterator[bytes]) -> CheckpointRow:
+        limit = self.model.n_ctx_seq * (self.model.kv_layout.cell_bytes if self.model.kv_layout else 0)
+        limit = 2 * limit + (64 << 20)
+        received: list[bytes] = []
+        size = 0
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise InvalidRequest(f"the import exceeds {limit} bytes")
+            received.append(chunk)
+        return await asyncio.to_thread(self.durable.import_, received, limit, self.clock())
+
+    def _apply(self, session: Session, snap: Snapshot, cells: kvstate.KvCells | None) -> None:
+        """Make a session's state the snapshot's (its slot, if any, is the caller's affair)."""
+        state = session.state
+        state.tokens = list(snap.tokens)
+        state.draws = snap.draws
+        state.n_kv = cells.n if cells is not None else 0
+        state.logits = snap.logits if cells is not None and cells.n == len(snap.tokens) else None
+        session.parked = cells if cells is not None and cells.n else None
+        session.cold = None
+        session.params = snap.params
+        session.stop = snap.stop
+        session.messages = [replace(m) for m in snap.messages]
+
+    def _from_snapshot(self, snap: Snapshot, session_id: str, persistent: bool) -> Session:
+        session = Session(
+            session_id=session_id,
+            persistent=persistent,
+            params=snap.params,
+            stop=snap.stop,
+            created_at=snap.created_at,
+            last_used_at=snap.saved_at,
+        )
+        self._apply(session, snap, None)
+        session.state.n_kv = snap.n_kv
+        session.state.logits = snap.logits if snap.n_kv == len(snap.tokens) else None
+        return session
+
+    async def _snapshot(self, session: Session, label: str) -> tuple[Snapshot, kvstate.KvCells | None]:
+        """The session's state now, with its KV cells (exported from its slot if hot)."""
+        state = session.state
+        cells: kvstate.KvCells | None = None
+        if self.model.kv_layout is not None and state.n_kv:
+            if state.slot is not None:
+                slot, n_kv = state.slot, state.n_kv
+                cells = await self._engine(lambda e: e.export_kv(slot, n_kv))
+            else:
+                await self._warm(session)
+                cells = session.parked
+        snap = Snapshot(
+            session_id=session.session_id,
+            persistent=session.persistent,
+            created_at=session.created_at,
+            tokens=list(state.tokens),
+            n_kv=cells.n if cells is not None else 0,
+            logits=state.logits if cells is not None and cells.n == len(state.tokens) else None,
+            draws=state.draws,
+            params=session.params,
+            stop=session.stop,
+            messages=[replace(m) for m in session.messages],
+            fingerprint="",
+            kv_layout=None,
+            block_tokens=self.settings.block_tokens,
+            label=label,
+        )
+        return snap, cells
+
+    async def _warm(self, session: Session) -> None:
+        """Read a cold session's cells from its store into RAM."""
+        snap = session.cold
+        if snap is None or session.state.slot is not None:
+            return
+        cells, _ = await asyncio.to_thread(self.durable.cells, snap)
+        session.cold = None
+        if cells is None or cells.n != session.state.n_kv:
+            session.state.n_kv = 0
+            session.state.logits = None
+            session.parked = None
+        else:
+            session.parked = cells
+
+    async def _save_head(self, session: Session) -> None:
+        """Autosave a persistent session: its new head manifest, writing only new blocks."""
+        try:
+            snap, cells = await self._snapshot(session, "")
+            row = await asyncio.to_thread(
+                self.durable.save,
+                snap,
+                cells,
+                kind="head",
+                now=self.clock(),
+                head_of=session.session_id,
+            )
+        except KvstashError:
+            raise
+        except OSError as e:
+            log.error("saving session %s failed: %s", session.session_id, e)
+            raise Busy("the session could not be saved: the state store is failing") from None
+        session.head_checkpoint_id = row.checkpoint_id
+        session.dirty = False
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -233,7 +498,7 @@ class SessionManager:
         sampling: SamplingOverrides,
         stop: Sequence[str],
         logprobs: int,
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         """Extend the session by a prompt (text or token ids) and stream the continuation."""
         session = self.get(session_id)
         if prompt and prompt_token_ids:
@@ -242,7 +507,7 @@ class SessionManager:
         bad = next((t for t in prompt_token_ids if not 0 <= t < n_vocab), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
-        request = self._request((), max_tokens, sampling, session, stop, logprobs)
+        request = self._request(max_tokens, sampling, session, stop, logprobs)
         async with session.lock:
             self._check_open(session)
             if prompt:
@@ -251,7 +516,7 @@ class SessionManager:
                 )
             else:
                 tokens = list(prompt_token_ids)
-            request = _with_prompt(request, tokens)
+            request = replace(request, prompt=tuple(tokens))
             self._check_fits(session, request)
             async for chunk in self._run(session, request):
                 yield chunk
@@ -265,14 +530,14 @@ class SessionManager:
         sampling: SamplingOverrides,
         stop: Sequence[str],
         logprobs: int,
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         """Add a user message through the chat template and stream the assistant's reply."""
         session = self.get(session_id)
         if self.template is None:
             raise FailedPrecondition("the model has no chat template; use Generate")
         if not message:
             raise InvalidRequest("the message is empty")
-        request = self._request((), max_tokens, sampling, session, stop, logprobs)
+        request = self._request(max_tokens, sampling, session, stop, logprobs)
         async with session.lock:
             self._check_open(session)
             state = session.state
@@ -280,7 +545,8 @@ class SessionManager:
             conversation = [Message(m.role, m.content) for m in session.messages]
             conversation.append(Message("user", message))
             segments = self.template.render(conversation, add_generation_prompt=True)
-            history_text = await self._engine(lambda e: e.detokenize(state.tokens, True))
+            history = list(state.tokens)
+            history_text = await self._engine(lambda e: e.detokenize(history, True))
             delta = after_prefix(segments, history_text)
             if delta is not None:
                 tokens = await self._tokenize_segments(delta, first=not state.tokens)
@@ -289,22 +555,32 @@ class SessionManager:
                 # a stop string left text the template does not have): keep what matches.
                 full = await self._tokenize_segments(segments, first=True)
                 keep = _common_prefix(full, state.tokens)
-                await self._engine(lambda e: e.truncate(state, keep))
+                await self._truncate(session, keep)
                 tokens = full[keep:]
                 user.start = keep
-            request = _with_prompt(request, tokens)
+            request = replace(request, prompt=tuple(tokens))
             self._check_fits(session, request)
-            session.messages.append(user)
-            reply_start = len(state.tokens) + len(tokens)
-            text: list[str] = []
-            async for chunk in self._run(session, request):
-                text.append(chunk.text)
-                yield chunk
-            session.messages.append(ChatMessage("assistant", "".join(text), reply_start))
+            reply = ChatMessage("assistant", "", len(state.tokens) + len(tokens))
+            session.messages += [user, reply]
+            started = False
+            try:
+                async for chunk in self._run(session, request, reply):
+                    started = True
+                    yield chunk
+            finally:
+                if not started:  # nothing was added to the history: neither were messages
+                    del session.messages[-2:]
+
+    async def _truncate(self, session: Session, n_tokens: int) -> None:
+        state = session.state
+        if state.slot is None and session.parked is not None and n_tokens < session.parked.n:
+            session.parked = kvstate.head(session.parked, n_tokens) if n_tokens else None
+            state.n_kv = n_tokens
+            state.logits = None
+        await self._engine(lambda e: e.truncate(state, n_tokens))
 
     def _request(
         self,
-        prompt: tuple[int, ...],
         max_tokens: int | None,
         sampling: SamplingOverrides,
         session: Session,
@@ -316,7 +592,7 @@ class SessionManager:
         if not 0 <= logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
         return GenerationRequest(
-            prompt=prompt,
+            prompt=(),
             max_tokens=max_tokens,
             params=sampling.apply(session.params),
             stop=session.stop + _check_stop(stop),
@@ -344,7 +620,9 @@ class SessionManager:
         if session.closed:
             raise NotFound(f"no session {session.session_id}")
 
-    async def _run(self, session: Session, request: GenerationRequest) -> AsyncIterator[Chunk]:
+    async def _run(
+        self, session: Session, request: GenerationRequest, reply: ChatMessage | None = None
+    ) -> AsyncGenerator[Chunk, None]:
         """Run one generation on a session whose lock the caller holds."""
         await self._acquire_slot(session)
         loop = asyncio.get_running_loop()
@@ -362,15 +640,22 @@ class SessionManager:
 
         job = Job(session.state, request, emit)
         session.job = job
-        session.last_used_at = self.clock()
+        self._touch(session)
         self.engine.submit(job)
         try:
             while True:
                 item = await items.get()
                 if isinstance(item, BaseException):
                     raise item
+                if reply is not None:
+                    reply.content += item.text
                 if item.finish_reason is not None:
                     self.tokens_reused += item.usage.reused_tokens if item.usage else 0
+                    session.job = None
+                    if session.persistent:
+                        # Saved before the last chunk goes out: a client that saw the end of
+                        # a generation can rely on it surviving a crash.
+                        await self._save_head(session)
                 yield item
                 if item.finish_reason is not None:
                     return
@@ -387,7 +672,8 @@ class SessionManager:
     # ---- slots -------------------------------------------------------------------------------
 
     async def _acquire_slot(self, session: Session) -> None:
-        """Give the session a slot: a free one, or the least recently used idle one."""
+        """Give the session a slot (a free one, or the least recently used idle one's) and
+        load its parked or stored cells into it."""
         if session.state.slot is not None:
             return
         if self._waiting >= self.settings.max_queue:
@@ -397,14 +683,27 @@ class SessionManager:
             while (slot := self._free_slot()) is None:
                 victim = self._eviction_victim()
                 if victim is not None:
-                    await self._release_slot(victim)
+                    await self._release_slot(victim, park=True)
                     continue
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
         finally:
             self._waiting -= 1
-        self._slots[slot] = session
-        session.state.slot = slot
+        self._slots[slot] = session  # reserved while its cells are read
+        await self._warm(session)
+        state = session.state
+        state.slot = slot
+        cells = session.parked
+        if cells is None:
+            if state.n_kv:  # cells were lost (a stored KV that no longer fits): recompute
+                state.n_kv = 0
+                state.logits = None
+            return
+        started = time.perf_counter()
+        session.parked = None
+        await self._engine(lambda e: e.import_kv(state, cells))
+        self.swap_ins += 1
+        self.swap_in_seconds += time.perf_counter() - started
 
     def _free_slot(self) -> int | None:
         return next((i for i, s in enumerate(self._slots) if s is None), None)
@@ -413,51 +712,51 @@ class SessionManager:
         idle = [s for s in self._slots if s is not None and not s.busy]
         return min(idle, key=lambda s: s.last_used_at) if idle else None
 
-    async def _release_slot(self, session: Session) -> None:
-        """Take a session out of its slot. Its history stays; its KV is computed again later."""
+    async def _release_slot(self, session: Session, *, park: bool) -> None:
+        """Take a session out of its slot; with park, its cells move to RAM first."""
         state = session.state
         slot = state.slot
         if slot is None:
             return
         # NOTE: the bookkeeping changes before the engine clears the slot. That is safe
         # because the engine runs its inbox in order: whatever a new owner of the slot
-        # queues after this point runs after the clear.
+        # queues after this point runs after the export and the clear.
+        n_kv = state.n_kv
+        keep = park and n_kv > 0 and self.model.kv_layout is not None
         state.slot = None
-        state.n_kv = 0
         self._slots[slot] = None
         self._slot_freed.set()
-        await self._engine(lambda e: e.clear_slot(slot))
+
+        def out(e: Engine) -> kvstate.KvCells | None:
+            try:
+                return e.export_kv(slot, n_kv) if keep else None
+            finally:
+                e.clear_slot(slot)
+
+        cells = await self._engine(out)
+        session.parked = cells
+        if cells is None:
+            state.n_kv = 0
 
     # ---- tokens ------------------------------------------------------------------------------
 
     async def _tokenize(self, text: str, *, first: bool, parse_special: bool) -> list[int]:
         add = first and self.model.add_bos
-        return await self._engine(
-            lambda e: e.tokenize(text, add_special=add, parse_special=parse_special)
-        )
+        return await self._engine(lambda e: e.tokenize(text, add_special=add, parse_special=parse_special))
 
     async def _tokenize_segments(self, segments: Sequence[Segment], *, first: bool) -> list[int]:
         """Template text with control tokens parsed; message content never."""
-        bos_text = await self._engine(lambda e: e.detokenize([self.model.bos_token], True))
-        add_bos = first and self.model.add_bos and not text_of(segments).startswith(bos_text)
+        bos = self.model.bos_token
 
         def run(e: Engine) -> list[int]:
-            out: list[int] = [self.model.bos_token] if add_bos else []
+            bos_text = e.detokenize([bos], True)
+            add_bos = first and self.model.add_bos and not text_of(segments).startswith(bos_text)
+            out: list[int] = [bos] if add_bos else []
             for seg in segments:
                 out += e.tokenize(seg.text, add_special=False, parse_special=not seg.content)
             return out
 
         return await self._engine(run)
-
-
-def _with_prompt(request: GenerationRequest, tokens: Sequence[int]) -> GenerationRequest:
-    return GenerationRequest(
-        prompt=tuple(tokens),
-        max_tokens=request.max_tokens,
-        params=request.params,
-        stop=request.stop,
-        logprobs=request.logprobs,
-    )
 
 
 def _check_stop(stop: Sequence[str]) -> tuple[str, ...]:
@@ -476,4 +775,3 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
-

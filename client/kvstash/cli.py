@@ -1,0 +1,485 @@
+"""The ``kvstash`` command: talk to a daemon, or start one with ``kvstash serve``."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import errno
+import importlib
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from kvstash import __version__
+from kvstash._client import Client, Session, resolve_address
+from kvstash._convert import join_chunks
+from kvstash._errors import KvstashError
+from kvstash._types import Chunk, SamplingParams
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+@dataclasses.dataclass
+class _State:
+    """The global options, and the client made from them on first use."""
+
+    address: str
+    timeout: float | None
+    as_json: bool
+    _client: Client | None = None
+
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = Client(self.address, timeout=self.timeout)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+def _error_line(message: str) -> None:
+    # gRPC details can span lines; a failure is always exactly one line.
+    click.echo(f"error: {' '.join(message.split())}", err=True)
+
+
+def _fail(message: str) -> NoReturn:
+    _error_line(message)
+    raise click.exceptions.Exit(1)
+
+
+def _describe(e: KvstashError, address: str) -> str:
+    if e.code == "UNAVAILABLE":
+        return f"cannot reach kvstash at {address}: {e.message}"
+    return e.message
+
+
+class _Main(click.Group):
+    """The root group: failures become one ``error:`` line on stderr and exit status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KvstashError as e:
+            address = ctx.obj.address if isinstance(ctx.obj, _State) else resolve_address(None)
+            _fail(_describe(e, address))
+        except OSError as e:
+            # click itself handles a closed stdout (`kvstash ... | head`).
+            if e.errno == errno.EPIPE:
+                raise
+            _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
+
+
+def _sampling_options(f: _F) -> _F:
+    f = click.option("--seed", type=int, help="Sampling seed, for repeatable output.")(f)
+    return click.option("--temperature", type=float, help="Sampling temperature; 0 is greedy.")(f)
+
+
+def _max_tokens_option(f: _F) -> _F:
+    return click.option(
+        "--max-tokens", type=click.IntRange(min=1), help="Stop the reply after N tokens."
+    )(f)
+
+
+def _sampling(temperature: float | None, seed: int | None) -> SamplingParams | None:
+    if temperature is None and seed is None:
+        return None
+    return SamplingParams(temperature=temperature, seed=seed)
+
+
+def _echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, default=dataclasses.asdict, ensure_ascii=False))
+
+
+def _echo_fields(pairs: Sequence[tuple[str, object]]) -> None:
+    for key, value in pairs:
+        click.echo(f"{key}: {value}")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
+    for row in (headers, *rows):
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _time(ts: float) -> str:
+    if not ts:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def _one_line(text: str, width: int = 100) -> str:
+    flat = text.replace("\n", "\\n")
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def _print_stream(stream: Iterator[Chunk]) -> None:
+    """Echo a reply as it arrives, then why it ended unless it ended normally."""
+    chunks: list[Chunk] = []
+    try:
+        for chunk in stream:
+            click.echo(chunk.text, nl=False)
+            chunks.append(chunk)
+    finally:
+        # End the line even when Ctrl-C cut the reply short.
+        text = "".join(c.text for c in chunks)
+        if text and not text.endswith("\n"):
+            click.echo()
+    finish_reason = join_chunks(chunks).finish_reason
+    if finish_reason not in ("eos", "stop"):
+        click.echo(f"[{finish_reason}]", err=True)
+
+
+def _reply(
+    state: _State,
+    session: Session,
+    message: str,
+    *,
+    max_tokens: int | None,
+    stop: Sequence[str] = (),
+    sampling: SamplingParams | None = None,
+) -> None:
+    """Send one chat turn: streamed as text, or printed whole as JSON."""
+    if state.as_json:
+        _echo_json(session.chat(message, max_tokens=max_tokens, stop=stop, sampling=sampling))
+        return
+    stream = session.chat_stream(message, max_tokens=max_tokens, stop=stop, sampling=sampling)
+    with contextlib.closing(stream):
+        _print_stream(stream)
+
+
+@click.group(cls=_Main, context_settings={"auto_envvar_prefix": "KVSTASH"})
+@click.option(
+    "--address",
+    envvar="KVSTASH_ADDRESS",
+    metavar="TARGET",
+    help="Daemon address, host:port or unix:PATH.  [default: 127.0.0.1:50051]",
+)
+@click.option(
+    "--timeout", type=float, metavar="SECONDS", help="Deadline of each call that is not a stream."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
+@click.version_option(__version__, prog_name="kvstash")
+@click.pass_context
+def main(ctx: click.Context, address: str | None, timeout: float | None, as_json: bool) -> None:
+    """kvstash: one llama.cpp model, many chat sessions, and their checkpoints."""
+    state = _State(resolve_address(address), timeout, as_json)
+    ctx.obj = state
+    ctx.call_on_close(state.close)
+
+
+@main.command()
+@click.pass_obj
+def info(state: _State) -> None:
+    """Show the daemon's model, limits and counters."""
+    result = state.client().info()
+    if state.as_json:
+        _echo_json(result)
+    else:
+        _echo_fields([(f.name, getattr(result, f.name)) for f in dataclasses.fields(result)])
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--system", default="", help="System prompt.")
+@_max_tokens_option
+@_sampling_options
+@click.option("--stop", multiple=True, help="Stop the reply at this string; repeatable.")
+@click.pass_obj
+def run(
+    state: _State,
+    prompt: str,
+    system: str,
+    max_tokens: int | None,
+    temperature: float | None,
+    seed: int | None,
+    stop: tuple[str, ...],
+) -> None:
+    """Answer PROMPT (- reads it from stdin) in a new session, closed afterwards."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    session = state.client().create_session(system, sampling=_sampling(temperature, seed))
+    try:
+        _reply(state, session, prompt, max_tokens=max_tokens, stop=stop)
+    finally:
+        session.close()
+
+
+@main.command()
+@click.argument("session_id", required=False)
+@click.option("--system", default="", help="System prompt of the new session.")
+@_max_tokens_option
+@_sampling_options
+@click.pass_obj
+def chat(
+    state: _State,
+    session_id: str | None,
+    system: str,
+    max_tokens: int | None,
+    temperature: float | None,
+    seed: int | None,
+) -> None:
+    """Chat in SESSION_ID, or in a new session, one line per message.
+
+    Ctrl-C stops a reply; Ctrl-D, or Ctrl-C at the prompt, quits. The session stays open;
+    come back with `kvstash chat SESSION_ID`. The exit status is 1 if any turn failed.
+    """
+    client = state.client()
+    sampling = _sampling(temperature, seed)
+    if session_id is None:
+        session = client.create_session(system, sampling=sampling)
+        sampling = None  # the new session keeps it as its default
+        click.echo(f"session {session.session_id}", err=True)
+    elif system:
+        raise click.UsageError("--system applies only to a new session")
+    else:
+        session = client.session(session_id)
+
+    failed = False
+    while True:
+        try:
+            line = click.prompt("", prompt_suffix="> ", default="", show_default=False, err=True)
+        except click.Abort:  # Ctrl-D, or Ctrl-C at the prompt
+            click.echo(err=True)
+            break
+        if not line.strip():
+            continue
+        try:
+            _reply(state, session, line, max_tokens=max_tokens, sampling=sampling)
+        except KeyboardInterrupt:
+            click.echo("[interrupted]", err=True)
+        except KvstashError as e:
+            _error_line(_describe(e, state.address))
+            failed = True
+    if failed:
+        raise click.exceptions.Exit(1)
+
+
+@main.group("session")
+def session_group() -> None:
+    """Create, list, show, fork and close sessions."""
+
+
+@session_group.command("create")
+@click.option("--system", default="", help="System prompt.")
+@click.option("--persistent", is_flag=True, help="Keep the session across daemon restarts.")
+@_sampling_options
+@click.option("--stop", multiple=True, help="Default stop string; repeatable.")
+@click.pass_obj
+def session_create(
+    state: _State,
+    system: str,
+    persistent: bool,
+    temperature: float | None,
+    seed: int | None,
+    stop: tuple[str, ...],
+) -> None:
+    """Open a session and print its id."""
+    session = state.client().create_session(
+        system, sampling=_sampling(temperature, seed), stop=stop, persistent=persistent
+    )
+    if state.as_json:
+        _echo_json(session.info())
+    else:
+        click.echo(session.session_id)
+
+
+@session_group.command("list")
+@click.pass_obj
+def session_list(state: _State) -> None:
+    """List the daemon's sessions."""
+    sessions = state.client().list_sessions()
+    if state.as_json:
+        _echo_json(sessions)
+        return
+    _table(
+        ("SESSION", "RESIDENCY", "TOKENS", "CHECKPOINTS", "PERSISTENT", "LAST USED"),
+        [
+            (
+                s.session_id,
+                s.residency,
+                f"{s.n_tokens}/{s.n_ctx}",
+                str(s.n_checkpoints),
+                "yes" if s.persistent else "no",
+                _time(s.last_used_at),
+            )
+            for s in sessions
+        ],
+    )
+
+
+@session_group.command("show")
+@click.argument("session_id")
+@click.pass_obj
+def session_show(state: _State, session_id: str) -> None:
+    """Show a session's state and conversation."""
+    s = Session(state.client(), session_id).info()
+    if state.as_json:
+        _echo_json(s)
+        return
+    sampling = dataclasses.asdict(s.sampling)
+    _echo_fields(
+        [
+            ("session", s.session_id),
+            ("persistent", "yes" if s.persistent else "no"),
+            ("tokens", f"{s.n_tokens}/{s.n_ctx}"),
+            ("residency", s.residency),
+            ("created", _time(s.created_at)),
+            ("last used", _time(s.last_used_at)),
+            ("checkpoints", s.n_checkpoints),
+            ("head checkpoint", s.head_checkpoint_id or "-"),
+            ("sampling", " ".join(f"{k}={v}" for k, v in sampling.items() if v is not None) or "-"),
+            ("stop", ", ".join(json.dumps(x, ensure_ascii=False) for x in s.stop) or "-"),
+            ("messages", len(s.messages)),
+        ]
+    )
+    for m in s.messages:
+        click.echo(f"  {m.role}: {_one_line(m.content)}")
+
+
+@session_group.command("close")
+@click.argument("session_id")
+@click.pass_obj
+def session_close(state: _State, session_id: str) -> None:
+    """Close a session; its checkpoints stay."""
+    Session(state.client(), session_id).close()
+    if state.as_json:
+        _echo_json({"session_id": session_id, "closed": True})
+
+
+@session_group.command("fork")
+@click.argument("session_id")
+@click.option("--checkpoint", "checkpoint_id", help="Fork this checkpoint, not the current state.")
+@click.option("--persistent", is_flag=True, help="Keep the new session across daemon restarts.")
+@click.pass_obj
+def session_fork(
+    state: _State, session_id: str, checkpoint_id: str | None, persistent: bool
+) -> None:
+    """Copy a session into a new one and print the new id."""
+    fork = Session(state.client(), session_id).fork(checkpoint_id, persistent=persistent)
+    if state.as_json:
+        _echo_json(fork.info())
+    else:
+        click.echo(fork.session_id)
+
+
+@main.group("checkpoint")
+def checkpoint_group() -> None:
+    """Save, list, restore, delete, export and import checkpoints."""
+
+
+@checkpoint_group.command("create")
+@click.argument("session_id")
+@click.option("--label", help="A name to remember the checkpoint by.")
+@click.pass_obj
+def checkpoint_create(state: _State, session_id: str, label: str | None) -> None:
+    """Save a session's state and print the checkpoint id."""
+    checkpoint = Session(state.client(), session_id).checkpoint(label)
+    if state.as_json:
+        _echo_json(checkpoint)
+    else:
+        click.echo(checkpoint.checkpoint_id)
+
+
+@checkpoint_group.command("list")
+@click.argument("session_id")
+@click.pass_obj
+def checkpoint_list(state: _State, session_id: str) -> None:
+    """List a session's checkpoints."""
+    checkpoints = state.client().list_checkpoints(session_id)
+    if state.as_json:
+        _echo_json(checkpoints)
+        return
+    _table(
+        ("CHECKPOINT", "LABEL", "TOKENS", "WRITTEN", "REFERENCED", "CREATED"),
+        [
+            (
+                c.checkpoint_id,
+                c.label or "-",
+                str(c.n_tokens),
+                _size(c.bytes_written),
+                _size(c.bytes_referenced),
+                _time(c.created_at),
+            )
+            for c in checkpoints
+        ],
+    )
+
+
+@checkpoint_group.command("restore")
+@click.argument("session_id")
+@click.argument("checkpoint_id")
+@click.pass_obj
+def checkpoint_restore(state: _State, session_id: str, checkpoint_id: str) -> None:
+    """Put a session back in the state a checkpoint saved."""
+    restored = Session(state.client(), session_id).restore(checkpoint_id)
+    if state.as_json:
+        _echo_json(restored)
+
+
+@checkpoint_group.command("delete")
+@click.argument("checkpoint_id")
+@click.pass_obj
+def checkpoint_delete(state: _State, checkpoint_id: str) -> None:
+    """Delete a checkpoint."""
+    state.client().delete_checkpoint(checkpoint_id)
+    if state.as_json:
+        _echo_json({"checkpoint_id": checkpoint_id, "deleted": True})
+
+
+@checkpoint_group.command("export")
+@click.argument("checkpoint_id")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.pass_obj
+def checkpoint_export(state: _State, checkpoint_id: str, file: str) -> None:
+    """Write a checkpoint to FILE, self-contained, for import elsewhere."""
+    written = state.client().export_checkpoint(checkpoint_id, file)
+    if state.as_json:
+        _echo_json({"checkpoint_id": checkpoint_id, "path": file, "bytes": written})
+    else:
+        click.echo(f"wrote {_size(written)} to {file}")
+
+
+@checkpoint_group.command("import")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.pass_obj
+def checkpoint_import(state: _State, file: str) -> None:
+    """Load an exported checkpoint and print its id."""
+    checkpoint = state.client().import_checkpoint(file)
+    if state.as_json:
+        _echo_json(checkpoint)
+    else:
+        click.echo(checkpoint.checkpoint_id)
+
+
+@main.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.pass_context
+def serve(ctx: click.Context) -> None:
+    """Run the daemon (from kvstash[daemon]); `kvstash serve --help` lists its options."""
+    # Imported here: the client must work where the daemon and llama.cpp are not installed.
+    try:
+        daemon_cli = importlib.import_module("kvstashd.cli")
+    except ImportError as e:
+        click.echo(f"kvstash serve needs the daemon: pip install 'kvstash[daemon]' ({e})", err=True)
+        ctx.exit(1)
+    daemon_cli.serve.main(
+        args=ctx.args, prog_name="kvstash serve", auto_envvar_prefix="KVSTASH", standalone_mode=True
+    )

@@ -1,0 +1,214 @@
+"""The checkpoint catalog: sqlite3 (WAL) tables of persistent sessions, checkpoints and
+block references. A checkpoint row, with its manifest and references, is committed in one
+transaction, after the blocks it references are durable.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY,
+    created_at REAL NOT NULL,
+    head TEXT
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    checkpoint_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    label TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    bytes_written INTEGER NOT NULL,
+    bytes_referenced INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    manifest BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS checkpoints_session ON checkpoints (session_id);
+CREATE TABLE IF NOT EXISTS refs (
+    checkpoint_id TEXT NOT NULL,
+    block TEXT NOT NULL,
+    PRIMARY KEY (checkpoint_id, block)
+);
+CREATE INDEX IF NOT EXISTS refs_block ON refs (block);
+CREATE TABLE IF NOT EXISTS blocks (
+    block TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    last_used REAL NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    checkpoint_id: str
+    session_id: str
+    label: str
+    kind: str  # "head" (autosave), "explicit", "imported"
+    n_tokens: int
+    bytes_written: int
+    bytes_referenced: int
+    created_at: float
+
+
+_COLUMNS = "checkpoint_id, session_id, label, kind, n_tokens, bytes_written, bytes_referenced, created_at"
+
+
+class Catalog:
+    """Thread-safe access to one catalog database (a file, or ':memory:')."""
+
+    def __init__(self, path: Path | str) -> None:
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        with self._lock:
+            if str(path) != ":memory:":
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def add_checkpoint(
+        self,
+        row: CheckpointRow,
+        manifest: bytes,
+        blocks: Iterable[tuple[str, int]],
+        now: float,
+        head_of: str | None = None,
+    ) -> str | None:
+        """Commit a checkpoint and its references. With head_of, it becomes that session's
+        head and the previous head is deleted; its id is returned."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(
+                f"INSERT INTO checkpoints ({_COLUMNS}, manifest) VALUES (?,?,?,?,?,?,?,?,?)",
+                (
+                    row.checkpoint_id,
+                    row.session_id,
+                    row.label,
+                    row.kind,
+                    row.n_tokens,
+                    row.bytes_written,
+                    row.bytes_referenced,
+                    row.created_at,
+                    manifest,
+                ),
+            )
+            for key, size in blocks:
+                self._db.execute(
+                    "INSERT INTO blocks (block, size, last_used) VALUES (?,?,?) "
+                    "ON CONFLICT (block) DO UPDATE SET last_used = excluded.last_used",
+                    (key, size, now),
+                )
+                self._db.execute(
+                    "INSERT OR IGNORE INTO refs (checkpoint_id, block) VALUES (?,?)",
+                    (row.checkpoint_id, key),
+                )
+            old: str | None = None
+            if head_of is not None:
+                found = self._db.execute(
+                    "SELECT head FROM sessions WHERE session_id = ?", (head_of,)
+                ).fetchone()
+                old = found[0] if found else None
+                self._db.execute(
+                    "INSERT INTO sessions (session_id, created_at, head) VALUES (?,?,?) "
+                    "ON CONFLICT (session_id) DO UPDATE SET head = excluded.head",
+                    (head_of, row.created_at, row.checkpoint_id),
+                )
+                if old is not None:
+                    self._delete(old)
+            return old
+
+    def _delete(self, checkpoint_id: str) -> None:
+        self._db.execute("DELETE FROM refs WHERE checkpoint_id = ?", (checkpoint_id,))
+        self._db.execute("DELETE FROM checkpoints WHERE checkpoint_id = ?", (checkpoint_id,))
+
+    def get(self, checkpoint_id: str) -> tuple[CheckpointRow, bytes] | None:
+        with self._lock:
+            found = self._db.execute(
+                f"SELECT {_COLUMNS}, manifest FROM checkpoints WHERE checkpoint_id = ?",
+                (checkpoint_id,),
+            ).fetchone()
+        if found is None:
+            return None
+        return CheckpointRow(*found[:-1]), bytes(found[-1])
+
+    def checkpoints(self, session_id: str, include_heads: bool = False) -> list[CheckpointRow]:
+        kinds = ("explicit", "head") if include_heads else ("explicit",)
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_COLUMNS} FROM checkpoints WHERE session_id = ? AND kind IN "
+                f"({','.join('?' * len(kinds))}) ORDER BY created_at",
+                (session_id, *kinds),
+            ).fetchall()
+        return [CheckpointRow(*r) for r in rows]
+
+    def delete(self, checkpoint_id: str) -> bool:
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            found = self._db.execute(
+                "SELECT 1 FROM checkpoints WHERE checkpoint_id = ?", (checkpoint_id,)
+            ).fetchone()
+            self._db.execute("UPDATE sessions SET head = NULL WHERE head = ?", (checkpoint_id,))
+            self._delete(checkpoint_id)
+            return found is not None
+
+    def delete_session(self, session_id: str) -> None:
+        """Forget a persistent session, its head and its checkpoints."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(
+                "DELETE FROM refs WHERE checkpoint_id IN "
+                "(SELECT checkpoint_id FROM checkpoints WHERE session_id = ?)",
+                (session_id,),
+            )
+            self._db.execute("DELETE FROM checkpoints WHERE session_id = ?", (session_id,))
+            self._db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+
+    def sessions(self) -> list[tuple[str, float, str | None]]:
+        """Persistent sessions: (session_id, created_at, head checkpoint id or None)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT session_id, created_at, head FROM sessions ORDER BY created_at"
+            ).fetchall()
+        return [(r[0], r[1], r[2]) for r in rows]
+
+    def count(self, session_id: str) -> int:
+        with self._lock:
+            found = self._db.execute(
+                "SELECT COUNT(*) FROM checkpoints WHERE session_id = ? AND kind = 'explicit'",
+                (session_id,),
+            ).fetchone()
+        return int(found[0])
+
+    def touch(self, keys: Iterable[str], now: float) -> None:
+        with self._lock, self._db:
+            self._db.executemany("UPDATE blocks SET last_used = ? WHERE block = ?", [(now, k) for k in keys])
+
+    def block_size(self, key: str) -> int | None:
+        with self._lock:
+            found = self._db.execute("SELECT size FROM blocks WHERE block = ?", (key,)).fetchone()
+        return None if found is None else int(found[0])
+
+    def unreferenced(self) -> list[tuple[str, int]]:
+        """Blocks no checkpoint references, least recently used first: (key, size)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT block, size FROM blocks WHERE block NOT IN (SELECT block FROM refs) "
+                "ORDER BY last_used"
+            ).fetchall()
+        return [(r[0], int(r[1])) for r in rows]
+
+    def forget_blocks(self, keys: Iterable[str]) -> None:
+        with self._lock, self._db:
+            self._db.executemany("DELETE FROM blocks WHERE block = ?", [(k,) for k in keys])
+
+    def known_blocks(self) -> set[str]:
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT block FROM blocks").fetchall()}

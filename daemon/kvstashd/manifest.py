@@ -1,0 +1,216 @@
+"""Checkpoint manifests: an immutable record of everything a session needs to continue.
+
+Encoding: b"KVSTMAN1", u32 length + JSON metadata, u32 count + int32 token ids,
+u32 count + float32 logits (0 or n_vocab), then HMAC-SHA256 over all of it with the
+store's key. `decode` checks the MAC (when a key is given) and every field's type and
+range before anything else reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvstashd.chat import ChatMessage
+from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint
+from kvstashd.sampling import Logits, SamplingParams
+
+MAGIC = b"KVSTMAN1"
+FORMAT = 1
+MAC_BYTES = 32
+MAX_TOKENS = 1 << 20
+
+
+@dataclass
+class Snapshot:
+    """A session's complete state at one moment, as stored in a manifest."""
+
+    session_id: str
+    persistent: bool
+    created_at: float
+    tokens: list[int]
+    n_kv: int
+    logits: Logits | None
+    draws: int
+    params: SamplingParams
+    stop: tuple[str, ...]
+    messages: list[ChatMessage]
+    fingerprint: str
+    kv_layout: str | None
+    block_tokens: int
+    blocks: list[str] = field(default_factory=list)
+    label: str = ""
+    saved_at: float = 0.0
+    format: int = FORMAT
+
+
+def encode(s: Snapshot, key: bytes) -> bytes:
+    meta = {
+        "format": s.format,
+        "session_id": s.session_id,
+        "persistent": s.persistent,
+        "created_at": s.created_at,
+        "saved_at": s.saved_at,
+        "label": s.label,
+        "n_kv": s.n_kv,
+        "draws": s.draws,
+        "params": {
+            "temperature": s.params.temperature,
+            "top_k": s.params.top_k,
+            "top_p": s.params.top_p,
+            "min_p": s.params.min_p,
+            "repeat_penalty": s.params.repeat_penalty,
+            "penalty_last_n": s.params.penalty_last_n,
+            "seed": s.params.seed,
+        },
+        "stop": list(s.stop),
+        "messages": [{"role": m.role, "content": m.content, "start": m.start} for m in s.messages],
+        "fingerprint": s.fingerprint,
+        "kv_layout": s.kv_layout,
+        "block_tokens": s.block_tokens,
+        "blocks": s.blocks,
+    }
+    head = json.dumps(meta, separators=(",", ":")).encode()
+    tokens = np.asarray(s.tokens, dtype="<i4").tobytes()
+    logits = b"" if s.logits is None else np.asarray(s.logits, dtype="<f4").tobytes()
+    body = b"".join(
+        [
+            MAGIC,
+            struct.pack("<I", len(head)),
+            head,
+            struct.pack("<I", len(s.tokens)),
+            tokens,
+            struct.pack("<I", len(logits) // 4),
+            logits,
+        ]
+    )
+    return body + mac(key, body)
+
+
+def mac(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).digest()
+
+
+def decode(data: bytes, key: bytes | None, n_vocab: int) -> Snapshot:
+    """Parse and check a manifest. With key=None the MAC is not checked (imports)."""
+    if len(data) < len(MAGIC) + 12 + MAC_BYTES or data[: len(MAGIC)] != MAGIC:
+        if data[:7] == MAGIC[:7]:
+            raise IncompatibleCheckpoint("the checkpoint has another manifest format version")
+        raise CorruptCheckpoint("the manifest is not a kvstash manifest")
+    body, tag = data[:-MAC_BYTES], data[-MAC_BYTES:]
+    if key is not None and not hmac.compare_digest(mac(key, body), tag):
+        raise CorruptCheckpoint("the manifest fails its integrity check (HMAC)")
+    at = len(MAGIC)
+
+    def take(n: int) -> bytes:
+        nonlocal at
+        if n < 0 or at + n > len(body):
+            raise CorruptCheckpoint("the manifest is truncated")
+        out = body[at : at + n]
+        at += n
+        return out
+
+    def u32() -> int:
+        return int(struct.unpack("<I", take(4))[0])
+
+    try:
+        meta = json.loads(take(u32()))
+    except (ValueError, UnicodeDecodeError):
+        raise CorruptCheckpoint("the manifest metadata is not valid JSON") from None
+    n_tokens = u32()
+    if n_tokens > MAX_TOKENS:
+        raise CorruptCheckpoint("the manifest holds too many tokens")
+    tokens = np.frombuffer(take(4 * n_tokens), dtype="<i4")
+    n_logits = u32()
+    logits = np.frombuffer(take(4 * n_logits), dtype="<f4").astype(np.float32) if n_logits else None
+    if at != len(body):
+        raise CorruptCheckpoint("the manifest has trailing bytes")
+    if not isinstance(meta, dict):
+        raise CorruptCheckpoint("the manifest metadata is not an object")
+    return _snapshot(meta, tokens, logits, n_vocab)
+
+
+def _get(meta: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = meta.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise CorruptCheckpoint(f"the manifest field {name!r} is missing or has the wrong type")
+    return value
+
+
+def _snapshot(
+    meta: dict[str, Any], tokens: np.ndarray[Any, Any], logits: Logits | None, n_vocab: int
+) -> Snapshot:
+    fmt = _get(meta, "format", int)
+    if fmt != FORMAT:
+        raise IncompatibleCheckpoint(f"the checkpoint has format version {fmt}; this daemon reads {FORMAT}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= n_vocab):
+        raise CorruptCheckpoint("the checkpoint holds token ids outside the vocabulary")
+    if logits is not None and (logits.shape[0] != n_vocab or not np.all(np.isfinite(logits))):
+        raise CorruptCheckpoint("the checkpoint's logits do not fit the model")
+    n_kv = _get(meta, "n_kv", int)
+    if not 0 <= n_kv <= tokens.size:
+        raise CorruptCheckpoint("the checkpoint's KV length exceeds its history")
+    p = _get(meta, "params", dict)
+    try:
+        params = SamplingParams(
+            temperature=float(_get(p, "temperature", (int, float))),
+            top_k=_get(p, "top_k", int),
+            top_p=float(_get(p, "top_p", (int, float))),
+            min_p=float(_get(p, "min_p", (int, float))),
+            repeat_penalty=float(_get(p, "repeat_penalty", (int, float))),
+            penalty_last_n=_get(p, "penalty_last_n", int),
+            seed=_get(p, "seed", int),
+        ).validate()
+    except CorruptCheckpoint:
+        raise
+    except Exception as e:
+        raise CorruptCheckpoint(f"the checkpoint's sampling parameters are invalid: {e}") from None
+    messages = []
+    for m in _get(meta, "messages", list):
+        if not isinstance(m, dict):
+            raise CorruptCheckpoint("a checkpoint message is not an object")
+        role = _get(m, "role", str)
+        if role not in ("system", "user", "assistant"):
+            raise CorruptCheckpoint(f"a checkpoint message has role {role[:20]!r}")
+        messages.append(ChatMessage(role, _get(m, "content", str), _get(m, "start", int)))
+    stop = _get(meta, "stop", list)
+    if not all(isinstance(x, str) for x in stop):
+        raise CorruptCheckpoint("the checkpoint's stop strings are not strings")
+    blocks = _get(meta, "blocks", list)
+    if not all(isinstance(b, str) and len(b) == 64 for b in blocks):
+        raise CorruptCheckpoint("the checkpoint's block keys are malformed")
+    layout = meta.get("kv_layout")
+    if layout is not None and not isinstance(layout, str):
+        raise CorruptCheckpoint("the checkpoint's KV layout is malformed")
+    created = float(_get(meta, "created_at", (int, float)))
+    saved = float(_get(meta, "saved_at", (int, float)))
+    if not (math.isfinite(created) and math.isfinite(saved)):
+        raise CorruptCheckpoint("the checkpoint's timestamps are not finite")
+    block_tokens = _get(meta, "block_tokens", int)
+    if not 1 <= block_tokens <= 4096:
+        raise CorruptCheckpoint("the checkpoint's block size is out of range")
+    return Snapshot(
+        session_id=_get(meta, "session_id", str),
+        persistent=_get(meta, "persistent", bool),
+        created_at=created,
+        saved_at=saved,
+        label=_get(meta, "label", str),
+        tokens=[int(t) for t in tokens],
+        n_kv=n_kv,
+        logits=logits,
+        draws=_get(meta, "draws", int),
+        params=params,
+        stop=tuple(stop),
+        messages=messages,
+        fingerprint=_get(meta, "fingerprint", str),
+        kv_layout=layout,
+        block_tokens=block_tokens,
+        blocks=blocks,
+    )

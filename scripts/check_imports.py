@@ -1,0 +1,49 @@
+"""Import boundaries: who may import llama_cpp, grpc and kvstashd."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = {
+    # module prefix -> files (relative to the package) allowed to import it
+    "llama_cpp": {"daemon/kvstashd/engine.py", "daemon/kvstashd/state.py"},
+    "grpc": {"daemon/kvstashd/service.py", "daemon/kvstashd/server.py"},
+    "grpc_health": {"daemon/kvstashd/server.py"},
+    "grpc_reflection": {"daemon/kvstashd/server.py"},
+}
+
+
+def imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+def main() -> int:
+    errors = []
+    for path in sorted((ROOT / "daemon").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        for name in imports(path):
+            top = name.split(".")[0]
+            allowed = RULES.get(top)
+            if allowed is not None and rel not in allowed:
+                errors.append(f"{rel}: imports {name}")
+    for path in sorted((ROOT / "client").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if any(n.split(".")[0] == "kvstashd" for n in imports(path)) and rel != "client/kvstash/cli.py":
+            errors.append(f"{rel}: the client imports the daemon")
+    for e in errors:
+        print(f"import boundary: {e}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
