@@ -5,14 +5,18 @@ salt) and h_i = H(h_{i-1}, tokens of block i), H = BLAKE2b-256 over a length-pre
 encoding. Equal keys mean equal tokens from the start under the same model, layout and
 salt, hence equal KV; sessions that share a prompt prefix share its blocks.
 
-Frame: b"KVB1", u8 codec, u32 payload length, 32-byte BLAKE2b of the payload, then the
-payload encoded by the codec. Every read checks all of it.
+Frame: b"KVB1", u8 codec, u32 payload length, u32 CRC-32 of the payload, then the payload
+encoded by the codec. Every read checks all of it. A block is stored raw when the codec
+saves less than 5%: f16 KV barely compresses with lz4 (ratio ~1.01), and decoding it would
+only slow restores down. (Manifests carry an HMAC; a block's checksum guards against
+corruption, and the structural check in state.py against anything llama.cpp could trip on.)
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import zlib
 from collections.abc import Sequence
 
 import lz4.frame
@@ -24,7 +28,8 @@ from kvstashd.errors import CorruptCheckpoint
 FORMAT = 1
 MAGIC = b"KVB1"
 CODECS = {"none": 0, "lz4": 1, "zstd": 2}
-_HEADER = struct.Struct("<4sBI32s")
+_HEADER = struct.Struct("<4sBII")
+_MIN_SAVING = 0.05
 # zstd runs on byte-shuffled 16-bit elements (all low bytes, then all high bytes): f16 KV
 # compresses ~18% that way, and not at all unshuffled.
 _ZSTD_LEVEL = 1
@@ -74,20 +79,22 @@ def frame(payload: bytes, codec: str) -> bytes:
         body = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(_shuffle(payload, 2))
     else:
         body = payload
-    digest = hashlib.blake2b(payload, digest_size=32).digest()
-    return _HEADER.pack(MAGIC, code, len(payload), digest) + body
+    if code and len(body) > len(payload) * (1 - _MIN_SAVING):
+        code, body = 0, payload
+    return _HEADER.pack(MAGIC, code, len(payload), zlib.crc32(payload)) + body
 
 
-def unframe(data: bytes, expect_len: int) -> bytes:
+def unframe(data: bytes, expect_len: int) -> bytes | memoryview:
     """The payload of a framed block, checked; CorruptCheckpoint if anything is off."""
     if len(data) < _HEADER.size:
         raise CorruptCheckpoint("a KV block is truncated")
-    magic, code, length, digest = _HEADER.unpack_from(data)
+    magic, code, length, crc = _HEADER.unpack_from(data)
     if magic != MAGIC or code not in CODECS.values():
         raise CorruptCheckpoint("a KV block has a bad header")
     if length != expect_len:
         raise CorruptCheckpoint(f"a KV block holds {length} bytes, expected {expect_len}")
-    body = data[_HEADER.size :]
+    body = memoryview(data)[_HEADER.size :]
+    payload: bytes | memoryview
     try:
         if code == 1:
             # Bounded: a forged frame must not make us allocate more than the block's size.
@@ -96,9 +103,9 @@ def unframe(data: bytes, expect_len: int) -> bytes:
             raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=length)
             payload = _shuffle(raw, len(raw) // 2) if len(raw) % 2 == 0 and raw else raw
         else:
-            payload = bytes(body)
+            payload = body
     except (RuntimeError, ValueError, zstandard.ZstdError) as e:
         raise CorruptCheckpoint(f"a KV block does not decode: {e}") from None
-    if len(payload) != length or hashlib.blake2b(payload, digest_size=32).digest() != digest:
+    if len(payload) != length or zlib.crc32(payload) != crc:
         raise CorruptCheckpoint("a KV block fails its checksum")
     return payload

@@ -464,9 +464,11 @@ class Engine:
         slot = state.slot
         if slot is None or self.info is None or cells.layout != self.info.kv_layout:
             raise KvstashError("internal: importing KV that does not fit this context")
-        stream = 0 if self.config.kv_unified else slot
-        blob = kvstate.assemble(cells, slot, stream)
-        buf = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
+        blob = kvstate.assemble(cells)
+        try:
+            buf = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
+        except TypeError:  # a read-only buffer
+            buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         read = int(llama.llama_state_seq_set_data(self._ctx, buf, len(blob), slot))
         if read != len(blob):
             self.clear_slot(slot)

@@ -73,13 +73,20 @@ class KvCells:
     """n cells at positions 0..n-1: K as (layer, cell, bytes), V per layer in native layout.
 
     V is (layer, cell, bytes) when not transposed, or (layer, n_embd_v, cell, elem bytes)
-    when transposed. Arrays may be views into the blob they were parsed from.
+    when transposed. Arrays may be views into `raw`: the checked blob they were parsed
+    from, which llama.cpp can take back as it is (into any slot) when its cells were in
+    position order.
     """
 
     layout: KvLayout
     n: int
     k: list[Bytes]
     v: list[Bytes]
+    raw: bytes | bytearray | memoryview | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.layout.cell_bytes
 
 
 class _Reader:
@@ -127,7 +134,7 @@ def parse(blob: bytes | memoryview, expect: KvLayout | None = None) -> KvCells:
         if expect is None:
             raise StateFormatError("KV state holds no cells")
         return KvCells(expect, 0, [], [])
-    return cells
+    return cells if cells.raw is None else KvCells(cells.layout, cells.n, cells.k, cells.v, blob)
 
 
 def _parse_stream(r: _Reader, count: int, n_stream: int, expect: KvLayout | None) -> KvCells:
@@ -185,7 +192,8 @@ def _parse_stream(r: _Reader, count: int, n_stream: int, expect: KvLayout | None
     if not np.array_equal(order, np.arange(count)):
         k = [a[order] for a in k]
         v = [a[:, order] if layout.v_trans else a[order] for a in v]
-    return KvCells(layout, count, k, v)
+        return KvCells(layout, count, k, v)
+    return KvCells(layout, count, k, v, raw=b"")  # parse() puts the real blob in
 
 
 def cut(cells: KvCells, p0: int, p1: int) -> bytes:
@@ -200,59 +208,75 @@ def cut(cells: KvCells, p0: int, p1: int) -> bytes:
     return b"".join(parts)
 
 
-def join(layout: KvLayout, payloads: Sequence[bytes], counts: Sequence[int]) -> KvCells:
-    """Cells from consecutive block payloads of `counts[i]` cells each, validated by size."""
+def join(layout: KvLayout, payloads: Sequence[bytes | memoryview], counts: Sequence[int], seq_id: int = 0) -> KvCells:
+    """Cells from consecutive block payloads of `counts[i]` cells each (sizes checked),
+    built straight into one blob for llama.cpp, in a single copy."""
     n = sum(counts)
-    k_parts: list[list[Bytes]] = [[] for _ in range(layout.n_layer)]
-    v_parts: list[list[Bytes]] = [[] for _ in range(layout.n_layer)]
     for payload, c in zip(payloads, counts, strict=True):
         if len(payload) != c * layout.cell_bytes:
             raise StateFormatError(f"a KV block holds {len(payload)} bytes, not {c * layout.cell_bytes}")
+    lay = layout
+    v_head = 12  # i32 type + (u32 elem, u32 n_embd) or u64 row
+    size = 12 + 4 * lay.n_stream + 12 * n + 8 + lay.n_layer * (12 + n * lay.k_row + v_head + n * lay.v_row)
+    blob = bytearray(size)
+    out = np.frombuffer(blob, dtype=np.uint8)
+    at = _header_into(blob, lay, n, seq_id)
+    sections: list[tuple[int, int]] = []  # where each layer's K, then V, rows start
+    for _ in range(lay.n_layer):
+        struct.pack_into("<iQ", blob, at, lay.k_type, lay.k_row)
+        sections.append((at + 12, lay.k_row))
+        at += 12 + n * lay.k_row
+    for _ in range(lay.n_layer):
+        if lay.v_trans:
+            struct.pack_into("<iII", blob, at, lay.v_type, lay.v_elem, lay.n_embd_v)
+        else:
+            struct.pack_into("<iQ", blob, at, lay.v_type, lay.v_row)
+        sections.append((at + v_head, lay.v_row))
+        at += v_head + n * lay.v_row
+    p0 = 0
+    for payload, c in zip(payloads, counts, strict=True):
         data = np.frombuffer(payload, dtype=np.uint8)
-        at = 0
-        for layer in range(layout.n_layer):
-            k_parts[layer].append(data[at : at + c * layout.k_row].reshape(c, layout.k_row))
-            at += c * layout.k_row
-        for layer in range(layout.n_layer):
-            chunk = data[at : at + c * layout.v_row]
-            at += c * layout.v_row
-            if layout.v_trans:
-                v_parts[layer].append(chunk.reshape(layout.n_embd_v, c, layout.v_elem))
+        src = 0
+        for index, (start, row) in enumerate(sections):
+            part = data[src : src + c * row]
+            src += c * row
+            if lay.v_trans and index >= lay.n_layer:
+                dest = out[start : start + n * row].reshape(lay.n_embd_v, n, lay.v_elem)
+                dest[:, p0 : p0 + c] = part.reshape(lay.n_embd_v, c, lay.v_elem)
             else:
-                v_parts[layer].append(chunk.reshape(c, layout.v_row))
-    axis = 1 if layout.v_trans else 0
-    k = [np.concatenate(p, axis=0) if len(p) != 1 else p[0] for p in k_parts]
-    v = [np.concatenate(p, axis=axis) if len(p) != 1 else p[0] for p in v_parts]
-    return KvCells(layout, n, k, v)
+                out[start + p0 * row : start + (p0 + c) * row] = part
+        p0 += c
+    return parse(memoryview(blob), layout)
 
 
-def assemble(cells: KvCells, seq_id: int, stream: int) -> bytearray:
-    """One blob that llama_state_seq_set_data accepts for `seq_id`, cells in `stream`."""
-    lay = cells.layout
-    n = cells.n
-    parts: list[bytes] = [struct.pack("<IiI", SEQ_MAGIC, seq_id, lay.n_stream)]
-    for s in range(lay.n_stream):
-        if s != stream or n == 0:
-            parts.append(struct.pack("<I", 0))
-            continue
-        meta = np.zeros(n, dtype=[("pos", "<i4"), ("n", "<u4"), ("seq", "<i4")])
-        meta["pos"] = np.arange(n, dtype=np.int32)
-        meta["n"] = 1
-        meta["seq"] = seq_id
-        parts += [
-            struct.pack("<I", n),
-            meta.tobytes(),
-            struct.pack("<II", int(lay.v_trans), lay.n_layer),
-        ]
-        for a in cells.k:
-            parts += [struct.pack("<iQ", lay.k_type, lay.k_row), np.ascontiguousarray(a).tobytes()]
-        for a in cells.v:
-            if lay.v_trans:
-                parts.append(struct.pack("<iII", lay.v_type, lay.v_elem, lay.n_embd_v))
-            else:
-                parts.append(struct.pack("<iQ", lay.v_type, lay.v_row))
-            parts.append(np.ascontiguousarray(a).tobytes())
-    return bytearray().join(parts)
+def _header_into(blob: bytearray, lay: KvLayout, n: int, seq_id: int) -> int:
+    """Write the blob's header and cell metadata; return the offset of the layer data.
+
+    The cells go in stream 0; the other streams' zero counts are the blob's last bytes.
+    """
+    struct.pack_into("<IiI", blob, 0, SEQ_MAGIC, seq_id, lay.n_stream)
+    struct.pack_into("<I", blob, 12, n)
+    at = 16
+    meta = np.frombuffer(blob, dtype=[("pos", "<i4"), ("n", "<u4"), ("seq", "<i4")], count=n, offset=at)
+    meta["pos"] = np.arange(n, dtype=np.int32)
+    meta["n"] = 1
+    meta["seq"] = seq_id
+    at += 12 * n
+    struct.pack_into("<II", blob, at, int(lay.v_trans), lay.n_layer)
+    return at + 8
+
+
+def assemble(cells: KvCells) -> bytes | bytearray | memoryview:
+    """One blob that llama_state_seq_set_data accepts for any slot of this context.
+
+    The cells' own checked blob when they have one; otherwise one built from the arrays.
+    (llama.cpp reads a sequence's cells into the target's stream whatever stream index and
+    source id the blob names.)
+    """
+    if cells.raw is not None:
+        return cells.raw
+    payloads = [cut(cells, 0, cells.n)] if cells.n else []
+    return join(cells.layout, payloads, [cells.n] if cells.n else []).raw or b""
 
 
 def head(cells: KvCells, n: int) -> KvCells:
@@ -262,4 +286,4 @@ def head(cells: KvCells, n: int) -> KvCells:
     if n == cells.n:
         return cells
     v = [a[:, :n] if cells.layout.v_trans else a[:n] for a in cells.v]
-    return KvCells(cells.layout, n, [a[:n] for a in cells.k], v)
+    return KvCells(cells.layout, n, [a[:n] for a in cells.k], v)  # no raw: it holds all cells
