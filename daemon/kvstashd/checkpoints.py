@@ -85,8 +85,9 @@ class CheckpointStore:
         kind: str,
         now: float,
         head_of: str | None = None,
-    ) -> CheckpointRow:
-        """Write the snapshot's missing blocks, then commit its manifest."""
+    ) -> tuple[CheckpointRow, Snapshot]:
+        """Write the snapshot's missing blocks, then commit its manifest. Returns the row
+        and the snapshot as stored (with its block keys)."""
         n_kv = cells.n if cells is not None else 0
         keys = self._chain(snap.tokens[:n_kv], snap.block_tokens) if n_kv else []
         written = referenced = 0
@@ -122,7 +123,7 @@ class CheckpointStore:
                 created_at=now,
             )
             self.catalog.add_checkpoint(row, data, sizes, now, head_of=head_of)
-        return row
+        return row, snap
 
     def _chain(self, tokens: list[int], block_tokens: int) -> list[str]:
         return blk.chain(
@@ -293,7 +294,7 @@ class CheckpointStore:
             raise CorruptCheckpoint("the checkpoint export's blocks do not match its manifest")
         cells, _ = self._cells(snap, found.__getitem__)
         snap = replace(snap, session_id="", persistent=True)
-        return self.save(snap, cells, kind="imported", now=now)
+        return self.save(snap, cells, kind="imported", now=now)[0]
 
 
 def _counts(n: int, block_tokens: int) -> list[int]:

@@ -135,6 +135,30 @@ def _default_state_dir() -> Path:
     default=10 << 30,
     help="Bytes of blocks kept on disk; unreferenced blocks beyond it are dropped.",
 )
+@click.option(
+    "--ram-cache",
+    type=click.IntRange(0),
+    default=2 << 30,
+    help="Bytes of parked KV kept in RAM; beyond it, least recently used sessions spill to disk.",
+)
+@click.option(
+    "--idle-ttl",
+    type=click.FloatRange(0),
+    default=3600.0,
+    help="Seconds after which an idle ephemeral session is closed (0: never).",
+)
+@click.option(
+    "--persistent-ttl",
+    type=click.FloatRange(0),
+    default=0.0,
+    help="Seconds after which an idle persistent session and its checkpoints are deleted (0: never).",
+)
+@click.option(
+    "--sweep-interval",
+    type=click.FloatRange(0.05, 3600),
+    default=10.0,
+    help="Seconds between passes of the expiry and budget sweeper.",
+)
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level.")
 @click.option("--log-json/--no-log-json", default=False, help="Log JSON lines.")
 @click.option(

@@ -53,6 +53,10 @@ class Settings:
     block_tokens: int = 64
     codec: str = "lz4"
     disk_budget: int = 10 << 30
+    ram_cache: int = 2 << 30
+    idle_ttl: float = 3600.0
+    persistent_ttl: float = 0.0
+    sweep_interval: float = 10.0
     log_level: str = "info"
     log_json: bool = False
     grace_seconds: float = 5.0
@@ -92,8 +96,12 @@ class Settings:
             raise ConfigError(f"block-tokens must be in [16, 128], got {self.block_tokens}")
         if self.codec not in CODECS:
             raise ConfigError(f"codec must be one of {', '.join(CODECS)}")
-        if self.disk_budget < 0:
-            raise ConfigError("disk-budget must be >= 0")
+        if self.disk_budget < 0 or self.ram_cache < 0:
+            raise ConfigError("disk-budget and ram-cache must be >= 0")
+        if self.idle_ttl < 0 or self.persistent_ttl < 0:
+            raise ConfigError("idle-ttl and persistent-ttl must be >= 0 (0: never)")
+        if not 0.05 <= self.sweep_interval <= 3600:
+            raise ConfigError("sweep-interval must be in [0.05, 3600] seconds")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log-level must be one of {', '.join(LOG_LEVELS)}")
         return self

@@ -4,9 +4,11 @@ signals and an ordered, graceful shutdown."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
+import shutil
 import signal
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from kvstashd.config import Settings
 from kvstashd.engine import Engine, EngineConfig, ModelInfo
 from kvstashd.model import fingerprint
 from kvstashd.service import KvStashService
-from kvstashd.sessions import SessionManager
+from kvstashd.sessions import SessionManager, Stores
 from kvstashd.store import BlockStore
 from kvstashd.store.local import LocalBlockStore
 from kvstashd.store.memory import MemoryBlockStore
@@ -64,10 +66,9 @@ def store_key(state_dir: Path) -> bytes:
     return key
 
 
-def checkpoint_stores(
-    settings: Settings, info: ModelInfo, fp: str
-) -> tuple[CheckpointStore, CheckpointStore]:
-    """(durable: catalog and blocks under the state dir; volatile: both in RAM)."""
+def checkpoint_stores(settings: Settings, info: ModelInfo, fp: str) -> Stores:
+    """durable: catalog and blocks under the state dir; volatile: both in RAM; spill: blocks
+    under the state dir, wiped now, with its catalog in RAM (nothing of it outlives us)."""
     key = store_key(settings.state_dir)
 
     def make(catalog: Catalog, blocks: BlockStore) -> CheckpointStore:
@@ -83,7 +84,13 @@ def checkpoint_stores(
         )
 
     durable = make(Catalog(settings.state_dir / "catalog.db"), LocalBlockStore(settings.state_dir / "blocks"))
-    return durable, make(Catalog(":memory:"), MemoryBlockStore())
+    spill_dir = settings.state_dir / "spill"
+    shutil.rmtree(spill_dir, ignore_errors=True)
+    return Stores(
+        durable=durable,
+        volatile=make(Catalog(":memory:"), MemoryBlockStore()),
+        spill=make(Catalog(":memory:"), LocalBlockStore(spill_dir)),
+    )
 
 
 def build_server(
@@ -131,6 +138,7 @@ class Daemon:
         self._health: health.HealthServicer | None = None
         self._service: KvStashService | None = None
         self.manager: SessionManager | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
         """Load the model, start serving, report SERVING. Returns the bound port."""
@@ -140,11 +148,12 @@ class Daemon:
         log.info("loading %s", settings.model_path)
         info = self.engine.start()
         try:
-            durable, volatile = checkpoint_stores(settings, info, fp)
-            await asyncio.to_thread(durable.sweep, settings.disk_budget)
-            manager = SessionManager(self.engine, settings, durable, volatile)
+            stores = checkpoint_stores(settings, info, fp)
+            await asyncio.to_thread(stores.durable.sweep, settings.disk_budget)
+            manager = SessionManager(self.engine, settings, stores)
             await manager.start()
             self.manager = manager
+            self._sweeper = asyncio.create_task(manager.run_sweeper())
             self._service = KvStashService(manager, str(settings.model_path), fp)
             self._server, self._health, self.port = build_server(settings, self._service)
             await self._server.start()
@@ -177,6 +186,10 @@ class Daemon:
             self._service.accepting = False
         if self._server is not None:
             await self._server.stop(self.settings.grace_seconds)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         if self.manager is not None:
             await self.manager.shutdown()
         self.engine.stop()

@@ -6,10 +6,14 @@ in one of three places:
 
 - *hot*: in an engine slot;
 - *warm*: parked in RAM (`Session.parked`), after eviction, a restore or a fork;
-- *cold*: in a checkpoint store (`Session.cold`), for persistent sessions after a restart.
+- *cold*: in a checkpoint store (`Session.cold`): a persistent session's head after a
+  restart or a spill, an ephemeral session's spill (a disk area wiped at every start, and
+  of which nothing outlives the session).
 
 A session that needs a slot when none is free takes the one of the least recently used
-idle session, whose cells are parked first. One request at a time runs on a session; a
+idle session, whose cells are parked first; parked cells beyond the RAM budget spill to
+disk, least recently used first. A sweeper closes sessions idle past their TTL and keeps
+the disk under its budget. One request at a time runs on a session; a
 second one waits its turn. Persistent sessions are saved (delta) when a generation ends,
 on graceful shutdown and when created; ephemeral ones keep their checkpoints in RAM only.
 """
@@ -67,8 +71,8 @@ class Session:
     messages: list[ChatMessage] = field(default_factory=list)
     # KV cells for state.tokens[:parked.n] while not in a slot (warm).
     parked: kvstate.KvCells | None = None
-    # A stored snapshot whose blocks hold this session's cells (cold), read on first use.
-    cold: Snapshot | None = None
+    # A stored checkpoint whose blocks hold this session's cells (cold), read on first use.
+    cold: ColdRef | None = None
     head_checkpoint_id: str = ""
     # Changed since its last save (persistent sessions only).
     dirty: bool = False
@@ -85,6 +89,24 @@ class Session:
         if self.state.slot is not None:
             return "hot"
         return "warm" if self.parked is not None else "cold"
+
+
+@dataclass(frozen=True)
+class ColdRef:
+    store: CheckpointStore
+    checkpoint_id: str
+    snapshot: Snapshot
+
+
+@dataclass(frozen=True)
+class Stores:
+    """durable: persistent sessions and imports (disk); volatile: ephemeral sessions'
+    checkpoints (RAM); spill: ephemeral sessions' cells under memory pressure (disk, wiped
+    at start)."""
+
+    durable: CheckpointStore
+    volatile: CheckpointStore
+    spill: CheckpointStore
 
 
 @dataclass(frozen=True)
@@ -126,15 +148,14 @@ class Counters:
 
 
 class SessionManager:
-    """Owns every session. Built with the started engine, the settings and two checkpoint
-    stores: `durable` (persistent sessions, imports) and `volatile` (ephemeral sessions)."""
+    """Owns every session. Built with the started engine, the settings, the checkpoint
+    stores and a clock (tests inject one to drive expiry)."""
 
     def __init__(
         self,
         engine: Engine,
         settings: Settings,
-        durable: CheckpointStore,
-        volatile: CheckpointStore,
+        stores: Stores,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if engine.info is None:
@@ -142,8 +163,9 @@ class SessionManager:
         self.engine = engine
         self.model: ModelInfo = engine.info
         self.settings = settings
-        self.durable = durable
-        self.volatile = volatile
+        self.stores = stores
+        self.durable = stores.durable
+        self.volatile = stores.volatile
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self._slots: list[Session | None] = [None] * settings.slots
@@ -176,7 +198,7 @@ class SessionManager:
                 log.error("persistent session %s is not loaded: %s", session_id, e)
                 continue
             session = self._from_snapshot(snap, session_id, True)
-            session.cold = snap if snap.n_kv else None
+            session.cold = ColdRef(self.durable, head, snap) if snap.n_kv else None
             session.head_checkpoint_id = head
             self.sessions[session_id] = session
         if self.sessions:
@@ -237,6 +259,7 @@ class SessionManager:
             session.state.tokens = tokens
             session.messages.append(ChatMessage("system", system_prompt, 0))
         if persistent:
+            await self._check_disk()
             await self._save_head(session)
         self.sessions[session.session_id] = session
         return session
@@ -264,8 +287,8 @@ class SessionManager:
             session.job.cancelled = True
         async with session.lock:
             await self._release_slot(session, park=False)
+            await self._drop_cold(session)
             session.parked = None
-            session.cold = None
             self.sessions.pop(session_id, None)
             store = self.store_of(session)
             await asyncio.to_thread(store.catalog.delete_session, session_id)
@@ -321,7 +344,10 @@ class SessionManager:
             self._check_open(session)
             snap, cells = await self._snapshot(session, label)
             store = self.store_of(session)
-            return await asyncio.to_thread(store.save, snap, cells, kind="explicit", now=self.clock())
+            if session.persistent:
+                await self._check_disk()
+            row, _ = await asyncio.to_thread(store.save, snap, cells, kind="explicit", now=self.clock())
+            return row
 
     def list_checkpoints(self, session_id: str) -> list[CheckpointRow]:
         session = self.get(session_id)
@@ -343,6 +369,7 @@ class SessionManager:
             self._check_open(session)
             loaded = await asyncio.to_thread(store.load, checkpoint_id, self.clock())
             await self._release_slot(session, park=False)
+            await self._drop_cold(session)
             self._apply(session, loaded.snapshot, loaded.cells)
             self._touch(session)
             if session.persistent:
@@ -366,6 +393,7 @@ class SessionManager:
         child = self._new_session(snap.params, snap.stop, persistent)
         self._apply(child, snap, cells)
         if persistent:
+            await self._check_disk()
             await self._save_head(child)
         self.sessions[child.session_id] = child
         return child, reprefill
@@ -393,6 +421,7 @@ class SessionManager:
             if size > limit:
                 raise InvalidRequest(f"the import exceeds {limit} bytes")
             received.append(chunk)
+        await self._check_disk()
         return await asyncio.to_thread(self.durable.import_, received, limit, self.clock())
 
     def _apply(self, session: Session, snap: Snapshot, cells: kvstate.KvCells | None) -> None:
@@ -403,7 +432,6 @@ class SessionManager:
         state.n_kv = cells.n if cells is not None else 0
         state.logits = snap.logits if cells is not None and cells.n == len(snap.tokens) else None
         session.parked = cells if cells is not None and cells.n else None
-        session.cold = None
         session.params = snap.params
         session.stop = snap.stop
         session.messages = [replace(m) for m in snap.messages]
@@ -453,23 +481,67 @@ class SessionManager:
 
     async def _warm(self, session: Session) -> None:
         """Read a cold session's cells from its store into RAM."""
-        snap = session.cold
-        if snap is None or session.state.slot is not None:
+        ref = session.cold
+        if ref is None or session.state.slot is not None:
             return
-        cells, _ = await asyncio.to_thread(self.durable.cells, snap)
-        session.cold = None
+        cells, _ = await asyncio.to_thread(ref.store.cells, ref.snapshot)
+        await self._drop_cold(session)
         if cells is None or cells.n != session.state.n_kv:
             session.state.n_kv = 0
             session.state.logits = None
             session.parked = None
         else:
             session.parked = cells
+            await self._enforce_ram(keep=session)
+
+    async def _drop_cold(self, session: Session) -> None:
+        """Forget where a session's cells were stored; an ephemeral spill is deleted."""
+        ref, session.cold = session.cold, None
+        if ref is not None and ref.store is self.stores.spill:
+            await asyncio.to_thread(ref.store.delete, ref.checkpoint_id)
+            await asyncio.to_thread(ref.store.sweep, 0)
+
+    def parked_bytes(self) -> int:
+        return sum(s.parked.nbytes for s in self.sessions.values() if s.parked is not None)
+
+    async def _enforce_ram(self, keep: Session | None = None) -> None:
+        """Spill parked cells to disk, least recently used first, while over the RAM budget."""
+        while self.parked_bytes() > self.settings.ram_cache:
+            idle = [
+                s for s in self.sessions.values() if s.parked is not None and not s.busy and s is not keep
+            ]
+            if not idle:
+                return
+            victim = min(idle, key=lambda s: s.last_used_at)
+            async with victim.lock:
+                await self._spill(victim)
+
+    async def _spill(self, session: Session) -> None:
+        """Move a session's parked cells to disk: a persistent session's head, or the spill
+        area for an ephemeral one."""
+        if session.parked is None:
+            return
+        if session.persistent:
+            if session.dirty or not session.head_checkpoint_id:
+                await self._save_head(session)
+            snap = await asyncio.to_thread(self.durable.snapshot, session.head_checkpoint_id)
+            ref = ColdRef(self.durable, session.head_checkpoint_id, snap)
+        else:
+            snap, cells = await self._snapshot(session, "")
+            row, stored = await asyncio.to_thread(
+                self.stores.spill.save, snap, cells, kind="spill", now=self.clock()
+            )
+            ref = ColdRef(self.stores.spill, row.checkpoint_id, stored)
+        session.parked = None
+        session.cold = ref if ref.snapshot.n_kv == session.state.n_kv else None
+        if session.cold is None:
+            session.state.n_kv = 0
 
     async def _save_head(self, session: Session) -> None:
         """Autosave a persistent session: its new head manifest, writing only new blocks."""
         try:
             snap, cells = await self._snapshot(session, "")
-            row = await asyncio.to_thread(
+            row, _ = await asyncio.to_thread(
                 self.durable.save,
                 snap,
                 cells,
@@ -484,6 +556,45 @@ class SessionManager:
             raise Busy("the session could not be saved: the state store is failing") from None
         session.head_checkpoint_id = row.checkpoint_id
         session.dirty = False
+
+    # ---- budgets and expiry ------------------------------------------------------------------
+
+    async def _check_disk(self) -> None:
+        """Refuse new persistent state when the disk budget cannot be kept."""
+        budget = self.settings.disk_budget
+        if self.durable.store.total_bytes() <= budget:
+            return
+        await asyncio.to_thread(self.durable.sweep, budget)
+        if self.durable.store.total_bytes() > budget:
+            raise Busy(
+                f"the state store holds {self.durable.store.total_bytes()} bytes, over its budget "
+                f"of {budget}: delete checkpoints or close persistent sessions"
+            )
+
+    async def sweep(self) -> None:
+        """One pass of the sweeper: expire idle sessions, keep RAM and disk within budget."""
+        now = self.clock()
+        idle_ttl, persistent_ttl = self.settings.idle_ttl, self.settings.persistent_ttl
+        for session in list(self.sessions.values()):
+            if session.busy or session.closed:
+                continue
+            ttl = persistent_ttl if session.persistent else idle_ttl
+            if ttl > 0 and now - session.last_used_at > ttl:
+                log.info(
+                    "session %s expired after %.0f s idle", session.session_id, now - session.last_used_at
+                )
+                await self.close(session.session_id)
+        await self._enforce_ram()
+        await asyncio.to_thread(self.durable.sweep, self.settings.disk_budget)
+
+    async def run_sweeper(self) -> None:
+        """Sweep every `sweep_interval` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval)
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("the sweeper failed; it will try again")
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -683,7 +794,10 @@ class SessionManager:
             while (slot := self._free_slot()) is None:
                 victim = self._eviction_victim()
                 if victim is not None:
-                    await self._release_slot(victim, park=True)
+                    # Under the victim's lock, so a request for it waits until it is parked.
+                    async with victim.lock:
+                        await self._release_slot(victim, park=True)
+                    await self._enforce_ram(keep=session)
                     continue
                 self._slot_freed.clear()
                 await self._slot_freed.wait()

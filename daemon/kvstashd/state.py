@@ -208,7 +208,9 @@ def cut(cells: KvCells, p0: int, p1: int) -> bytes:
     return b"".join(parts)
 
 
-def join(layout: KvLayout, payloads: Sequence[bytes | memoryview], counts: Sequence[int], seq_id: int = 0) -> KvCells:
+def join(
+    layout: KvLayout, payloads: Sequence[bytes | memoryview], counts: Sequence[int], seq_id: int = 0
+) -> KvCells:
     """Cells from consecutive block payloads of `counts[i]` cells each (sizes checked),
     built straight into one blob for llama.cpp, in a single copy."""
     n = sum(counts)
