@@ -40,8 +40,20 @@ def daemon(*flags: str) -> Iterator[tuple[str, Path]]:
     ready = state / "ready"
     log = (state / "daemon.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstashd", "--address", "127.0.0.1:0", "--state-dir", str(state / "s"),
-         "--ready-file", str(ready), "--log-level", "warning", *flags],
+        [
+            sys.executable,
+            "-m",
+            "kvstashd",
+            "--address",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(state / "s"),
+            "--ready-file",
+            str(ready),
+            "--log-level",
+            "warning",
+            *flags,
+        ],
         stderr=log,
     )
     try:
@@ -58,6 +70,13 @@ def daemon(*flags: str) -> Iterator[tuple[str, Path]]:
         shutil.rmtree(state, ignore_errors=True)
 
 
+@contextmanager
+def connected(*flags: str) -> Iterator[tuple[kvstash.Client, Path]]:
+    """A client of a fresh daemon subprocess: (client, the daemon's state dir)."""
+    with daemon(*flags) as (address, state), kvstash.Client(address) as client:
+        yield client, state
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     started = time.perf_counter()
     result = fn()
@@ -67,8 +86,9 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 def llama(n_ctx: int, threads: int) -> Any:
     from llama_cpp import Llama
 
-    return Llama(str(default_model_path()), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                 verbose=False)
+    return Llama(
+        str(default_model_path()), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
 
 
 def table(rows: list[tuple[str, ...]]) -> None:
@@ -85,18 +105,17 @@ def table(rows: list[tuple[str, ...]]) -> None:
 def bench_generate(args: argparse.Namespace) -> None:
     n = args.tokens
     prompt = STORY * 4
-    with daemon("--slots", "1", "--threads", str(args.threads)) as (address, _):
-        with kvstash.Client(address) as client:
-            rates = []
-            for _ in range(args.repeat):
-                s = client.create_session(sampling=SamplingParams(temperature=0.0))
-                s.complete(prompt, max_tokens=1)  # prefill outside the timing
-                started = time.perf_counter()
-                got = 0
-                for chunk in s.generate("", max_tokens=n):
-                    got += len(chunk.token_ids)
-                rates.append(got / (time.perf_counter() - started))
-                s.close()
+    with connected("--slots", "1", "--threads", str(args.threads)) as (client, _):
+        rates = []
+        for _ in range(args.repeat):
+            s = client.create_session(sampling=SamplingParams(temperature=0.0))
+            s.complete(prompt, max_tokens=1)  # prefill outside the timing
+            started = time.perf_counter()
+            got = 0
+            for chunk in s.generate("", max_tokens=n):
+                got += len(chunk.token_ids)
+            rates.append(got / (time.perf_counter() - started))
+            s.close()
     kv_rate = statistics.median(rates)
     llm = llama(2048, args.threads)
     rates = []
@@ -109,11 +128,13 @@ def bench_generate(args: argparse.Namespace) -> None:
             got += 1 if part["choices"][0]["text"] is not None else 0
         rates.append(got / (time.perf_counter() - started))
     lc_rate = statistics.median(rates)
-    table([
-        ("path", "tokens/s (median of %d)" % args.repeat, "ratio"),
-        ("kvstash SDK, one session (streamed)", f"{kv_rate:.1f}", f"{kv_rate / lc_rate:.2f}x"),
-        ("llama-cpp-python create_completion", f"{lc_rate:.1f}", "1.00x"),
-    ])
+    table(
+        [
+            ("path", f"tokens/s (median of {args.repeat})", "ratio"),
+            ("kvstash SDK, one session (streamed)", f"{kv_rate:.1f}", f"{kv_rate / lc_rate:.2f}x"),
+            ("llama-cpp-python create_completion", f"{lc_rate:.1f}", "1.00x"),
+        ]
+    )
 
 
 # ---- checkpoint -------------------------------------------------------------------------------
@@ -122,27 +143,33 @@ def bench_generate(args: argparse.Namespace) -> None:
 def bench_checkpoint(args: argparse.Namespace) -> None:
     text = STORY * (args.tokens // 20)
     sp = SamplingParams(temperature=0.0)
-    with daemon("--slots", "4", "--ctx-per-session", "4096", "--threads", str(args.threads),
-                "--codec", args.codec) as (address, state_dir):
-        with kvstash.Client(address) as client:
-            s = client.create_session(sampling=sp, persistent=False)
-            prefill, done = timed(lambda: s.complete(text, max_tokens=1))
-            n = done.usage.prompt_tokens if done.usage else 0
-            full_s, full = timed(lambda: s.checkpoint("full"))
-            s.complete(STORY * 3 + STORY[:40], max_tokens=1)
-            delta_s, delta = timed(lambda: s.checkpoint("delta"))
-            restores = []
-            for _ in range(args.repeat):
-                def restore_first() -> None:
-                    s.restore(full.checkpoint_id)
-                    next(iter(s.generate("", max_tokens=1)))
+    flags = (
+        "--slots",
+        "4",
+        "--ctx-per-session",
+        "4096",
+        "--threads",
+        str(args.threads),
+        "--codec",
+        args.codec,
+    )
+    with connected(*flags) as (client, _):
+        s = client.create_session(sampling=sp, persistent=False)
+        prefill, done = timed(lambda: s.complete(text, max_tokens=1))
+        n = done.usage.prompt_tokens if done.usage else 0
+        full_s, full = timed(lambda: s.checkpoint("full"))
+        s.complete(STORY * 3 + STORY[:40], max_tokens=1)
+        delta_s, delta = timed(lambda: s.checkpoint("delta"))
+        restores = []
+        for _ in range(args.repeat):
 
-                restores.append(timed(restore_first)[0])
-            restore = statistics.median(restores)
-            info = client.info()
-            s.close()
-        blocks = sum(p.stat().st_size for p in (state_dir / "blocks").rglob("*") if p.is_file())
-    del blocks
+            def restore_first() -> None:
+                s.restore(full.checkpoint_id)
+                next(iter(s.generate("", max_tokens=1)))
+
+            restores.append(timed(restore_first)[0])
+        restore = statistics.median(restores)
+        s.close()
     llm = llama(4096, args.threads)
     ids = llm.tokenize(text.encode())[:n]
     llm.reset()
@@ -151,20 +178,31 @@ def bench_checkpoint(args: argparse.Namespace) -> None:
     load_s, _ = timed(lambda: llm.load_state(saved))
     raw_kv = n * 23040
     per_token = full.bytes_referenced / max(full.n_tokens, 1)
-    table([
-        ("measure (%d-token session)" % n, "value", "vs re-prefill"),
-        ("re-prefill from text + first token", f"{prefill * 1e3:.0f} ms", "1x"),
-        ("llama-cpp-python Llama.save_state", f"{save_s * 1e3:.0f} ms", ""),
-        ("llama-cpp-python Llama.load_state", f"{load_s * 1e3:.0f} ms", f"{prefill / load_s:.0f}x"),
-        ("kvstash checkpoint (full)", f"{full_s * 1e3:.0f} ms, {full.bytes_written / 1e6:.1f} MB", ""),
-        ("kvstash restore + first token (median of %d)" % args.repeat, f"{restore * 1e3:.1f} ms",
-         f"{prefill / restore:.0f}x ({load_s / restore:.0f}x vs load_state)"),
-        ("kvstash checkpoint after 64 more tokens", f"{delta_s * 1e3:.0f} ms, {delta.bytes_written / 1e6:.2f} MB",
-         f"{100 * delta.bytes_written / full.bytes_written:.1f}% of full"),
-        ("bytes/token on disk (codec %s)" % args.codec, f"{per_token:.0f}",
-         f"raw f16 KV {raw_kv // max(n, 1)} B/token: ratio {raw_kv / max(full.bytes_referenced, 1):.3f}"),
-    ])
-    del info
+    table(
+        [
+            (f"measure ({n}-token session)", "value", "vs re-prefill"),
+            ("re-prefill from text + first token", f"{prefill * 1e3:.0f} ms", "1x"),
+            ("llama-cpp-python Llama.save_state", f"{save_s * 1e3:.0f} ms", ""),
+            ("llama-cpp-python Llama.load_state", f"{load_s * 1e3:.0f} ms", f"{prefill / load_s:.0f}x"),
+            ("kvstash checkpoint (full)", f"{full_s * 1e3:.0f} ms, {full.bytes_written / 1e6:.1f} MB", ""),
+            (
+                f"kvstash restore + first token (median of {args.repeat})",
+                f"{restore * 1e3:.1f} ms",
+                f"{prefill / restore:.0f}x ({load_s / restore:.0f}x vs load_state)",
+            ),
+            (
+                "kvstash checkpoint after 64 more tokens",
+                f"{delta_s * 1e3:.0f} ms, {delta.bytes_written / 1e6:.2f} MB",
+                f"{100 * delta.bytes_written / full.bytes_written:.1f}% of full",
+            ),
+            (
+                f"bytes/token on disk (codec {args.codec})",
+                f"{per_token:.0f}",
+                f"raw f16 KV {raw_kv // max(n, 1)} B/token: "
+                f"ratio {raw_kv / max(full.bytes_referenced, 1):.3f}",
+            ),
+        ]
+    )
 
 
 # ---- sessions ---------------------------------------------------------------------------------
@@ -191,7 +229,7 @@ def raw_decode_rates(counts: list[int], steps: int, threads: int) -> dict[int, f
     for count in counts:
         L.llama_memory_clear(mem, True)
 
-        def fill(pos0: int, length: int) -> None:
+        def fill(pos0: int, length: int, count: int = count) -> None:
             k = 0
             for seq in range(count):
                 for i in range(length):
@@ -223,32 +261,41 @@ def bench_sessions(args: argparse.Namespace) -> None:
     steps = args.tokens
     raw = raw_decode_rates(counts, steps, args.threads)
     rates: dict[int, float] = {}
-    with daemon("--slots", "8", "--ctx-per-session", "512", "--threads", str(args.threads)) as (address, _):
-        with kvstash.Client(address) as client:
-            for count in counts:
-                sessions = [client.create_session(sampling=SamplingParams(temperature=0.0)) for _ in range(count)]
-                for s in sessions:
-                    s.complete(STORY, max_tokens=1)
-                totals = [0] * count
+    with connected("--slots", "8", "--ctx-per-session", "512", "--threads", str(args.threads)) as (client, _):
+        for count in counts:
+            sessions = [client.create_session(sampling=SamplingParams(temperature=0.0)) for _ in range(count)]
+            for s in sessions:
+                s.complete(STORY, max_tokens=1)
+            totals = [0] * count
 
-                def run(i: int) -> None:
-                    for chunk in sessions[i].generate("", max_tokens=steps):
-                        totals[i] += len(chunk.token_ids)
+            def run(i: int, sessions: list[kvstash.Session] = sessions, totals: list[int] = totals) -> None:
+                for chunk in sessions[i].generate("", max_tokens=steps):
+                    totals[i] += len(chunk.token_ids)
 
-                threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-                started = time.perf_counter()
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                rates[count] = sum(totals) / (time.perf_counter() - started)
-                for s in sessions:
-                    s.close()
-    rows = [("concurrent sessions", "kvstash tok/s", "speed-up", "raw llama_decode tok/s", "speed-up",
-             "kvstash / raw speed-up")]
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+            started = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            rates[count] = sum(totals) / (time.perf_counter() - started)
+            for s in sessions:
+                s.close()
+    rows = [
+        (
+            "concurrent sessions",
+            "kvstash tok/s",
+            "speed-up",
+            "raw llama_decode tok/s",
+            "speed-up",
+            "kvstash / raw speed-up",
+        )
+    ]
     for c in counts:
         ks, rs = rates[c] / rates[1], raw[c] / raw[1]
-        rows.append((str(c), f"{rates[c]:.1f}", f"{ks:.2f}x", f"{raw[c]:.1f}", f"{rs:.2f}x", f"{100 * ks / rs:.0f}%"))
+        rows.append(
+            (str(c), f"{rates[c]:.1f}", f"{ks:.2f}x", f"{raw[c]:.1f}", f"{rs:.2f}x", f"{100 * ks / rs:.0f}%")
+        )
     table(rows)
     print()
     swap_turns(args)
@@ -257,40 +304,60 @@ def bench_sessions(args: argparse.Namespace) -> None:
 def swap_turns(args: argparse.Namespace) -> None:
     n_sessions, n_tokens, rounds = args.sessions, args.context, args.rounds
     text = STORY * (n_tokens // 20)
-    flags = ("--slots", "4", "--ctx-per-session", "4096", "--threads", str(args.threads),
-             "--ram-cache", str(8 << 30))
-    with daemon(*flags) as (address, _):
-        with kvstash.Client(address) as client:
-            sessions = []
-            prefills = []
-            for _ in range(n_sessions):
-                s = client.create_session(sampling=SamplingParams(temperature=0.0))
-                prefills.append(timed(lambda s=s: s.complete(text, max_tokens=1))[0])
-                sessions.append(s)
-            turns = []
-            for _ in range(rounds):
-                for s in sessions:
-                    def turn(s: kvstash.Session = s) -> None:
-                        next(iter(s.generate(" And then", max_tokens=1)))
-
-                    turns.append(timed(turn)[0])
-            info = client.info()
+    flags = (
+        "--slots",
+        "4",
+        "--ctx-per-session",
+        "4096",
+        "--threads",
+        str(args.threads),
+        "--ram-cache",
+        str(8 << 30),
+    )
+    with daemon(*flags) as (address, _), kvstash.Client(address) as client:
+        sessions = []
+        prefills = []
+        for _ in range(n_sessions):
+            s = client.create_session(sampling=SamplingParams(temperature=0.0))
+            prefills.append(timed(lambda s=s: s.complete(text, max_tokens=1))[0])
+            sessions.append(s)
+        turns = []
+        for _ in range(rounds):
             for s in sessions:
-                s.close()
+
+                def turn(s: kvstash.Session = s) -> None:
+                    next(iter(s.generate(" And then", max_tokens=1)))
+
+                turns.append(timed(turn)[0])
+        info = client.info()
+        for s in sessions:
+            s.close()
     prefill = statistics.median(prefills)
     med = statistics.median(turns)
     p95 = statistics.quantiles(turns, n=20)[18]
-    table([
-        (f"{n_sessions} sessions x ~{n_tokens} tokens, --slots 4, round-robin", "latency", "vs re-prefill"),
-        ("re-prefill of one session's context (median)", f"{prefill * 1e3:.0f} ms", "1x"),
-        ("turn to first token, median", f"{med * 1e3:.1f} ms", f"{prefill / med:.0f}x"),
-        ("turn to first token, p95", f"{p95 * 1e3:.1f} ms", f"{prefill / p95:.0f}x"),
-        ("swap-ins (mean)", f"{info.swap_ins} ({1e3 * info.swap_in_seconds_total / max(info.swap_ins, 1):.1f} ms)", ""),
-    ])
+    table(
+        [
+            (
+                f"{n_sessions} sessions x ~{n_tokens} tokens, --slots 4, round-robin",
+                "latency",
+                "vs re-prefill",
+            ),
+            ("re-prefill of one session's context (median)", f"{prefill * 1e3:.0f} ms", "1x"),
+            ("turn to first token, median", f"{med * 1e3:.1f} ms", f"{prefill / med:.0f}x"),
+            ("turn to first token, p95", f"{p95 * 1e3:.1f} ms", f"{prefill / p95:.0f}x"),
+            (
+                "swap-ins (mean)",
+                f"{info.swap_ins} ({1e3 * info.swap_in_seconds_total / max(info.swap_ins, 1):.1f} ms)",
+                "",
+            ),
+        ]
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     sub = parser.add_subparsers(dest="what", required=True)
     g = sub.add_parser("generate")

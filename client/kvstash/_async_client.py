@@ -307,20 +307,14 @@ class AsyncSession:
 
     async def restore(self, checkpoint_id: str) -> SessionInfo:
         """Put the session back in the state a checkpoint saved."""
-        request = pb.RestoreCheckpointRequest(
-            session_id=self.session_id, checkpoint_id=checkpoint_id
-        )
+        request = pb.RestoreCheckpointRequest(session_id=self.session_id, checkpoint_id=checkpoint_id)
         response = await self.client._unary(self.client._stub.RestoreCheckpoint, request)
         return session_info_from_pb(response.session)
 
-    async def fork(
-        self, checkpoint_id: str | None = None, *, persistent: bool = False
-    ) -> AsyncSession:
+    async def fork(self, checkpoint_id: str | None = None, *, persistent: bool = False) -> AsyncSession:
         """A new session copied from this one's current state, or from ``checkpoint_id``."""
         if checkpoint_id is not None:
-            return await self.client.fork_session(
-                checkpoint_id=checkpoint_id, persistent=persistent
-            )
+            return await self.client.fork_session(checkpoint_id=checkpoint_id, persistent=persistent)
         return await self.client.fork_session(self.session_id, persistent=persistent)
 
 

@@ -183,8 +183,7 @@ class Client:
         """Load an exported checkpoint into the daemon's store."""
         with open_source(path_or_file) as f:
             requests = (
-                pb.ImportCheckpointRequest(data=data)
-                for data in iter(partial(f.read, CHUNK_BYTES), b"")
+                pb.ImportCheckpointRequest(data=data) for data in iter(partial(f.read, CHUNK_BYTES), b"")
             )
             try:
                 response = self._stub.ImportCheckpoint(requests)
@@ -295,9 +294,7 @@ class Session:
     ) -> Completion:
         """Like chat_stream, but waits for the whole reply."""
         return join_chunks(
-            self.chat_stream(
-                message, max_tokens=max_tokens, stop=stop, sampling=sampling, logprobs=logprobs
-            )
+            self.chat_stream(message, max_tokens=max_tokens, stop=stop, sampling=sampling, logprobs=logprobs)
         )
 
     def info(self) -> SessionInfo:
@@ -328,9 +325,7 @@ class Session:
 
     def restore(self, checkpoint_id: str) -> SessionInfo:
         """Put the session back in the state a checkpoint saved."""
-        request = pb.RestoreCheckpointRequest(
-            session_id=self.session_id, checkpoint_id=checkpoint_id
-        )
+        request = pb.RestoreCheckpointRequest(session_id=self.session_id, checkpoint_id=checkpoint_id)
         response = self.client._unary(self.client._stub.RestoreCheckpoint, request)
         return session_info_from_pb(response.session)
 

@@ -80,9 +80,7 @@ def _sampling_options(f: _F) -> _F:
 
 
 def _max_tokens_option(f: _F) -> _F:
-    return click.option(
-        "--max-tokens", type=click.IntRange(min=1), help="Stop the reply after N tokens."
-    )(f)
+    return click.option("--max-tokens", type=click.IntRange(min=1), help="Stop the reply after N tokens.")(f)
 
 
 def _sampling(temperature: float | None, seed: int | None) -> SamplingParams | None:
@@ -170,9 +168,7 @@ def _reply(
     metavar="TARGET",
     help="Daemon address, host:port or unix:PATH.  [default: 127.0.0.1:50051]",
 )
-@click.option(
-    "--timeout", type=float, metavar="SECONDS", help="Deadline of each call that is not a stream."
-)
+@click.option("--timeout", type=float, metavar="SECONDS", help="Deadline of each call that is not a stream.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @click.version_option(__version__, prog_name="kvstash")
 @click.pass_context
@@ -367,9 +363,7 @@ def session_close(state: _State, session_id: str) -> None:
 @click.option("--checkpoint", "checkpoint_id", help="Fork this checkpoint, not the current state.")
 @click.option("--persistent", is_flag=True, help="Keep the new session across daemon restarts.")
 @click.pass_obj
-def session_fork(
-    state: _State, session_id: str, checkpoint_id: str | None, persistent: bool
-) -> None:
+def session_fork(state: _State, session_id: str, checkpoint_id: str | None, persistent: bool) -> None:
     """Copy a session into a new one and print the new id."""
     fork = Session(state.client(), session_id).fork(checkpoint_id, persistent=persistent)
     if state.as_json:
