@@ -10,6 +10,8 @@ import os
 import secrets
 import shutil
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -130,8 +132,9 @@ def build_server(
 class Daemon:
     """The whole daemon, startable and stoppable from any event loop (tests use this)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
+        self.clock = clock
         self.engine = Engine(engine_config(settings))
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -150,7 +153,7 @@ class Daemon:
         try:
             stores = checkpoint_stores(settings, info, fp)
             await asyncio.to_thread(stores.durable.sweep, settings.disk_budget)
-            manager = SessionManager(self.engine, settings, stores)
+            manager = SessionManager(self.engine, settings, stores, clock=self.clock)
             await manager.start()
             self.manager = manager
             self._sweeper = asyncio.create_task(manager.run_sweeper())
