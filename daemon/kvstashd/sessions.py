@@ -208,8 +208,18 @@ class SessionManager:
         """Save every persistent session that changed since its last save."""
         for session in list(self.sessions.values()):
             if session.persistent and session.dirty and not session.closed:
-                async with session.lock:
+                async with self._use(session):
                     await self._save_head(session)
+
+    @contextlib.asynccontextmanager
+    async def _use(self, session: Session) -> AsyncIterator[None]:
+        """Hold a session's lock; on release, wake requests waiting for a slot, since the
+        session may now give its slot up."""
+        try:
+            async with session.lock:
+                yield
+        finally:
+            self._slot_freed.set()
 
     async def _engine(self, fn: Callable[[Engine], T]) -> T:
         return await asyncio.wrap_future(self.engine.call(fn))
@@ -285,7 +295,7 @@ class SessionManager:
         session.closed = True
         if session.job is not None:
             session.job.cancelled = True
-        async with session.lock:
+        async with self._use(session):
             await self._release_slot(session, park=False)
             await self._drop_cold(session)
             session.parked = None
@@ -300,7 +310,7 @@ class SessionManager:
     async def rewind(self, session_id: str, n_tokens: int) -> Session:
         """Keep the first n_tokens tokens of history; the session continues from there."""
         session = self.get(session_id)
-        async with session.lock:
+        async with self._use(session):
             state = session.state
             if not 0 <= n_tokens <= len(state.tokens):
                 raise InvalidRequest(f"n_tokens must be in [0, {len(state.tokens)}], got {n_tokens}")
@@ -340,7 +350,7 @@ class SessionManager:
         session = self.get(session_id)
         if len(label) > MAX_LABEL:
             raise InvalidRequest(f"labels have at most {MAX_LABEL} characters")
-        async with session.lock:
+        async with self._use(session):
             self._check_open(session)
             snap, cells = await self._snapshot(session, label)
             store = self.store_of(session)
@@ -365,7 +375,7 @@ class SessionManager:
         """Roll the session back to a checkpoint. Returns (session, KV re-evaluated)."""
         session = self.get(session_id)
         store = self._find(checkpoint_id)
-        async with session.lock:
+        async with self._use(session):
             self._check_open(session)
             loaded = await asyncio.to_thread(store.load, checkpoint_id, self.clock())
             await self._release_slot(session, park=False)
@@ -387,7 +397,7 @@ class SessionManager:
             snap, cells, reprefill = loaded.snapshot, loaded.cells, loaded.reprefill
         else:
             source = self.get(session_id)
-            async with source.lock:
+            async with self._use(source):
                 self._check_open(source)
                 snap, cells = await self._snapshot(source, "")
         child = self._new_session(snap.params, snap.stop, persistent)
@@ -513,7 +523,7 @@ class SessionManager:
             if not idle:
                 return
             victim = min(idle, key=lambda s: s.last_used_at)
-            async with victim.lock:
+            async with self._use(victim):
                 await self._spill(victim)
 
     async def _spill(self, session: Session) -> None:
@@ -619,7 +629,7 @@ class SessionManager:
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
         request = self._request(max_tokens, sampling, session, stop, logprobs)
-        async with session.lock:
+        async with self._use(session):
             self._check_open(session)
             if prompt:
                 tokens = await self._tokenize(
@@ -649,7 +659,7 @@ class SessionManager:
         if not message:
             raise InvalidRequest("the message is empty")
         request = self._request(max_tokens, sampling, session, stop, logprobs)
-        async with session.lock:
+        async with self._use(session):
             self._check_open(session)
             state = session.state
             user = ChatMessage("user", message, len(state.tokens))
@@ -795,7 +805,7 @@ class SessionManager:
                 victim = self._eviction_victim()
                 if victim is not None:
                     # Under the victim's lock, so a request for it waits until it is parked.
-                    async with victim.lock:
+                    async with self._use(victim):
                         await self._release_slot(victim, park=True)
                     await self._enforce_ram(keep=session)
                     continue
