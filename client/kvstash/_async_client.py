@@ -285,7 +285,7 @@ class AsyncSession:
         return session_info_from_pb(response.session)
 
     async def close(self) -> None:
-        """End the session; its checkpoints stay."""
+        """End the session: its history, head and checkpoints are deleted (export first to keep one)."""
         request = pb.CloseSessionRequest(session_id=self.session_id)
         await self.client._unary(self.client._stub.CloseSession, request)
 

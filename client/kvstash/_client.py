@@ -304,7 +304,7 @@ class Session:
         return session_info_from_pb(response.session)
 
     def close(self) -> None:
-        """End the session; its checkpoints stay."""
+        """End the session: its history, head and checkpoints are deleted (export first to keep one)."""
         request = pb.CloseSessionRequest(session_id=self.session_id)
         self.client._unary(self.client._stub.CloseSession, request)
 

@@ -352,7 +352,7 @@ def session_show(state: _State, session_id: str) -> None:
 @click.argument("session_id")
 @click.pass_obj
 def session_close(state: _State, session_id: str) -> None:
-    """Close a session; its checkpoints stay."""
+    """Close a session: its history, head and checkpoints are deleted."""
     Session(state.client(), session_id).close()
     if state.as_json:
         _echo_json({"session_id": session_id, "closed": True})

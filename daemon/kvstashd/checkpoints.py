@@ -85,6 +85,7 @@ class CheckpointStore:
         kind: str,
         now: float,
         head_of: str | None = None,
+        foreign_layout: str | None = None,
     ) -> tuple[CheckpointRow, Snapshot]:
         """Write the snapshot's missing blocks, then commit its manifest. Returns the row
         and the snapshot as stored (with its block keys)."""
@@ -107,7 +108,7 @@ class CheckpointStore:
                 snap,
                 n_kv=n_kv,
                 blocks=keys,
-                kv_layout=self.layout_desc if n_kv else None,
+                kv_layout=self.layout_desc if n_kv else foreign_layout,
                 saved_at=now,
                 fingerprint=self.fingerprint,
             )
@@ -166,7 +167,7 @@ class CheckpointStore:
                 f"the checkpoint was made with another model ({snap.fingerprint[:12]}, "
                 f"this daemon runs {self.fingerprint[:12]})"
             )
-        if snap.n_kv == 0 or snap.kv_layout is None:
+        if snap.kv_layout is None:
             return None, False
         if snap.kv_layout != self.layout_desc:
             theirs = snap.kv_layout.split(";", 1)
@@ -182,18 +183,33 @@ class CheckpointStore:
                 f"the checkpoint's KV layout ({snap.kv_layout}) differs from this daemon's "
                 f"({self.layout_desc}): another --kv-type or engine mode"
             )
+        if snap.n_kv == 0:
+            return None, False
         assert self.layout is not None
         if self._chain(snap.tokens[: snap.n_kv], snap.block_tokens) != snap.blocks:
             raise CorruptCheckpoint("the checkpoint's block keys do not follow from its tokens")
         counts = _counts(snap.n_kv, snap.block_tokens)
-        payloads = []
-        for key, count in zip(snap.blocks, counts, strict=True):
-            try:
-                data = read(key)
-            except KeyError:
-                raise CorruptCheckpoint(f"a KV block of the checkpoint is missing ({key[:12]})") from None
-            payloads.append(blk.unframe(data, count * self.layout.cell_bytes))
+        payloads = [
+            self._block(key, count * self.layout.cell_bytes, read)
+            for key, count in zip(snap.blocks, counts, strict=True)
+        ]
         return kvstate.join(self.layout, payloads, counts), False
+
+    def _block(self, key: str, size: int, read: Callable[[str], bytes]) -> bytes | memoryview:
+        """One block's checked payload. A damaged block of this store is removed, so that
+        the next checkpoint holding those tokens writes it again instead of reusing it."""
+        try:
+            data = read(key)
+        except KeyError:
+            raise CorruptCheckpoint(f"a KV block of the checkpoint is missing ({key[:12]})") from None
+        try:
+            return blk.unframe(data, size)
+        except CorruptCheckpoint:
+            if read == self.store.get:
+                log.error("removing damaged block %s", key)
+                with self._lock:
+                    self.store.delete(key)
+            raise
 
     # ---- delete and sweep -------------------------------------------------------------------
 
@@ -242,11 +258,10 @@ class CheckpointStore:
 
         yield from emit(EXPORT_MAGIC)
         yield from emit(_REC.pack(1, len(data)) + data)
-        for key in snap.blocks:
-            try:
-                block = self.store.get(key)
-            except KeyError:
-                raise CorruptCheckpoint(f"a KV block of the checkpoint is missing ({key[:12]})") from None
+        cell_bytes = self.layout.cell_bytes if self.layout else 0
+        for key, count in zip(snap.blocks, _counts(snap.n_kv, snap.block_tokens), strict=True):
+            self._block(key, count * cell_bytes, self.store.get)  # never ship a damaged block
+            block = self.store.get(key)
             yield from emit(_REC.pack(2, 64 + len(block)) + key.encode() + block)
         final = out.getvalue() + _REC.pack(0, 32) + digest.digest()
         for at in range(0, len(final), EXPORT_CHUNK):
@@ -292,9 +307,12 @@ class CheckpointStore:
         snap = mf.decode(manifest, None, self.n_vocab)
         if set(found) != set(snap.blocks):
             raise CorruptCheckpoint("the checkpoint export's blocks do not match its manifest")
-        cells, _ = self._cells(snap, found.__getitem__)
+        cells, reprefill = self._cells(snap, found.__getitem__)
         snap = replace(snap, session_id="", persistent=True)
-        return self.save(snap, cells, kind="imported", now=now)[0]
+        # KV of another llama.cpp state version is not kept; its layout is, so that a
+        # restore says it re-evaluates the tokens.
+        foreign = snap.kv_layout if reprefill else None
+        return self.save(snap, cells, kind="imported", now=now, foreign_layout=foreign)[0]
 
 
 def _counts(n: int, block_tokens: int) -> list[int]:

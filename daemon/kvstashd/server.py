@@ -15,7 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lack it
 from grpc_reflection.v1alpha import reflection
 
 from kvstash.v1 import kvstash_pb2 as pb
@@ -97,7 +98,7 @@ def checkpoint_stores(settings: Settings, info: ModelInfo, fp: str) -> Stores:
 
 def build_server(
     settings: Settings, service: KvStashService
-) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
+) -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
     """A gRPC server with the service, health and reflection, bound but not started.
 
     Returns (server, health servicer, bound port; 0 for a unix socket).
@@ -111,7 +112,7 @@ def build_server(
         ]
     )
     pb_grpc.add_KvStashServicer_to_server(service, server)
-    health_servicer = health.HealthServicer()
+    health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (
@@ -121,8 +122,6 @@ def build_server(
         ),
         server,
     )
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     port = server.add_insecure_port(settings.address)
     if port == 0 and not settings.address.startswith("unix:"):
         raise OSError(f"cannot listen on {settings.address}")
@@ -138,7 +137,7 @@ class Daemon:
         self.engine = Engine(engine_config(settings))
         self.port = 0
         self._server: grpc.aio.Server | None = None
-        self._health: health.HealthServicer | None = None
+        self._health: health_aio.HealthServicer | None = None
         self._service: KvStashService | None = None
         self.manager: SessionManager | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -163,7 +162,7 @@ class Daemon:
         except BaseException:
             self.engine.stop()
             raise
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "serving %s (%s) on %s: %d slots x %d tokens, %s mode",
             info.description,
@@ -184,7 +183,9 @@ class Daemon:
     async def stop(self) -> None:
         """Health NOT_SERVING, refuse new work, drain for the grace period, free the model."""
         log.info("shutting down")
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._health is not None:
+            # NOT_SERVING for every service, and Watch streams told and ended.
+            await self._health.enter_graceful_shutdown()
         if self._service is not None:
             self._service.accepting = False
         if self._server is not None:
@@ -198,10 +199,10 @@ class Daemon:
         self.engine.stop()
         log.info("stopped")
 
-    def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
         if self._health is not None:
             for name in ("", SERVICE_NAME):
-                self._health.set(name, status)
+                await self._health.set(name, status)
 
 
 async def serve(settings: Settings, ready_file: Path | None = None) -> None:
