@@ -82,6 +82,8 @@ class ModelInfo:
     # None when this model's sequence state is not one state.py can parse: sessions then
     # checkpoint their token history only and restore by evaluating it again.
     kv_layout: kvstate.KvLayout | None
+    # Logits do not depend on how a session's tokens were batched (see _probe_exact).
+    exact: bool
 
 
 @dataclass
@@ -359,26 +361,61 @@ class Engine:
             eos_token=int(llama.llama_vocab_eos(self._vocab)),
             add_bos=bool(llama.llama_vocab_get_add_bos(self._vocab)),
             kv_layout=self._probe_layout(),
+            exact=self._probe_exact(),
         )
+
+    def _decode_probe(self, tokens: Sequence[int], start: int, want_last: bool) -> Logits | None:
+        """Decode tokens at positions start.. in slot 0; the last row if asked (probes only)."""
+        batch = self._batch
+        for k, token in enumerate(tokens):
+            batch.token[k] = token
+            batch.pos[k] = start + k
+            batch.n_seq_id[k] = 1
+            batch.seq_id[k][0] = 0
+            batch.logits[k] = 0
+        batch.logits[len(tokens) - 1] = int(want_last)
+        batch.n_tokens = len(tokens)
+        if llama.llama_decode(self._ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed while probing the engine")
+        if not want_last:
+            return None
+        n_vocab = int(llama.llama_vocab_n_tokens(self._vocab))
+        ptr = llama.llama_get_logits_ith(self._ctx, len(tokens) - 1)
+        return np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy()
 
     def _probe_layout(self) -> kvstate.KvLayout | None:
         """Learn the KV layout from a real one-token state of slot 0, then clear it."""
-        batch = self._batch
-        batch.token[0] = int(llama.llama_vocab_bos(self._vocab))
-        batch.pos[0] = 0
-        batch.n_seq_id[0] = 1
-        batch.seq_id[0][0] = 0
-        batch.logits[0] = 0
-        batch.n_tokens = 1
         try:
-            if llama.llama_decode(self._ctx, batch) != 0:
-                return None
+            self._decode_probe([int(llama.llama_vocab_bos(self._vocab))], 0, False)
             return kvstate.parse(self._state_bytes(0)).layout
         except kvstate.StateFormatError as e:
             log.warning("KV checkpoints are off for this model: %s", e)
             return None
         finally:
             self.clear_slot(0)
+
+    def _probe_exact(self) -> bool:
+        """Whether a token evaluated alone gets the same logits as inside a prompt chunk.
+
+        Sampling, resumes and restores by re-evaluation are bit-exact only then. It fails
+        with llama.cpp's tinyBLAS (GGML_LLAMAFILE) kernels, which serve products of 2+
+        columns only, and in the compact modes.
+        """
+        n_vocab = int(llama.llama_vocab_n_tokens(self._vocab))
+        tokens = [int(t) for t in np.random.default_rng(0).integers(0, n_vocab, 45)]
+        try:
+            # Several lengths: tiled kernels differ from one another only at some sizes.
+            for n in (37, 41, 45):
+                chunk = self._decode_probe(tokens[:n], 0, True)
+                self.clear_slot(0)
+                self._decode_probe(tokens[: n - 1], 0, False)
+                alone = self._decode_probe(tokens[n - 1 : n], n - 1, True)
+                self.clear_slot(0)
+                if chunk is None or alone is None or not np.array_equal(chunk, alone):
+                    return False
+        finally:
+            self.clear_slot(0)
+        return True
 
     def _unload(self) -> None:
         if self._batch is not None:

@@ -162,6 +162,12 @@ class Daemon:
         except BaseException:
             self.engine.stop()
             raise
+        if settings.exact and not info.exact:
+            log.warning(
+                "this llama.cpp build evaluates a token alone differently from inside a prompt "
+                "chunk (built with GGML_LLAMAFILE?): generation is deterministic, but restores "
+                "by re-evaluation are not bit-exact; scripts/setup builds it without"
+            )
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "serving %s (%s) on %s: %d slots x %d tokens, %s mode",
@@ -170,7 +176,7 @@ class Daemon:
             self.address,
             settings.slots,
             info.n_ctx_seq,
-            "exact" if settings.exact else "compact",
+            "exact" if settings.exact and info.exact else "compact",
         )
         return self.port
 
