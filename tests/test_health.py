@@ -9,13 +9,14 @@ import time
 from collections.abc import Callable
 
 import grpc
-import kvstash
 import pytest
 from daemons import NOT_SERVING, SERVICE_NAME, SERVING, DaemonProcess, health_status
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+
+import kvstash
 
 
 def test_subprocess_serves_health_and_reflection_and_stops_on_sigterm(
@@ -50,6 +51,8 @@ def test_subprocess_serves_health_and_reflection_and_stops_on_sigterm(
 def test_health_watch_sees_not_serving_and_the_daemon_still_exits(
     spawn_daemon: Callable[..., DaemonProcess],
 ) -> None:
+    """Regression: with the synchronous grpc_health servicer on the grpc.aio server, a Watch
+    call parked a default-executor thread forever and the daemon hung after "stopped"."""
     proc = spawn_daemon()
     with grpc.insecure_channel(proc.address) as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(

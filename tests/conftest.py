@@ -1,0 +1,108 @@
+"""Fixtures: real kvstash daemons on the real default model.
+
+- ``daemon``: one in-process daemon for the whole run (slots=4, ctx_per_session=1024); share
+  it wherever a test does not need special settings.
+- ``client``: a ``kvstash.Client`` connected to it.
+- ``start_daemon(**settings)``: an extra in-process daemon with other settings, stopped when
+  the test ends.
+- ``spawn_daemon(*args)``: ``python -m kvstashd`` as a subprocess (DaemonProcess), for signals,
+  kill -9 and restarts; its log is attached to the report of a failing test.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemons import DaemonProcess, InProcessDaemon
+
+import kvstash
+
+_counter = itertools.count()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Attach the logs of the test's subprocess daemons to its report when it fails."""
+    report = yield
+    if report.failed:
+        for proc in getattr(item, "_kvstash_daemon_processes", ()):
+            report.sections.append((f"kvstash daemon log ({proc.log_path})", proc.log()))
+    return report
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessDaemon]:
+    """The shared daemon: slots=4, ctx_per_session=1024, threads=1."""
+    d = InProcessDaemon.with_settings(tmp_path_factory.mktemp("state"))
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture(scope="session")
+def daemon_address(daemon: InProcessDaemon) -> str:
+    return daemon.address
+
+
+@pytest.fixture
+def client(daemon_address: str) -> Iterator[kvstash.Client]:
+    with kvstash.Client(daemon_address, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture
+def start_daemon(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[..., InProcessDaemon]]:
+    """A factory of extra in-process daemons: ``start_daemon(slots=1, ctx_per_session=256)``."""
+    started: list[InProcessDaemon] = []
+
+    def start(**settings: Any) -> InProcessDaemon:
+        d = InProcessDaemon.with_settings(tmp_path_factory.mktemp("state"), **settings)
+        started.append(d)
+        return d
+
+    yield start
+    for d in reversed(started):
+        d.stop()
+
+
+@pytest.fixture
+def spawn_daemon(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
+    """A factory of subprocess daemons: ``spawn_daemon("--slots", "2", start=True)``.
+
+    Extra arguments go after the defaults, so they override them. ``state_dir`` lets two
+    daemons (or one, spawned again) share a state directory. Every process is stopped at the
+    end of the test, and its log is attached to the report if the test fails.
+    """
+    procs: list[DaemonProcess] = []
+    request.node._kvstash_daemon_processes = procs
+
+    def spawn(
+        *args: str,
+        state_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+        start: bool = True,
+    ) -> DaemonProcess:
+        n = next(_counter)
+        proc = DaemonProcess(
+            state_dir=state_dir or tmp_path / f"state{n}",
+            log_path=tmp_path / f"daemon{n}.log",
+            args=args,
+            env=env,
+        )
+        procs.append(proc)
+        if start:
+            proc.start()
+        return proc
+
+    yield spawn
+    for proc in procs:
+        proc.close()

@@ -1,0 +1,390 @@
+"""The client and CLI without a daemon: error mapping, conversions, and a fake in-process server."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from click.testing import CliRunner
+
+import kvstash
+from kvstash import _convert as conv
+from kvstash._errors import from_rpc_error
+from kvstash.cli import main
+from kvstash.v1 import kvstash_pb2 as pb
+from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str | None) -> None:
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str | None:
+        return self._details
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "cls"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, kvstash.InvalidRequestError),
+        (grpc.StatusCode.NOT_FOUND, kvstash.NotFoundError),
+        (grpc.StatusCode.ALREADY_EXISTS, kvstash.AlreadyExistsError),
+        (grpc.StatusCode.OUT_OF_RANGE, kvstash.ContextFullError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, kvstash.BusyError),
+        (grpc.StatusCode.FAILED_PRECONDITION, kvstash.IncompatibleCheckpointError),
+        (grpc.StatusCode.DATA_LOSS, kvstash.CorruptCheckpointError),
+        (grpc.StatusCode.UNAUTHENTICATED, kvstash.AuthError),
+        (grpc.StatusCode.UNAVAILABLE, kvstash.UnavailableError),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, kvstash.UnavailableError),
+        (grpc.StatusCode.INTERNAL, kvstash.InternalError),
+        (grpc.StatusCode.UNKNOWN, kvstash.InternalError),
+        (grpc.StatusCode.CANCELLED, kvstash.InternalError),
+        (grpc.StatusCode.UNIMPLEMENTED, kvstash.InternalError),
+    ],
+)
+def test_status_maps_to_error_class(status: grpc.StatusCode, cls: type[Exception]) -> None:
+    error = from_rpc_error(FakeRpcError(status, "it broke"))
+    assert type(error) is cls
+    assert isinstance(error, kvstash.KvstashError)
+    assert error.code == status.name
+    assert error.message == "it broke" == str(error)
+
+
+def test_error_without_details_says_its_status() -> None:
+    assert from_rpc_error(FakeRpcError(grpc.StatusCode.NOT_FOUND, None)).message == "NOT_FOUND"
+
+
+def test_rpc_error_that_is_not_a_call_is_internal() -> None:
+    error = from_rpc_error(grpc.RpcError())
+    assert isinstance(error, kvstash.InternalError)
+    assert error.code == "UNKNOWN"
+
+
+def test_errors_made_by_hand_carry_their_class_code() -> None:
+    assert kvstash.NotFoundError("gone").code == "NOT_FOUND"
+    assert kvstash.KvstashError("x", code="ABORTED").code == "ABORTED"
+
+
+# --- conversions ------------------------------------------------------------------------------
+
+
+def test_sampling_round_trip_keeps_unset_fields_unset() -> None:
+    full = kvstash.SamplingParams(
+        temperature=0.7,
+        top_k=40,
+        top_p=0.95,
+        min_p=0.05,
+        repeat_penalty=1.1,
+        penalty_last_n=-1,
+        seed=2**63,
+    )
+    message = conv.sampling_to_pb(full)
+    assert message is not None
+    # float32 on the wire, yet the numbers come back as typed.
+    assert conv.sampling_from_pb(message) == full
+
+    partial = kvstash.SamplingParams(temperature=0.0, seed=0)
+    message = conv.sampling_to_pb(partial)
+    assert message is not None
+    assert message.HasField("temperature") and message.HasField("seed")
+    assert not message.HasField("top_k")
+    assert conv.sampling_from_pb(message) == partial
+    assert conv.sampling_to_pb(None) is None
+    assert conv.sampling_from_pb(pb.SamplingParams()) == kvstash.SamplingParams()
+
+
+def _chunk(final: bool) -> kvstash.Chunk:
+    top = (kvstash.TokenLogprob(7, " a", -0.25), kvstash.TokenLogprob(8, " b", -2.5))
+    return kvstash.Chunk(
+        text=" a",
+        token_ids=(7,),
+        logprobs=(kvstash.GeneratedToken(sampled=top[0], top=top),),
+        finish_reason="eos" if final else None,
+        usage=kvstash.Usage(5, 1, 3, 2) if final else None,
+    )
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_chunk_round_trip(final: bool) -> None:
+    chunk = _chunk(final)
+    message = conv.chunk_to_pb(chunk)
+    assert message.HasField("usage") is final
+    assert conv.chunk_from_pb(message) == chunk
+
+
+def test_every_finish_reason_round_trips() -> None:
+    for reason in ("length", "eos", "stop", "context_full", "cancelled"):
+        message = pb.GenerationChunk(finish_reason=pb.FinishReason.Value(f"FINISH_REASON_{reason.upper()}"))
+        assert conv.chunk_from_pb(message).finish_reason == reason
+
+
+def test_session_info_round_trip() -> None:
+    info = kvstash.SessionInfo(
+        session_id="s1",
+        persistent=True,
+        n_tokens=12,
+        n_ctx=2048,
+        sampling=kvstash.SamplingParams(temperature=0.5, seed=3),
+        stop=("\n\n",),
+        messages=(
+            kvstash.Message("system", "Be brief."),
+            kvstash.Message("user", "Hi"),
+            kvstash.Message("assistant", "Hello."),
+        ),
+        residency="warm",
+        created_at=1700000000.5,
+        last_used_at=1700000001.25,
+        n_checkpoints=2,
+        head_checkpoint_id=None,
+    )
+    message = conv.session_info_to_pb(info)
+    assert message.head_checkpoint_id == ""
+    assert message.residency == pb.RESIDENCY_WARM
+    assert conv.session_info_from_pb(message) == info
+    assert conv.session_info_from_pb(pb.SessionInfo(head_checkpoint_id="c1")).head_checkpoint_id == "c1"
+
+
+@pytest.mark.parametrize("label", [None, "before-tools"])
+def test_checkpoint_info_round_trip(label: str | None) -> None:
+    info = kvstash.CheckpointInfo("c1", "s1", label, 99, 4096, 1 << 40, 1700000000.0)
+    assert conv.checkpoint_info_from_pb(conv.checkpoint_info_to_pb(info)) == info
+
+
+def test_info_round_trip_covers_every_field() -> None:
+    message = pb.GetInfoResponse()
+    for n, field in enumerate(message.DESCRIPTOR.fields, start=1):
+        if field.type == field.TYPE_STRING:
+            setattr(message, field.name, f"v{n}")
+        elif field.type == field.TYPE_BOOL:
+            setattr(message, field.name, True)
+        elif field.type == field.TYPE_DOUBLE:
+            setattr(message, field.name, n + 0.5)
+        else:
+            setattr(message, field.name, n)
+    info = conv.info_from_pb(message)
+    assert conv.info_to_pb(info) == message
+    assert info.mode == message.mode
+
+
+def test_generate_request_takes_text_or_token_ids() -> None:
+    args: dict[str, Any] = {
+        "max_tokens": None,
+        "stop": "\n",
+        "sampling": None,
+        "logprobs": 0,
+        "parse_special": False,
+    }
+    text = conv.generate_request("s1", "Once", **args)
+    assert text.prompt == "Once" and not text.prompt_token_ids
+    assert not text.HasField("max_tokens") and not text.HasField("sampling")
+    assert list(text.stop) == ["\n"]  # a lone string is one stop string, not one per character
+    tokens = conv.generate_request("s1", [1, 2, 3], **{**args, "max_tokens": 0})
+    assert tokens.prompt == "" and list(tokens.prompt_token_ids) == [1, 2, 3]
+    assert tokens.HasField("max_tokens") and tokens.max_tokens == 0
+
+
+def test_join_chunks() -> None:
+    completion = conv.join_chunks([_chunk(False), _chunk(True)])
+    assert completion.text == " a a"
+    assert completion.token_ids == (7, 7)
+    assert len(completion.logprobs) == 2
+    assert completion.finish_reason == "eos"
+    assert completion.usage == kvstash.Usage(5, 1, 3, 2)
+    with pytest.raises(kvstash.InternalError):
+        conv.join_chunks([_chunk(False)])
+
+
+# --- the CLI without a daemon -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [["info"], ["--json", "session", "list"], ["run", "hi"], ["chat"]])
+def test_cli_unreachable_daemon_is_one_error_line(args: list[str]) -> None:
+    started = time.monotonic()
+    result = CliRunner().invoke(main, ["--address", "127.0.0.1:1", "--timeout", "5", *args])
+    assert time.monotonic() - started < 5
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("error: cannot reach kvstash at 127.0.0.1:1: ")
+    assert "Traceback" not in result.output
+
+
+def test_cli_address_comes_from_the_environment() -> None:
+    result = CliRunner(env={"KVSTASH_ADDRESS": "127.0.0.1:1"}).invoke(main, ["info"])
+    assert result.exit_code == 1
+    assert "cannot reach kvstash at 127.0.0.1:1" in result.stderr
+
+
+# --- a fake daemon in this process ------------------------------------------------------------
+
+
+class FakeDaemon(pb_grpc.KvStashServicer):
+    """Just enough of the service to drive the client: one session "s1", one checkpoint "c1"."""
+
+    def __init__(self) -> None:
+        self.generate_ended = threading.Event()
+        self.blob = bytes(range(256)) * 9000  # > 2 MiB, so export and import take several chunks
+        self.imported = b""
+        self.closed: list[str] = []
+
+    def _session(self, session_id: str, context: grpc.ServicerContext) -> pb.SessionInfo:
+        if session_id != "s1":
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no session {session_id!r}")
+        return pb.SessionInfo(session_id="s1", n_tokens=3, n_ctx=256, residency=pb.RESIDENCY_HOT)
+
+    def CreateSession(self, request: Any, context: Any) -> pb.CreateSessionResponse:
+        return pb.CreateSessionResponse(session=self._session("s1", context))
+
+    def GetSession(self, request: Any, context: Any) -> pb.GetSessionResponse:
+        return pb.GetSessionResponse(session=self._session(request.session_id, context))
+
+    def CloseSession(self, request: Any, context: Any) -> pb.CloseSessionResponse:
+        self._session(request.session_id, context)
+        self.closed.append(request.session_id)
+        return pb.CloseSessionResponse()
+
+    def Chat(self, request: Any, context: Any) -> Iterator[pb.ChatResponse]:
+        if request.message == "overflow":
+            yield pb.ChatResponse(chunk=pb.GenerationChunk(text="partial"))
+            context.abort(grpc.StatusCode.OUT_OF_RANGE, "the context is full")
+        for word in ("echo:", f" {request.message}"):
+            yield pb.ChatResponse(chunk=pb.GenerationChunk(text=word, token_ids=[1]))
+        usage = pb.Usage(prompt_tokens=4, generated_tokens=2)
+        final = pb.GenerationChunk(finish_reason=pb.FINISH_REASON_EOS, usage=usage)
+        yield pb.ChatResponse(chunk=final)
+
+    def Generate(self, request: Any, context: Any) -> Iterator[pb.GenerateResponse]:
+        # Endless: only the client's cancellation ends it.
+        context.add_callback(self.generate_ended.set)
+        while context.is_active():
+            yield pb.GenerateResponse(chunk=pb.GenerationChunk(text="x", token_ids=[0]))
+            time.sleep(0.005)
+
+    def ExportCheckpoint(self, request: Any, context: Any) -> Iterator[pb.ExportCheckpointResponse]:
+        if request.checkpoint_id != "c1":
+            context.abort(grpc.StatusCode.NOT_FOUND, "no such checkpoint")
+        for i in range(0, len(self.blob), 1 << 20):
+            yield pb.ExportCheckpointResponse(data=self.blob[i : i + (1 << 20)])
+
+    def ImportCheckpoint(self, request_iterator: Any, context: Any) -> pb.ImportCheckpointResponse:
+        self.imported = b"".join(r.data for r in request_iterator)
+        info = pb.CheckpointInfo(checkpoint_id="c2", bytes_written=len(self.imported))
+        return pb.ImportCheckpointResponse(checkpoint=info)
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[FakeDaemon, str]]:
+    daemon = FakeDaemon()  # type: ignore[abstract]  # the RPCs it lacks answer UNIMPLEMENTED
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_KvStashServicer_to_server(daemon, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield daemon, f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+def test_chat_and_errors_through_a_server(fake: tuple[FakeDaemon, str]) -> None:
+    _, address = fake
+    with kvstash.Client(address, timeout=5) as client:
+        session = client.create_session("Be brief.")
+        completion = session.chat("hi")
+        assert completion.text == "echo: hi"
+        assert completion.finish_reason == "eos"
+        assert completion.usage.generated_tokens == 2
+        with pytest.raises(kvstash.NotFoundError, match="no session 'nope'"):
+            client.session("nope")
+        # An error in the middle of a stream is converted too.
+        with pytest.raises(kvstash.ContextFullError, match="context is full"):
+            list(session.chat_stream("overflow"))
+
+
+def test_leaving_a_stream_early_cancels_the_call(fake: tuple[FakeDaemon, str]) -> None:
+    daemon, address = fake
+    with kvstash.Client(address) as client:
+        for n, _chunk in enumerate(client.session("s1").generate("go")):
+            if n == 3:
+                break
+        assert daemon.generate_ended.wait(5)
+
+
+def test_export_and_import_through_a_path(fake: tuple[FakeDaemon, str], tmp_path: Path) -> None:
+    daemon, address = fake
+    target = tmp_path / "c1.kvstash"
+    with kvstash.Client(address) as client:
+        assert client.export_checkpoint("c1", target) == len(daemon.blob)
+        assert target.read_bytes() == daemon.blob
+        assert client.import_checkpoint(str(target)).checkpoint_id == "c2"
+        assert daemon.imported == daemon.blob
+        with pytest.raises(kvstash.NotFoundError):
+            client.export_checkpoint("nope", tmp_path / "nope.kvstash")
+    # A failed export leaves neither the file nor its temporary.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c1.kvstash"]
+
+
+def test_async_client(fake: tuple[FakeDaemon, str]) -> None:
+    _, address = fake
+
+    async def go() -> str:
+        async with kvstash.AsyncClient(address, timeout=5) as client:
+            session = await client.session("s1")
+            with pytest.raises(kvstash.NotFoundError):
+                await client.session("nope")
+            return (await session.chat("hi")).text
+
+    assert asyncio.run(go()) == "echo: hi"
+
+
+def test_cli_chat_reads_lines_from_stdin(fake: tuple[FakeDaemon, str]) -> None:
+    _, address = fake
+    result = CliRunner().invoke(main, ["--address", address, "chat"], input="hello\n\nagain\n")
+    assert result.exit_code == 0, result.output
+    assert "echo: hello\n" in result.stdout
+    assert "echo: again\n" in result.stdout
+    assert "session s1" in result.stderr
+
+
+def test_cli_run_closes_its_session(fake: tuple[FakeDaemon, str]) -> None:
+    daemon, address = fake
+    result = CliRunner().invoke(main, ["--address", address, "--json", "run", "hi"])
+    assert result.exit_code == 0, result.output
+    assert '"text": "echo: hi"' in result.stdout
+    assert daemon.closed == ["s1"]
+
+
+def test_cli_daemon_error_is_one_line(fake: tuple[FakeDaemon, str]) -> None:
+    _, address = fake
+    result = CliRunner().invoke(main, ["--address", address, "session", "show", "nope"])
+    assert result.exit_code == 1
+    assert result.stderr == "error: no session 'nope'\n"
+
+
+def test_serve_without_the_daemon_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "kvstashd.cli", None)  # makes the import fail
+    result = CliRunner().invoke(main, ["serve", "--model", "x.gguf"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("kvstash serve needs the daemon: pip install 'kvstash[daemon]'")
+
+
+def test_the_client_does_not_import_the_daemon() -> None:
+    code = "import sys, kvstash, kvstash.cli; print([m for m in sys.modules if 'kvstashd' in m])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
