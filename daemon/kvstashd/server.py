@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import secrets
@@ -48,6 +49,22 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_type=settings.kv_type,
         kv_unified=settings.kv_unified,
     )
+
+
+def keep_freed_memory() -> None:
+    """Let glibc reuse freed KV blobs instead of returning them to the kernel.
+
+    Blobs are tens of MB, above glibc's largest mmap threshold (32 MB), so each one was
+    a fresh mapping whose page faults cost more than the copy into it (a 46 MB restore
+    went from ~15 ms to ~100 ms whenever it faulted).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, 2 << 30)
 
 
 def store_key(state_dir: Path) -> bytes:
@@ -145,6 +162,7 @@ class Daemon:
     async def start(self) -> int:
         """Load the model, start serving, report SERVING. Returns the bound port."""
         settings = self.settings
+        keep_freed_memory()
         settings.state_dir.mkdir(parents=True, exist_ok=True)
         fp = fingerprint(settings.model_path, settings.state_dir)
         log.info("loading %s", settings.model_path)

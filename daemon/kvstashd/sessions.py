@@ -766,6 +766,12 @@ class SessionManager:
         try:
             while True:
                 item = await items.get()
+                # Chunks that queued up while the client was being served go out as one.
+                while isinstance(item, Chunk) and item.finish_reason is None and not items.empty():
+                    following = items.get_nowait()
+                    if not isinstance(following, Chunk):
+                        raise following
+                    item = _merge(item, following)
                 if isinstance(item, BaseException):
                     raise item
                 if reply is not None:
@@ -881,6 +887,17 @@ class SessionManager:
             return out
 
         return await self._engine(run)
+
+
+def _merge(a: Chunk, b: Chunk) -> Chunk:
+    """One chunk for two consecutive ones; the later one's end and usage are kept."""
+    return Chunk(
+        text=a.text + b.text,
+        token_ids=a.token_ids + b.token_ids,
+        logprobs=a.logprobs + b.logprobs,
+        finish_reason=b.finish_reason,
+        usage=b.usage,
+    )
 
 
 def _check_stop(stop: Sequence[str]) -> tuple[str, ...]:
