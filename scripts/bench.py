@@ -234,6 +234,9 @@ def raw_decode_rates(counts: list[int], steps: int, threads: int) -> dict[int, f
     """Tokens/s of llama_decode with batches of N tokens, one per sequence (exact mode)."""
     import llama_cpp as L
 
+    from kvstashd.engine import route_llama_log
+
+    route_llama_log()  # llama.cpp's chatter to logging (warnings and up)
     L.llama_backend_init()
     model = L.llama_model_load_from_file(str(default_model_path()).encode(), L.llama_model_default_params())
     cp = L.llama_context_default_params()

@@ -312,7 +312,7 @@ class Engine:
 
     def _load(self) -> ModelInfo:
         cfg = self.config
-        _route_llama_log()
+        route_llama_log()
         llama.llama_backend_init()
         mparams = llama.llama_model_default_params()
         mparams.n_gpu_layers = 2**31 - 1 if cfg.gpu_layers < 0 else cfg.gpu_layers
@@ -481,11 +481,13 @@ class Engine:
 
     def _state_bytes(self, slot: int) -> memoryview:
         size = int(llama.llama_state_seq_get_size(self._ctx, slot))
-        buf = (ctypes.c_uint8 * size)()
+        # np.empty, not a ctypes array: those are zero-filled, and llama.cpp overwrites it all.
+        out = np.empty(size, dtype=np.uint8)
+        buf = (ctypes.c_uint8 * size).from_buffer(out.data)
         written = int(llama.llama_state_seq_get_data(self._ctx, buf, size, slot))
         if written != size:
             raise KvstashError(f"llama.cpp wrote {written} of {size} bytes of sequence state")
-        return memoryview(buf).cast("B")
+        return memoryview(out.data)
 
     def export_kv(self, slot: int, n_kv: int) -> kvstate.KvCells:
         """A slot's KV cells, parsed and checked to hold exactly positions 0..n_kv-1."""
@@ -675,7 +677,7 @@ class Engine:
 _log_callback: Any = None
 
 
-def _route_llama_log() -> None:
+def route_llama_log() -> None:
     """Send llama.cpp's C log to Python logging (it prints a lot to stderr otherwise).
 
     llama.cpp's own INFO is chatty model-loading detail, so it lands at DEBUG here.
