@@ -16,10 +16,12 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import os
 import secrets
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from kvstashd import blocks as blk
@@ -32,6 +34,7 @@ from kvstashd.store import BlockStore
 
 log = logging.getLogger(__name__)
 
+_READERS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kvstash-read")
 EXPORT_MAGIC = b"KVSTEXP1"
 EXPORT_CHUNK = 1 << 20
 _REC = struct.Struct("<BI")
@@ -189,10 +192,14 @@ class CheckpointStore:
         if self._chain(snap.tokens[: snap.n_kv], snap.block_tokens) != snap.blocks:
             raise CorruptCheckpoint("the checkpoint's block keys do not follow from its tokens")
         counts = _counts(snap.n_kv, snap.block_tokens)
-        payloads = [
-            self._block(key, count * self.layout.cell_bytes, read)
-            for key, count in zip(snap.blocks, counts, strict=True)
-        ]
+        cell_bytes = self.layout.cell_bytes
+        # File reads and CRC-32 release the GIL: blocks are read and checked on every core.
+        payloads = list(
+            _READERS.map(
+                lambda kc: self._block(kc[0], kc[1] * cell_bytes, read),
+                zip(snap.blocks, counts, strict=True),
+            )
+        )
         return kvstate.join(self.layout, payloads, counts), False
 
     def _block(self, key: str, size: int, read: Callable[[str], bytes]) -> bytes | memoryview:
