@@ -160,7 +160,7 @@ class Catalog:
             return found is not None
 
     def delete_session(self, session_id: str) -> None:
-        """Forget a persistent session, its head and its checkpoints."""
+        """Forget a session, its head (if persistent) and all its checkpoints."""
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute(

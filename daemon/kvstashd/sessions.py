@@ -301,9 +301,8 @@ class SessionManager:
             session.parked = None
             self.sessions.pop(session_id, None)
             store = self.store_of(session)
+            # The session's head and every checkpoint of it go in one transaction.
             await asyncio.to_thread(store.catalog.delete_session, session_id)
-            for row in await asyncio.to_thread(store.catalog.checkpoints, session_id, True):
-                await asyncio.to_thread(store.catalog.delete, row.checkpoint_id)
             if not session.persistent:
                 await asyncio.to_thread(self.volatile.sweep, 0)
 
