@@ -231,7 +231,7 @@ def test_rewind_continues_like_the_session_that_never_went_further(
 def test_rewind_greedy_continues_like_a_fresh_session_given_the_kept_tokens(
     daemon1: InProcessDaemon, client1: kvstash.Client, tmp_path: Path
 ) -> None:
-    """The comparison the issue names: greedy, a session rewound to prompt + 12 generated tokens
+    """The strongest comparison: greedy, a session rewound to prompt + 12 generated tokens
     continues exactly like a fresh session given those tokens as prompt token ids."""
     a = client1.create_session(sampling=GREEDY)
     g = gen(a, PROMPT, 32)
