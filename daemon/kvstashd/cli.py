@@ -159,6 +159,9 @@ def _default_state_dir() -> Path:
     default=10.0,
     help="Seconds between passes of the expiry and budget sweeper.",
 )
+@click.option(
+    "--metrics-address", default="", help="host:port to serve Prometheus metrics on (/metrics); empty: off."
+)
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level.")
 @click.option("--log-json/--no-log-json", default=False, help="Log JSON lines.")
 @click.option(

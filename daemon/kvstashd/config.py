@@ -57,6 +57,7 @@ class Settings:
     idle_ttl: float = 3600.0
     persistent_ttl: float = 0.0
     sweep_interval: float = 10.0
+    metrics_address: str = ""  # host:port of the Prometheus endpoint; "" = off
     log_level: str = "info"
     log_json: bool = False
     grace_seconds: float = 5.0
@@ -102,6 +103,8 @@ class Settings:
             raise ConfigError("idle-ttl and persistent-ttl must be >= 0 (0: never)")
         if not 0.05 <= self.sweep_interval <= 3600:
             raise ConfigError("sweep-interval must be in [0.05, 3600] seconds")
+        if self.metrics_address and not self.metrics_address.rpartition(":")[2].isdigit():
+            raise ConfigError(f"metrics-address must be host:port, got {self.metrics_address!r}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log-level must be one of {', '.join(LOG_LEVELS)}")
         return self

@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,6 +27,7 @@ from kvstashd.catalog import Catalog
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
 from kvstashd.engine import Engine, EngineConfig, ModelInfo
+from kvstashd.metrics import serve_metrics
 from kvstashd.model import fingerprint
 from kvstashd.service import KvStashService
 from kvstashd.sessions import SessionManager, Stores
@@ -158,6 +160,8 @@ class Daemon:
         self._service: KvStashService | None = None
         self.manager: SessionManager | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._metrics: Any = None
+        self.metrics_port = 0
 
     async def start(self) -> int:
         """Load the model, start serving, report SERVING. Returns the bound port."""
@@ -174,6 +178,9 @@ class Daemon:
             await manager.start()
             self.manager = manager
             self._sweeper = asyncio.create_task(manager.run_sweeper())
+            if settings.metrics_address:
+                self._metrics = serve_metrics(settings.metrics_address, manager)
+                self.metrics_port = int(self._metrics.server_port)
             self._service = KvStashService(manager, str(settings.model_path), fp)
             self._server, self._health, self.port = build_server(settings, self._service)
             await self._server.start()
@@ -214,6 +221,8 @@ class Daemon:
             self._service.accepting = False
         if self._server is not None:
             await self._server.stop(self.settings.grace_seconds)
+        if self._metrics is not None:
+            self._metrics.shutdown()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

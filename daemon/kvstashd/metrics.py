@@ -1,0 +1,60 @@
+"""Prometheus metrics on /metrics, read from the session manager when scraped.
+
+Nothing is counted twice: the collector reads the same counters GetInfo reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvstashd.sessions import SessionManager
+
+
+class ManagerCollector:
+    """A custom collector over a SessionManager's counters."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.manager = manager
+
+    def collect(self) -> Iterator[Any]:
+        c = self.manager.counters()
+        yield GaugeMetricFamily("kvstash_slots", "Engine slots.", value=self.manager.settings.slots)
+        yield GaugeMetricFamily("kvstash_slots_in_use", "Slots holding a session.", value=c.slots_in_use)
+        sessions = GaugeMetricFamily("kvstash_sessions", "Open sessions by tier.", labels=["tier"])
+        for tier, n in (("hot", c.hot), ("warm", c.warm), ("cold", c.cold)):
+            sessions.add_metric([tier], n)
+        yield sessions
+        yield GaugeMetricFamily(
+            "kvstash_parked_bytes", "Bytes of KV parked in RAM.", value=self.manager.parked_bytes()
+        )
+        yield GaugeMetricFamily(
+            "kvstash_store_bytes",
+            "Bytes of blocks in the durable store.",
+            value=self.manager.durable.store.total_bytes(),
+        )
+        yield CounterMetricFamily("kvstash_swap_ins", "Sessions loaded into a slot.", value=c.swap_ins)
+        yield CounterMetricFamily(
+            "kvstash_swap_in_seconds", "Time spent loading sessions into slots.", value=c.swap_in_seconds
+        )
+        tokens = CounterMetricFamily("kvstash_tokens", "Tokens by what happened to them.", labels=["kind"])
+        for kind, n in (
+            ("evaluated", c.tokens_evaluated),
+            ("generated", c.tokens_generated),
+            ("reused", c.tokens_reused),
+        ):
+            tokens.add_metric([kind], n)
+        yield tokens
+
+
+def serve_metrics(address: str, manager: SessionManager) -> Any:
+    """Serve /metrics over HTTP on host:port (port 0: any free one), in a thread of its own.
+    Returns the server: `.server_port` is its port, `.shutdown()` stops it."""
+    host, _, port = address.rpartition(":")
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(ManagerCollector(manager))
+    server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
+    return server

@@ -1,0 +1,39 @@
+"""The Prometheus endpoint reports the same counters as GetInfo."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Callable
+
+from daemons import GREEDY, InProcessDaemon
+
+import kvstash
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_metrics_follow_sessions_and_tokens(start_daemon: Callable[..., InProcessDaemon]) -> None:
+    d = start_daemon(slots=2, metrics_address="127.0.0.1:0")
+    assert d.daemon is not None
+    port = d.daemon.metrics_port
+    before = scrape(port)
+    assert before["kvstash_slots"] == 2
+    assert before['kvstash_sessions{tier="hot"}'] == 0
+    with kvstash.Client(d.address) as client:
+        s = client.create_session()
+        done = s.complete("Count to three:", max_tokens=4, sampling=GREEDY)
+        after = scrape(port)
+        info = client.info()
+    assert after['kvstash_sessions{tier="hot"}'] == 1
+    assert after["kvstash_slots_in_use"] == 1
+    assert after['kvstash_tokens_total{kind="generated"}'] == info.tokens_generated >= len(done.token_ids)
+    assert after['kvstash_tokens_total{kind="evaluated"}'] == info.tokens_evaluated
