@@ -287,7 +287,14 @@ class Engine:
                 elif isinstance(item, _Call):
                     self._run_call(item)
             if self._active:
-                self._step()
+                try:
+                    self._step()
+                except Exception:
+                    # The engine thread must outlive any bug in a step: fail the step's
+                    # generations (their sessions keep a consistent history) and go on.
+                    log.exception("an engine step failed")
+                    for job in list(self._active):
+                        self._fail(job, KvstashError("the engine failed to run this generation"))
 
     def _drain_after_stop(self) -> None:
         while True:
