@@ -237,12 +237,17 @@ class CheckpointStore:
                 dropped.append(key)
                 freed += size
             self.catalog.forget_blocks(dropped)
-            # Blocks on disk that no catalog row knows (a crash between block and manifest).
-            known = self.catalog.known_blocks()
-            for key in self.store.block_keys():
-                if key not in known:
-                    self.store.delete(key)
         return freed
+
+    def remove_orphans(self) -> int:
+        """Delete block files no catalog row knows: what a crash left between writing a
+        block and committing its manifest. Run at start, before any save."""
+        with self._lock:
+            known = self.catalog.known_blocks()
+            orphans = [key for key in self.store.block_keys() if key not in known]
+            for key in orphans:
+                self.store.delete(key)
+        return len(orphans)
 
     # ---- export and import -------------------------------------------------------------------
 

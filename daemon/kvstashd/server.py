@@ -173,6 +173,9 @@ class Daemon:
         info = self.engine.start()
         try:
             stores = checkpoint_stores(settings, info, fp)
+            orphans = await asyncio.to_thread(stores.durable.remove_orphans)
+            if orphans:
+                log.info("removed %d blocks that no checkpoint was committed for", orphans)
             await asyncio.to_thread(stores.durable.sweep, settings.disk_budget)
             manager = SessionManager(self.engine, settings, stores, clock=self.clock)
             await manager.start()
