@@ -25,10 +25,11 @@ import contextlib
 import logging
 import re
 import secrets
+import sqlite3
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvstashd import state as kvstate
 from kvstashd.catalog import CheckpointRow
@@ -355,7 +356,7 @@ class SessionManager:
             store = self.store_of(session)
             if session.persistent:
                 await self._check_disk()
-            row, _ = await asyncio.to_thread(store.save, snap, cells, kind="explicit", now=self.clock())
+            row, _ = await self._stored(store.save, snap, cells, kind="explicit", now=self.clock())
             return row
 
     def list_checkpoints(self, session_id: str) -> list[CheckpointRow]:
@@ -431,7 +432,7 @@ class SessionManager:
                 raise InvalidRequest(f"the import exceeds {limit} bytes")
             received.append(chunk)
         await self._check_disk()
-        return await asyncio.to_thread(self.durable.import_, received, limit, self.clock())
+        return await self._stored(self.durable.import_, received, limit, self.clock())
 
     def _apply(self, session: Session, snap: Snapshot, cells: kvstate.KvCells | None) -> None:
         """Make a session's state the snapshot's (its slot, if any, is the caller's affair)."""
@@ -537,7 +538,7 @@ class SessionManager:
             ref = ColdRef(self.durable, session.head_checkpoint_id, snap)
         else:
             snap, cells = await self._snapshot(session, "")
-            row, stored = await asyncio.to_thread(
+            row, stored = await self._stored(
                 self.stores.spill.save, snap, cells, kind="spill", now=self.clock()
             )
             ref = ColdRef(self.stores.spill, row.checkpoint_id, stored)
@@ -548,23 +549,20 @@ class SessionManager:
 
     async def _save_head(self, session: Session) -> None:
         """Autosave a persistent session: its new head manifest, writing only new blocks."""
-        try:
-            snap, cells = await self._snapshot(session, "")
-            row, _ = await asyncio.to_thread(
-                self.durable.save,
-                snap,
-                cells,
-                kind="head",
-                now=self.clock(),
-                head_of=session.session_id,
-            )
-        except KvstashError:
-            raise
-        except OSError as e:
-            log.error("saving session %s failed: %s", session.session_id, e)
-            raise Busy("the session could not be saved: the state store is failing") from None
+        snap, cells = await self._snapshot(session, "")
+        row, _ = await self._stored(
+            self.durable.save, snap, cells, kind="head", now=self.clock(), head_of=session.session_id
+        )
         session.head_checkpoint_id = row.checkpoint_id
         session.dirty = False
+
+    async def _stored(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a store write in a worker thread; a failing disk is RESOURCE_EXHAUSTED."""
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except (OSError, sqlite3.Error) as e:
+            log.error("the state store failed: %s", e)
+            raise Busy("the state store is failing (disk full?); nothing was saved") from None
 
     # ---- budgets and expiry ------------------------------------------------------------------
 
