@@ -196,21 +196,22 @@ class CheckpointStore:
         # File reads and CRC-32 release the GIL: blocks are read and checked on every core.
         payloads = list(
             _READERS.map(
-                lambda kc: self._block(kc[0], kc[1] * cell_bytes, read),
+                lambda kc: self._block(kc[0], kc[1] * cell_bytes, read)[1],
                 zip(snap.blocks, counts, strict=True),
             )
         )
         return kvstate.join(self.layout, payloads, counts), False
 
-    def _block(self, key: str, size: int, read: Callable[[str], bytes]) -> bytes | memoryview:
-        """One block's checked payload. A damaged block of this store is removed, so that
-        the next checkpoint holding those tokens writes it again instead of reusing it."""
+    def _block(self, key: str, size: int, read: Callable[[str], bytes]) -> tuple[bytes, bytes | memoryview]:
+        """One block, read once and checked: (its frame, its payload). A damaged block of
+        this store is removed, so that the next checkpoint holding those tokens writes it
+        again instead of reusing it."""
         try:
             data = read(key)
         except KeyError:
             raise CorruptCheckpoint(f"a KV block of the checkpoint is missing ({key[:12]})") from None
         try:
-            return blk.unframe(data, size)
+            return data, blk.unframe(data, size)
         except CorruptCheckpoint:
             if read == self.store.get:
                 log.error("removing damaged block %s", key)
@@ -253,8 +254,8 @@ class CheckpointStore:
 
     def export(self, checkpoint_id: str) -> Iterator[bytes]:
         """The checkpoint as a self-contained stream of chunks of at most 1 MiB."""
-        snap = self.snapshot(checkpoint_id)
         _, data = self.row(checkpoint_id)
+        snap = mf.decode(data, self.key, self.n_vocab)
         digest = hashlib.blake2b(digest_size=32)
         out = io.BytesIO()
 
@@ -272,8 +273,7 @@ class CheckpointStore:
         yield from emit(_REC.pack(1, len(data)) + data)
         cell_bytes = self.layout.cell_bytes if self.layout else 0
         for key, count in zip(snap.blocks, _counts(snap.n_kv, snap.block_tokens), strict=True):
-            self._block(key, count * cell_bytes, self.store.get)  # never ship a damaged block
-            block = self.store.get(key)
+            block, _ = self._block(key, count * cell_bytes, self.store.get)  # never ship damage
             yield from emit(_REC.pack(2, 64 + len(block)) + key.encode() + block)
         final = out.getvalue() + _REC.pack(0, 32) + digest.digest()
         for at in range(0, len(final), EXPORT_CHUNK):
