@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RULES = {
     # module prefix -> files (relative to the package) allowed to import it
-    "llama_cpp": {"daemon/kvstashd/engine.py", "daemon/kvstashd/state.py"},
+    "llama_cpp": {"daemon/kvstashd/context.py"},
     "grpc": {"daemon/kvstashd/service.py", "daemon/kvstashd/server.py"},
     "grpc_health": {"daemon/kvstashd/server.py"},
     "grpc_reflection": {"daemon/kvstashd/server.py"},

@@ -15,7 +15,8 @@ import pytest
 from daemons import GREEDY, InProcessDaemon, wait_until
 
 import kvstash
-import kvstashd.engine as engine_module
+import kvstashd.context as context_module
+from kvstashd.steps import BUSY_PREFILL_CHUNK
 
 STORY = "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps. "
 
@@ -23,13 +24,13 @@ STORY = "The old lighthouse keeper climbed the spiral stairs every evening, coun
 @pytest.fixture
 def batch_sizes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     sizes: list[int] = []
-    real = engine_module.llama.llama_decode
+    real = context_module.llama.llama_decode
 
     def recording(ctx: Any, batch: Any) -> int:
         sizes.append(int(batch.n_tokens))
         return int(real(ctx, batch))
 
-    monkeypatch.setattr(engine_module.llama, "llama_decode", recording)
+    monkeypatch.setattr(context_module.llama, "llama_decode", recording)
     yield sizes
 
 
@@ -72,7 +73,7 @@ def test_a_long_prompt_is_prefilled_in_small_chunks_while_others_decode(
         thread.join(120)
     assert done.usage is not None and done.usage.prompt_tokens > 600
     # Every step carried the streaming session's token plus at most one 64-token chunk.
-    assert max(during) <= 1 + engine_module.BUSY_PREFILL_CHUNK
+    assert max(during) <= 1 + BUSY_PREFILL_CHUNK
     assert sum(during) >= done.usage.prompt_tokens
 
 

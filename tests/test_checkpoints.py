@@ -37,6 +37,7 @@ from daemons import DaemonProcess, InProcessDaemon
 
 import kvstash
 from kvstash.cli import main as cli_main
+from kvstashd.placement import InSlot
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +154,8 @@ def test_exact_when_the_state_lands_in_another_slot(
     manager = d.daemon.manager
 
     def slot_of(s: kvstash.Session) -> int | None:
-        slot: int | None = manager.sessions[s.session_id].state.slot
-        return slot
+        where = manager.residency.where(manager.sessions[s.session_id])
+        return where.slot if isinstance(where, InSlot) else None
 
     with kvstash.Client(d.address, timeout=60) as client:
         ref = one_call(client, 40)
@@ -193,7 +194,7 @@ def test_exact_when_the_state_lands_in_another_slot(
                 assert gen(a, "", 8) == ref[16:24], f"round {i}"
                 assert gen(fork, "", 8) == ref[16:24], f"round {i} (fork)"
                 fork.close()
-        assert manager.swap_ins > 0
+        assert manager.residency.swap_ins > 0
 
 
 def test_rewind_continues_like_the_session_that_never_went_further(

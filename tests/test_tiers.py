@@ -192,7 +192,9 @@ def test_a_full_queue_answers_resource_exhausted_at_once(
 
         waiter = threading.Thread(target=wait_for_slot)
         waiter.start()
-        wait_until(lambda: d.daemon and d.daemon.manager and d.daemon.manager._waiting == 1, 10, "a waiter")
+        wait_until(
+            lambda: d.daemon and d.daemon.manager and d.daemon.manager.residency.waiting == 1, 10, "a waiter"
+        )
         with pytest.raises(kvstash.BusyError):
             refused.complete(STORY, max_tokens=2)
         stream.close()  # cancelling frees the slot for the waiter

@@ -155,3 +155,10 @@ class Info:
     tokens_generated: int
     max_prompt_tokens: int
     block_tokens: int
+    architecture: str
+    memory_type: str
+    """The model's memory: ``"kv"``, ``"iswa"`` (full + sliding-window attention),
+    ``"hybrid"``, ``"hybrid-iswa"``, ``"recurrent"`` or ``"unknown"``."""
+    checkpoints_carry_state: bool
+    """False: checkpoints keep only the token history, evaluated again on restore."""
+    state_note: str

@@ -63,6 +63,13 @@ def chain(
     return keys
 
 
+def derived(key: str, tag: str, offset: int = 0) -> str:
+    """The key of a piece that follows from a block's key: a sliding-window piece of the
+    block's positions from `offset` on ("win"), or the recurrent state after the block's
+    last token ("rec"). The block key fixes every token up to there, so the piece's bytes."""
+    return _h(bytes.fromhex(key), tag.encode(), str(offset).encode()).hex()
+
+
 def _shuffle(data: bytes, width: int) -> bytes:
     """Transpose bytes as a (-1, width) matrix; the inverse is the same with the other side."""
     if len(data) % width:

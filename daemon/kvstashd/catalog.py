@@ -179,13 +179,13 @@ class Catalog:
             ).fetchall()
         return [(r[0], r[1], r[2]) for r in rows]
 
-    def count(self, session_id: str) -> int:
+    def counts(self) -> dict[str, int]:
+        """Explicit checkpoints per session."""
         with self._lock:
-            found = self._db.execute(
-                "SELECT COUNT(*) FROM checkpoints WHERE session_id = ? AND kind = 'explicit'",
-                (session_id,),
-            ).fetchone()
-        return int(found[0])
+            rows = self._db.execute(
+                "SELECT session_id, COUNT(*) FROM checkpoints WHERE kind = 'explicit' GROUP BY session_id"
+            ).fetchall()
+        return {r[0]: int(r[1]) for r in rows}
 
     def touch(self, keys: Iterable[str], now: float) -> None:
         with self._lock, self._db:

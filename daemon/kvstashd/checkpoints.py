@@ -7,12 +7,13 @@ tokens, and each block's checksum and size. Methods block (file I/O, hashing); t
 session manager runs them in worker threads.
 
 Export format, one self-contained stream: b"KVSTEXP1", then records (u8 type, u32 length,
-payload): 1 = manifest, 2 = block (64-char key + framed block), and last 0 = the
+payload): 1 = manifest, 2 = block or piece (64-char key + framed block), and last 0 = the
 BLAKE2b-256 of every byte before that record.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import logging
@@ -43,16 +44,34 @@ CHECKPOINT_ID_PREFIX = "c_"
 
 @dataclass(frozen=True)
 class Loaded:
-    """A checkpoint read back: its snapshot and KV cells (None: evaluate the tokens again)."""
+    """A checkpoint read back: its snapshot and state (None: evaluate the tokens again)."""
 
     row: CheckpointRow
     snapshot: Snapshot
-    cells: kvstate.KvCells | None
+    kv: kvstate.SeqKv | None
     reprefill: bool
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """One stored piece of a state: its key, positions, and the payload size it must have."""
+
+    key: str
+    start: int
+    end: int
+    size: int
+
+
 class CheckpointStore:
-    """Checkpoints of one kind of session (persistent: disk; ephemeral: memory)."""
+    """Checkpoints of one kind of session (persistent: disk; ephemeral: memory).
+
+    A state is stored as pieces, each a block of the store: the full-attention KV cut into
+    blocks of `block_tokens` positions (keys: the hash chain over the tokens), the
+    sliding-window KV of the window cut on the same grid (keys derived from the chain key of
+    the block a piece lies in, and the piece's first position in it), and the recurrent
+    state (key derived from the last chain key). Equal tokens give equal keys, so sessions
+    with a common prefix share its blocks.
+    """
 
     def __init__(
         self,
@@ -61,7 +80,7 @@ class CheckpointStore:
         key: bytes,
         *,
         fingerprint: str,
-        layout: kvstate.KvLayout | None,
+        layout: kvstate.StateLayout | None,
         block_tokens: int,
         codec: str,
         n_vocab: int,
@@ -83,34 +102,34 @@ class CheckpointStore:
     def save(
         self,
         snap: Snapshot,
-        cells: kvstate.KvCells | None,
+        kv: kvstate.SeqKv | None,
         *,
         kind: str,
         now: float,
         head_of: str | None = None,
         foreign_layout: str | None = None,
     ) -> tuple[CheckpointRow, Snapshot]:
-        """Write the snapshot's missing blocks, then commit its manifest. Returns the row
-        and the snapshot as stored (with its block keys)."""
-        n_kv = cells.n if cells is not None else 0
-        keys = self._chain(snap.tokens[:n_kv], snap.block_tokens) if n_kv else []
+        """Write the snapshot's missing pieces, then commit its manifest. Returns the row
+        and the snapshot as stored (with its piece keys)."""
+        n_kv = kv.n if kv is not None else 0
+        full, window, rec = self._plan(snap.tokens, n_kv, snap.block_tokens, snap.salt)
         written = referenced = 0
         sizes: list[tuple[str, int]] = []
         with self._lock:
-            for i, key in enumerate(keys):
-                size = self.catalog.block_size(key)
-                if size is None or not self.store.has(key):
-                    assert cells is not None
-                    p0 = i * snap.block_tokens
-                    data = blk.frame(kvstate.cut(cells, p0, min(p0 + snap.block_tokens, n_kv)), self.codec)
-                    written += self.store.put(key, data)
+            for piece, payload in self._payloads(kv, full, window, rec):
+                size = self.catalog.block_size(piece.key)
+                if size is None or not self.store.has(piece.key):
+                    data = blk.frame(payload(), self.codec)
+                    written += self.store.put(piece.key, data)
                     size = len(data)
-                sizes.append((key, size))
+                sizes.append((piece.key, size))
                 referenced += size
             snap = replace(
                 snap,
                 n_kv=n_kv,
-                blocks=keys,
+                blocks=[p.key for p in full],
+                window=[(p.key, p.start) for p in window],
+                recurrent=rec.key if rec else "",
                 kv_layout=self.layout_desc if n_kv else foreign_layout,
                 saved_at=now,
                 fingerprint=self.fingerprint,
@@ -129,14 +148,55 @@ class CheckpointStore:
             self.catalog.add_checkpoint(row, data, sizes, now, head_of=head_of)
         return row, snap
 
-    def _chain(self, tokens: list[int], block_tokens: int) -> list[str]:
-        return blk.chain(
-            tokens,
+    def _payloads(
+        self, kv: kvstate.SeqKv | None, full: list[_Piece], window: list[_Piece], rec: _Piece | None
+    ) -> Iterator[tuple[_Piece, Callable[[], bytes]]]:
+        """Each piece with a function that cuts its payload from `kv` (only called for
+        pieces the store lacks)."""
+        if kv is None:
+            return
+        for section in kv.sections:
+            if isinstance(section, kvstate.RecurrentCells):
+                if rec is not None:
+                    yield rec, functools.partial(bytes, section.data)
+                continue
+            for p in window if section.layout.window else full:
+                yield p, functools.partial(kvstate.cut, section, p.start, p.end)
+
+    def _plan(
+        self, tokens: list[int], n: int, block_tokens: int, salt: str
+    ) -> tuple[list[_Piece], list[_Piece], _Piece | None]:
+        """The pieces that hold the state after tokens[:n]: full-attention blocks,
+        sliding-window pieces, the recurrent state."""
+        lay = self.layout
+        if lay is None or n == 0:
+            return [], [], None
+        keys = blk.chain(
+            tokens[:n],
             fingerprint=self.fingerprint,
             layout=self.layout_desc or "",
             block_tokens=block_tokens,
-            salt=b"",
+            salt=bytes.fromhex(salt),
         )
+        full: list[_Piece] = []
+        if lay.full is not None:
+            cell = lay.full.cell_bytes
+            for i, key in enumerate(keys):
+                a, b = i * block_tokens, min((i + 1) * block_tokens, n)
+                full.append(_Piece(key, a, b, (b - a) * cell))
+        window: list[_Piece] = []
+        if lay.windowed is not None:
+            cell = lay.windowed.cell_bytes
+            a = lay.windowed.first(n)
+            while a < n:
+                i = a // block_tokens
+                b = min((i + 1) * block_tokens, n)
+                window.append(_Piece(blk.derived(keys[i], "win", a - i * block_tokens), a, b, (b - a) * cell))
+                a = b
+        rec = None
+        if lay.recurrent is not None:
+            rec = _Piece(blk.derived(keys[-1], "rec"), n - 1, n, lay.recurrent.nbytes)
+        return full, window, rec
 
     # ---- load ----------------------------------------------------------------------------
 
@@ -151,20 +211,21 @@ class CheckpointStore:
         _, data = self.row(checkpoint_id)
         return mf.decode(data, self.key, self.n_vocab)
 
-    def cells(self, snap: Snapshot) -> tuple[kvstate.KvCells | None, bool]:
-        """The KV cells of a checked snapshot from this store: (cells, must re-prefill)."""
+    def cells(self, snap: Snapshot) -> tuple[kvstate.SeqKv | None, bool]:
+        """The state of a checked snapshot from this store: (state, must re-prefill)."""
         return self._cells(snap, self.store.get)
 
     def load(self, checkpoint_id: str, now: float) -> Loaded:
         row, data = self.row(checkpoint_id)
         snap = mf.decode(data, self.key, self.n_vocab)
-        cells, reprefill = self._cells(snap, self.store.get)
-        if snap.blocks:
-            self.catalog.touch(snap.blocks, now)
-        return Loaded(row, snap, cells, reprefill)
+        kv, reprefill = self._cells(snap, self.store.get)
+        keys = _keys(snap)
+        if keys:
+            self.catalog.touch(keys, now)
+        return Loaded(row, snap, kv, reprefill)
 
-    def _cells(self, snap: Snapshot, read: Callable[[str], bytes]) -> tuple[kvstate.KvCells | None, bool]:
-        """Check the snapshot fits this daemon; read its blocks. (cells, must re-prefill)."""
+    def _cells(self, snap: Snapshot, read: Callable[[str], bytes]) -> tuple[kvstate.SeqKv | None, bool]:
+        """Check the snapshot fits this daemon; read its pieces. (state, must re-prefill)."""
         if snap.fingerprint != self.fingerprint:
             raise IncompatibleCheckpoint(
                 f"the checkpoint was made with another model ({snap.fingerprint[:12]}, "
@@ -173,34 +234,43 @@ class CheckpointStore:
         if snap.kv_layout is None:
             return None, False
         if snap.kv_layout != self.layout_desc:
-            theirs = snap.kv_layout.split(";", 1)
-            ours = (self.layout_desc or "").split(";", 1)
-            if len(theirs) == 2 and len(ours) == 2 and theirs[1] == ours[1]:
-                log.warning(
-                    "checkpoint KV state version %s is not %s: re-evaluating its tokens",
-                    theirs[0],
-                    ours[0],
-                )
-                return None, True
-            raise IncompatibleCheckpoint(
-                f"the checkpoint's KV layout ({snap.kv_layout}) differs from this daemon's "
-                f"({self.layout_desc}): another --kv-type or engine mode"
+            # Another --kv-type, engine mode or llama.cpp state version: the tokens are good.
+            log.warning(
+                "checkpoint state layout %s is not this daemon's %s: re-evaluating its tokens",
+                snap.kv_layout[:60],
+                (self.layout_desc or "none")[:60],
             )
+            return None, True
         if snap.n_kv == 0:
             return None, False
-        assert self.layout is not None
-        if self._chain(snap.tokens[: snap.n_kv], snap.block_tokens) != snap.blocks:
+        lay = self.layout
+        assert lay is not None
+        full, window, rec = self._plan(snap.tokens, snap.n_kv, snap.block_tokens, snap.salt)
+        if (
+            [p.key for p in full] != snap.blocks
+            or [(p.key, p.start) for p in window] != snap.window
+            or (rec.key if rec else "") != snap.recurrent
+        ):
             raise CorruptCheckpoint("the checkpoint's block keys do not follow from its tokens")
-        counts = _counts(snap.n_kv, snap.block_tokens)
-        cell_bytes = self.layout.cell_bytes
-        # File reads and CRC-32 release the GIL: blocks are read and checked on every core.
-        payloads = list(
-            _READERS.map(
-                lambda kc: self._block(kc[0], kc[1] * cell_bytes, read)[1],
-                zip(snap.blocks, counts, strict=True),
+        pieces = [*full, *window, *([rec] if rec else [])]
+        # File reads and CRC-32 release the GIL: pieces are read and checked on every core.
+        payloads = dict(
+            zip(
+                (p.key for p in pieces),
+                _READERS.map(lambda p: self._block(p.key, p.size, read)[1], pieces),
+                strict=True,
             )
         )
-        return kvstate.join(self.layout, payloads, counts), False
+        sections: list[kvstate.Section] = []
+        for section in lay.sections:
+            if isinstance(section, kvstate.RecurrentLayout):
+                assert rec is not None
+                sections.append(kvstate.recurrent_from(section, snap.n_kv - 1, payloads[rec.key]))
+                continue
+            mine = window if section.window else full
+            runs = [kvstate.piece(section, payloads[p.key], p.end - p.start) for p in mine]
+            sections.append(kvstate.cells_from(section, mine[0].start, runs))
+        return kvstate.build(lay, snap.n_kv, sections), False
 
     def _block(self, key: str, size: int, read: Callable[[str], bytes]) -> tuple[bytes, bytes | memoryview]:
         """One block, read once and checked: (its frame, its payload). A damaged block of
@@ -271,16 +341,21 @@ class CheckpointStore:
 
         yield from emit(EXPORT_MAGIC)
         yield from emit(_REC.pack(1, len(data)) + data)
-        cell_bytes = self.layout.cell_bytes if self.layout else 0
-        for key, count in zip(snap.blocks, _counts(snap.n_kv, snap.block_tokens), strict=True):
-            block, _ = self._block(key, count * cell_bytes, self.store.get)  # never ship damage
-            yield from emit(_REC.pack(2, 64 + len(block)) + key.encode() + block)
+        if snap.kv_layout == self.layout_desc:
+            full, window, rec = self._plan(snap.tokens, snap.n_kv, snap.block_tokens, snap.salt)
+            for piece in [*full, *window, *([rec] if rec else [])]:
+                block, _ = self._block(piece.key, piece.size, self.store.get)  # never ship damage
+                yield from emit(_REC.pack(2, 64 + len(block)) + piece.key.encode() + block)
         final = out.getvalue() + _REC.pack(0, 32) + digest.digest()
         for at in range(0, len(final), EXPORT_CHUNK):
             yield final[at : at + EXPORT_CHUNK]
 
     def import_(self, chunks: Iterable[bytes], limit: int, now: float) -> CheckpointRow:
-        """Check an exported stream completely, then store it as an imported checkpoint."""
+        """Check an exported stream completely, then store it as an imported checkpoint.
+
+        Its pieces are stored under a salt of their own: bytes from elsewhere never stand
+        for blocks this daemon computed, even when their tokens are the same.
+        """
         buf = bytearray()
         for c in chunks:
             buf += c
@@ -317,15 +392,16 @@ class CheckpointStore:
             raise CorruptCheckpoint("the checkpoint export has no manifest")
         # The exporting daemon's key is not ours: check structure and content instead.
         snap = mf.decode(manifest, None, self.n_vocab)
-        if set(found) != set(snap.blocks):
+        if snap.kv_layout == self.layout_desc and set(found) != set(_keys(snap)):
             raise CorruptCheckpoint("the checkpoint export's blocks do not match its manifest")
-        cells, reprefill = self._cells(snap, found.__getitem__)
-        snap = replace(snap, session_id="", persistent=True)
-        # KV of another llama.cpp state version is not kept; its layout is, so that a
-        # restore says it re-evaluates the tokens.
+        kv, reprefill = self._cells(snap, found.__getitem__)
+        snap = replace(snap, session_id="", persistent=True, salt=secrets.token_hex(16))
+        # The state of another layout is not kept; its layout is, so that a restore says it
+        # evaluates the tokens again.
         foreign = snap.kv_layout if reprefill else None
-        return self.save(snap, cells, kind="imported", now=now, foreign_layout=foreign)[0]
+        return self.save(snap, kv, kind="imported", now=now, foreign_layout=foreign)[0]
 
 
-def _counts(n: int, block_tokens: int) -> list[int]:
-    return [min(block_tokens, n - p) for p in range(0, n, block_tokens)]
+def _keys(snap: Snapshot) -> list[str]:
+    """Every piece key a manifest references."""
+    return [*snap.blocks, *(k for k, _ in snap.window), *([snap.recurrent] if snap.recurrent else [])]

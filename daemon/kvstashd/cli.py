@@ -162,6 +162,12 @@ def _default_state_dir() -> Path:
 @click.option(
     "--metrics-address", default="", help="host:port to serve Prometheus metrics on (/metrics); empty: off."
 )
+@click.option(
+    "--check-invariants/--no-check-invariants",
+    default=False,
+    help="Debug: whenever the daemon goes idle, check that slots, placements, the engine's "
+    "sequences and the catalog agree; log each violation at ERROR.",
+)
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level.")
 @click.option("--log-json/--no-log-json", default=False, help="Log JSON lines.")
 @click.option(

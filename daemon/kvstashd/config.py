@@ -58,6 +58,7 @@ class Settings:
     persistent_ttl: float = 0.0
     sweep_interval: float = 10.0
     metrics_address: str = ""  # host:port of the Prometheus endpoint; "" = off
+    check_invariants: bool = False
     log_level: str = "info"
     log_json: bool = False
     grace_seconds: float = 5.0

@@ -45,7 +45,14 @@ class Snapshot:
     fingerprint: str
     kv_layout: str | None
     block_tokens: int
+    # Keys of the full-attention KV blocks of tokens[:n_kv] (block_tokens positions each).
     blocks: list[str] = field(default_factory=list)
+    # Sliding-window pieces: (key, first position), covering the window of tokens[:n_kv].
+    window: list[tuple[str, int]] = field(default_factory=list)
+    # The recurrent state after tokens[:n_kv] ("" if the model has none).
+    recurrent: str = ""
+    # Hex salt of the block keys ("" for the daemon's own; imports get one of their own).
+    salt: str = ""
     label: str = ""
     saved_at: float = 0.0
     format: int = FORMAT
@@ -76,6 +83,9 @@ def encode(s: Snapshot, key: bytes) -> bytes:
         "kv_layout": s.kv_layout,
         "block_tokens": s.block_tokens,
         "blocks": s.blocks,
+        "window": [[k, p] for k, p in s.window],
+        "recurrent": s.recurrent,
+        "salt": s.salt,
     }
     head = json.dumps(meta, separators=(",", ":")).encode()
     tokens = np.asarray(s.tokens, dtype="<i4").tobytes()
@@ -184,8 +194,20 @@ def _snapshot(
     if not all(isinstance(x, str) for x in stop):
         raise CorruptCheckpoint("the checkpoint's stop strings are not strings")
     blocks = _get(meta, "blocks", list)
-    if not all(isinstance(b, str) and len(b) == 64 for b in blocks):
+    if not all(_is_key(b) for b in blocks):
         raise CorruptCheckpoint("the checkpoint's block keys are malformed")
+    window = meta.get("window", [])
+    if not isinstance(window, list) or not all(
+        isinstance(w, list) and len(w) == 2 and _is_key(w[0]) and type(w[1]) is int and w[1] >= 0
+        for w in window
+    ):
+        raise CorruptCheckpoint("the checkpoint's window pieces are malformed")
+    recurrent = meta.get("recurrent", "")
+    salt = meta.get("salt", "")
+    if not isinstance(recurrent, str) or (recurrent and not _is_key(recurrent)):
+        raise CorruptCheckpoint("the checkpoint's recurrent state key is malformed")
+    if not isinstance(salt, str) or len(salt) > 128 or any(c not in "0123456789abcdef" for c in salt):
+        raise CorruptCheckpoint("the checkpoint's salt is malformed")
     layout = meta.get("kv_layout")
     if layout is not None and not isinstance(layout, str):
         raise CorruptCheckpoint("the checkpoint's KV layout is malformed")
@@ -213,4 +235,11 @@ def _snapshot(
         kv_layout=layout,
         block_tokens=block_tokens,
         blocks=blocks,
+        window=[(str(k), int(p)) for k, p in window],
+        recurrent=recurrent,
+        salt=salt,
     )
+
+
+def _is_key(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)

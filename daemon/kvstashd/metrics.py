@@ -1,6 +1,8 @@
 """Prometheus metrics on /metrics, read from the session manager when scraped.
 
-Nothing is counted twice: the collector reads the same counters GetInfo reports.
+Nothing is counted twice: the collector reads the same counters GetInfo reports. It runs on
+the metrics server's thread, so it reads the last snapshot the manager published (an
+immutable value), never the manager's live state.
 """
 
 from __future__ import annotations
@@ -21,20 +23,18 @@ class ManagerCollector:
         self.manager = manager
 
     def collect(self) -> Iterator[Any]:
-        c = self.manager.counters()
+        c = self.manager.counters
         yield GaugeMetricFamily("kvstash_slots", "Engine slots.", value=self.manager.settings.slots)
         yield GaugeMetricFamily("kvstash_slots_in_use", "Slots holding a session.", value=c.slots_in_use)
         sessions = GaugeMetricFamily("kvstash_sessions", "Open sessions by tier.", labels=["tier"])
         for tier, n in (("hot", c.hot), ("warm", c.warm), ("cold", c.cold)):
             sessions.add_metric([tier], n)
         yield sessions
-        yield GaugeMetricFamily(
-            "kvstash_parked_bytes", "Bytes of KV parked in RAM.", value=self.manager.parked_bytes()
-        )
+        yield GaugeMetricFamily("kvstash_parked_bytes", "Bytes of KV parked in RAM.", value=c.parked_bytes)
         yield GaugeMetricFamily(
             "kvstash_store_bytes",
             "Bytes of blocks in the durable store.",
-            value=self.manager.durable.store.total_bytes(),
+            value=c.store_bytes,
         )
         yield CounterMetricFamily("kvstash_swap_ins", "Sessions loaded into a slot.", value=c.swap_ins)
         yield CounterMetricFamily(

@@ -26,11 +26,13 @@ from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 from kvstashd.catalog import Catalog
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
-from kvstashd.engine import Engine, EngineConfig, ModelInfo
+from kvstashd.context import ContextConfig, ModelInfo
+from kvstashd.engine import Engine
 from kvstashd.metrics import serve_metrics
 from kvstashd.model import fingerprint
+from kvstashd.persistence import Stores
 from kvstashd.service import KvStashService
-from kvstashd.sessions import SessionManager, Stores
+from kvstashd.sessions import SessionManager
 from kvstashd.store import BlockStore
 from kvstashd.store.local import LocalBlockStore
 from kvstashd.store.memory import MemoryBlockStore
@@ -40,8 +42,8 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvStash"].full_name
 
 
-def engine_config(settings: Settings) -> EngineConfig:
-    return EngineConfig(
+def engine_config(settings: Settings) -> ContextConfig:
+    return ContextConfig(
         model_path=settings.model_path,
         slots=settings.slots,
         ctx_per_session=settings.ctx_per_session,
@@ -99,7 +101,7 @@ def checkpoint_stores(settings: Settings, info: ModelInfo, fp: str) -> Stores:
             blocks,
             key,
             fingerprint=fp,
-            layout=info.kv_layout,
+            layout=info.layout,
             block_tokens=settings.block_tokens,
             codec=settings.codec,
             n_vocab=info.n_vocab,
@@ -198,13 +200,15 @@ class Daemon:
             )
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "serving %s (%s) on %s: %d slots x %d tokens, %s mode",
+            "serving %s (%s) on %s: %d slots x %d tokens, %s mode, %s memory; %s",
             info.description,
             fp[:12],
             self.address,
             settings.slots,
             info.n_ctx_seq,
             "exact" if settings.exact and info.exact else "compact",
+            info.memory,
+            info.layout_note,
         )
         return self.port
 

@@ -18,10 +18,12 @@ from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 from kvstashd import __version__
 from kvstashd.catalog import CheckpointRow
 from kvstashd.chat import ChatMessage
-from kvstashd.engine import Chunk
 from kvstashd.errors import KvstashError, Unavailable
+from kvstashd.generation import Turn
+from kvstashd.job import Chunk
 from kvstashd.sampling import SamplingParams
-from kvstashd.sessions import SamplingOverrides, Session, SessionManager
+from kvstashd.session import SamplingOverrides
+from kvstashd.sessions import SessionManager, SessionView
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ class KvStashService(pb_grpc.KvStashServicer):
     @unary
     async def GetInfo(self, request: pb.GetInfoRequest, context: Any) -> pb.GetInfoResponse:
         m = self.manager
-        c = m.counters()
+        c = m.publish()
         return pb.GetInfoResponse(
             version=__version__,
             model_path=self.model_path,
@@ -122,6 +124,10 @@ class KvStashService(pb_grpc.KvStashServicer):
             swap_in_seconds_total=c.swap_in_seconds,
             max_prompt_tokens=m.settings.prompt_limit,
             block_tokens=m.settings.block_tokens,
+            architecture=m.model.architecture,
+            memory_type=m.model.memory,
+            checkpoints_carry_state=m.model.layout is not None,
+            state_note=m.model.layout_note,
         )
 
     @unary
@@ -133,16 +139,16 @@ class KvStashService(pb_grpc.KvStashServicer):
             stop=list(request.stop),
             persistent=request.persistent,
         )
-        return pb.CreateSessionResponse(session=self._session_pb(session))
+        return pb.CreateSessionResponse(session=self._session_pb(await self.manager.view(session)))
 
     @unary
     async def GetSession(self, request: pb.GetSessionRequest, context: Any) -> pb.GetSessionResponse:
         session = self.manager.get(request.session_id)
-        return pb.GetSessionResponse(session=self._session_pb(session))
+        return pb.GetSessionResponse(session=self._session_pb(await self.manager.view(session)))
 
     @unary
     async def ListSessions(self, request: pb.ListSessionsRequest, context: Any) -> pb.ListSessionsResponse:
-        return pb.ListSessionsResponse(sessions=[self._session_pb(s) for s in self.manager.all()])
+        return pb.ListSessionsResponse(sessions=[self._session_pb(v) for v in await self.manager.views()])
 
     @unary
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
@@ -153,7 +159,7 @@ class KvStashService(pb_grpc.KvStashServicer):
     async def Rewind(self, request: pb.RewindRequest, context: Any) -> pb.RewindResponse:
         self._check_accepting()
         session = await self.manager.rewind(request.session_id, request.n_tokens)
-        return pb.RewindResponse(session=self._session_pb(session))
+        return pb.RewindResponse(session=self._session_pb(await self.manager.view(session)))
 
     @streaming
     async def Generate(
@@ -165,29 +171,17 @@ class KvStashService(pb_grpc.KvStashServicer):
             prompt=request.prompt,
             prompt_token_ids=list(request.prompt_token_ids),
             parse_special=request.parse_special,
-            max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
-            sampling=overrides_from_pb(request.sampling),
-            stop=list(request.stop),
-            logprobs=request.logprobs,
+            turn=turn_from_pb(request),
         )
-        async with contextlib.aclosing(stream):
-            async for chunk in stream:
-                yield pb.GenerateResponse(chunk=chunk_to_pb(chunk))
+        async for chunk in stream:
+            yield pb.GenerateResponse(chunk=chunk_to_pb(chunk))
 
     @streaming
     async def Chat(self, request: pb.ChatRequest, context: Any) -> AsyncGenerator[pb.ChatResponse, None]:
         self._check_accepting()
-        stream = self.manager.chat(
-            request.session_id,
-            message=request.message,
-            max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
-            sampling=overrides_from_pb(request.sampling),
-            stop=list(request.stop),
-            logprobs=request.logprobs,
-        )
-        async with contextlib.aclosing(stream):
-            async for chunk in stream:
-                yield pb.ChatResponse(chunk=chunk_to_pb(chunk))
+        stream = self.manager.chat(request.session_id, message=request.message, turn=turn_from_pb(request))
+        async for chunk in stream:
+            yield pb.ChatResponse(chunk=chunk_to_pb(chunk))
 
     @unary
     async def Checkpoint(self, request: pb.CheckpointRequest, context: Any) -> pb.CheckpointResponse:
@@ -199,7 +193,7 @@ class KvStashService(pb_grpc.KvStashServicer):
     async def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, context: Any
     ) -> pb.ListCheckpointsResponse:
-        rows = self.manager.list_checkpoints(request.session_id)
+        rows = await self.manager.list_checkpoints(request.session_id)
         return pb.ListCheckpointsResponse(checkpoints=[checkpoint_to_pb(r) for r in rows])
 
     @unary
@@ -208,13 +202,17 @@ class KvStashService(pb_grpc.KvStashServicer):
     ) -> pb.RestoreCheckpointResponse:
         self._check_accepting()
         session, reprefilled = await self.manager.restore(request.session_id, request.checkpoint_id)
-        return pb.RestoreCheckpointResponse(session=self._session_pb(session), reprefilled=reprefilled)
+        view = await self.manager.view(session)
+        return pb.RestoreCheckpointResponse(session=self._session_pb(view), reprefilled=reprefilled)
 
     @unary
     async def ForkSession(self, request: pb.ForkSessionRequest, context: Any) -> pb.ForkSessionResponse:
         self._check_accepting()
-        session, _ = await self.manager.fork(request.session_id, request.checkpoint_id, request.persistent)
-        return pb.ForkSessionResponse(session=self._session_pb(session))
+        session, reprefilled = await self.manager.fork(
+            request.session_id, request.checkpoint_id, request.persistent
+        )
+        view = await self.manager.view(session)
+        return pb.ForkSessionResponse(session=self._session_pb(view), reprefilled=reprefilled)
 
     @unary
     async def DeleteCheckpoint(
@@ -227,10 +225,8 @@ class KvStashService(pb_grpc.KvStashServicer):
     async def ExportCheckpoint(
         self, request: pb.ExportCheckpointRequest, context: Any
     ) -> AsyncGenerator[pb.ExportCheckpointResponse, None]:
-        stream = self.manager.export_checkpoint(request.checkpoint_id)
-        async with contextlib.aclosing(stream):
-            async for data in stream:
-                yield pb.ExportCheckpointResponse(data=data)
+        async for data in self.manager.export_checkpoint(request.checkpoint_id):
+            yield pb.ExportCheckpointResponse(data=data)
 
     @unary
     async def ImportCheckpoint(
@@ -245,10 +241,8 @@ class KvStashService(pb_grpc.KvStashServicer):
         row = await self.manager.import_checkpoint(data())
         return pb.ImportCheckpointResponse(checkpoint=checkpoint_to_pb(row))
 
-    def _session_pb(self, session: Session) -> pb.SessionInfo:
-        info = session_to_pb(session, self.manager.model.n_ctx_seq)
-        info.n_checkpoints = self.manager.checkpoint_count(session)
-        return info
+    def _session_pb(self, view: SessionView) -> pb.SessionInfo:
+        return session_to_pb(view, self.manager.model.n_ctx_seq)
 
 
 # ---- conversions ---------------------------------------------------------------------------
@@ -269,6 +263,15 @@ def overrides_from_pb(p: pb.SamplingParams) -> SamplingOverrides:
     )
 
 
+def turn_from_pb(r: pb.GenerateRequest | pb.ChatRequest) -> Turn:
+    return Turn(
+        max_tokens=r.max_tokens if r.HasField("max_tokens") else None,
+        sampling=overrides_from_pb(r.sampling),
+        stop=list(r.stop),
+        logprobs=r.logprobs,
+    )
+
+
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(
         temperature=p.temperature,
@@ -285,18 +288,20 @@ def message_to_pb(m: ChatMessage) -> pb.Message:
     return pb.Message(role=ROLES[m.role], content=m.content)
 
 
-def session_to_pb(s: Session, n_ctx: int) -> pb.SessionInfo:
+def session_to_pb(v: SessionView, n_ctx: int) -> pb.SessionInfo:
+    s = v.session
     return pb.SessionInfo(
         session_id=s.session_id,
         persistent=s.persistent,
-        n_tokens=len(s.state.tokens),
+        n_tokens=v.n_tokens,
         n_ctx=n_ctx,
         sampling=params_to_pb(s.params),
         stop=list(s.stop),
         messages=[message_to_pb(m) for m in s.messages],
-        residency=RESIDENCY[s.residency],
+        residency=RESIDENCY[v.tier],
         created_at=s.created_at,
         last_used_at=s.last_used_at,
+        n_checkpoints=v.n_checkpoints,
         head_checkpoint_id=s.head_checkpoint_id,
     )
 

@@ -444,6 +444,10 @@ class GetInfoResponse(_message.Message):
     TOKENS_GENERATED_FIELD_NUMBER: _builtins.int
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    ARCHITECTURE_FIELD_NUMBER: _builtins.int
+    MEMORY_TYPE_FIELD_NUMBER: _builtins.int
+    CHECKPOINTS_CARRY_STATE_FIELD_NUMBER: _builtins.int
+    STATE_NOTE_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     model_path: _builtins.str
     model_fingerprint: _builtins.str
@@ -468,6 +472,18 @@ class GetInfoResponse(_message.Message):
     tokens_generated: _builtins.int
     max_prompt_tokens: _builtins.int
     block_tokens: _builtins.int
+    architecture: _builtins.str
+    """the GGUF's general.architecture"""
+    memory_type: _builtins.str
+    """The model's memory: "kv", "iswa" (full + sliding-window attention), "hybrid",
+    "hybrid-iswa", "recurrent", or "unknown".
+    """
+    checkpoints_carry_state: _builtins.bool
+    """Checkpoints and swaps carry the computed state; false: only the token history, which
+    is evaluated again on restore (a memory layout kvstash does not know).
+    """
+    state_note: _builtins.str
+    """why not, when they do not"""
     def __init__(
         self,
         *,
@@ -494,10 +510,14 @@ class GetInfoResponse(_message.Message):
         tokens_generated: _builtins.int = ...,
         max_prompt_tokens: _builtins.int = ...,
         block_tokens: _builtins.int = ...,
+        architecture: _builtins.str = ...,
+        memory_type: _builtins.str = ...,
+        checkpoints_carry_state: _builtins.bool = ...,
+        state_note: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_tokens", b"block_tokens", "ctx_per_session", b"ctx_per_session", "has_chat_template", b"has_chat_template", "kv_type", b"kv_type", "max_prompt_tokens", b"max_prompt_tokens", "mode", b"mode", "model_description", b"model_description", "model_fingerprint", b"model_fingerprint", "model_path", b"model_path", "n_ctx_train", b"n_ctx_train", "n_vocab", b"n_vocab", "sessions", b"sessions", "sessions_cold", b"sessions_cold", "sessions_hot", b"sessions_hot", "sessions_warm", b"sessions_warm", "slots", b"slots", "slots_in_use", b"slots_in_use", "swap_in_seconds_total", b"swap_in_seconds_total", "swap_ins", b"swap_ins", "tokens_evaluated", b"tokens_evaluated", "tokens_generated", b"tokens_generated", "tokens_reused", b"tokens_reused", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "block_tokens", b"block_tokens", "checkpoints_carry_state", b"checkpoints_carry_state", "ctx_per_session", b"ctx_per_session", "has_chat_template", b"has_chat_template", "kv_type", b"kv_type", "max_prompt_tokens", b"max_prompt_tokens", "memory_type", b"memory_type", "mode", b"mode", "model_description", b"model_description", "model_fingerprint", b"model_fingerprint", "model_path", b"model_path", "n_ctx_train", b"n_ctx_train", "n_vocab", b"n_vocab", "sessions", b"sessions", "sessions_cold", b"sessions_cold", "sessions_hot", b"sessions_hot", "sessions_warm", b"sessions_warm", "slots", b"slots", "slots_in_use", b"slots_in_use", "state_note", b"state_note", "swap_in_seconds_total", b"swap_in_seconds_total", "swap_ins", b"swap_ins", "tokens_evaluated", b"tokens_evaluated", "tokens_generated", b"tokens_generated", "tokens_reused", b"tokens_reused", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -995,16 +1015,20 @@ class ForkSessionResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_FIELD_NUMBER: _builtins.int
+    REPREFILLED_FIELD_NUMBER: _builtins.int
+    reprefilled: _builtins.bool
+    """the checkpoint's state could not be used; its history is evaluated again"""
     @_builtins.property
     def session(self) -> Global___SessionInfo: ...
     def __init__(
         self,
         *,
         session: Global___SessionInfo | None = ...,
+        reprefilled: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reprefilled", b"reprefilled", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,348 @@
+"""LlamaContext: the llama.cpp model and context, and the only module that imports llama_cpp.
+
+Every method runs on the engine thread. The context runs one KV stream per slot
+(`kv_unified=false`), flash attention off and f16 K/V: the "exact" mode, in which a
+sequence's logits do not depend on what else shares the batch, on prefill chunking, or on
+which slot holds it. `swa_full` keeps every position of a sliding-window cache in its own
+cell (nothing is overwritten), which is what makes the cell layout of an uninterrupted run
+and of an import the same (see state.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as llama
+import numpy as np
+
+from kvstashd import state as kvstate
+from kvstashd.errors import InvalidRequest, KvstashError
+from kvstashd.sampling import Logits
+
+log = logging.getLogger(__name__)
+llama_log = logging.getLogger("kvstashd.llama_cpp")
+
+KV_TYPE_IDS = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0, "q4_0": llama.GGML_TYPE_Q4_0}
+_PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the recurrent part of a hybrid's state
+# Sliding-window caches whose window is not "the last n_swa positions" (chunked attention).
+_OTHER_WINDOWS = {"llama4"}
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """What the context needs from the daemon's settings."""
+
+    model_path: Path
+    slots: int
+    ctx_per_session: int
+    batch_size: int
+    threads: int
+    gpu_layers: int
+    kv_type: str
+    kv_unified: bool
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the loaded model and context."""
+
+    description: str
+    architecture: str
+    n_vocab: int
+    n_ctx_train: int
+    n_ctx_seq: int
+    n_layer: int
+    n_swa: int
+    chat_template: str | None
+    bos_token: int
+    eos_token: int
+    add_bos: bool
+    # What memory the model has: kv, iswa, hybrid, hybrid-iswa, recurrent, or "unknown".
+    memory: str
+    # None when this model's sequence state is not one state.py can parse: sessions then
+    # checkpoint their token history only and restore by evaluating it again.
+    layout: kvstate.StateLayout | None
+    layout_note: str
+    # Logits do not depend on how a session's tokens were batched (see probe_exact).
+    exact: bool
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One token of a batch: which slot, what token at which position, whether to keep logits."""
+
+    slot: int
+    token: int
+    pos: int
+    logits: bool
+
+
+class LlamaContext:
+    """A loaded model and its multi-sequence context."""
+
+    def __init__(self, cfg: ContextConfig) -> None:
+        self.cfg = cfg
+        route_llama_log()
+        llama.llama_backend_init()
+        mparams = llama.llama_model_default_params()
+        mparams.n_gpu_layers = 2**31 - 1 if cfg.gpu_layers < 0 else cfg.gpu_layers
+        self._model = llama.llama_model_load_from_file(str(cfg.model_path).encode(), mparams)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load the model {cfg.model_path}")
+        cparams = llama.llama_context_default_params()
+        cparams.n_ctx = cfg.slots * cfg.ctx_per_session
+        cparams.n_batch = cfg.batch_size
+        cparams.n_ubatch = cfg.batch_size
+        cparams.n_seq_max = cfg.slots
+        cparams.n_threads = cfg.threads
+        cparams.n_threads_batch = cfg.threads
+        cparams.kv_unified = cfg.kv_unified
+        cparams.swa_full = True
+        quantized = cfg.kv_type != "f16"
+        # Flash attention changes logits with batch neighbours; quantized K/V requires it.
+        cparams.flash_attn_type = (
+            llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if quantized else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cparams.type_k = KV_TYPE_IDS[cfg.kv_type]
+        cparams.type_v = KV_TYPE_IDS[cfg.kv_type]
+        cparams.no_perf = True
+        self._ctx = llama.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            llama.llama_model_free(self._model)
+            raise RuntimeError("llama.cpp could not create the context")
+        self._vocab = llama.llama_model_get_vocab(self._model)
+        self._mem = llama.llama_get_memory(self._ctx)
+        self._batch = llama.llama_batch_init(cfg.batch_size, 0, 1)
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+        self.n_vocab = int(llama.llama_vocab_n_tokens(self._vocab))
+        n_ctx_seq = int(llama.llama_n_ctx_seq(self._ctx))
+        if n_ctx_seq < cfg.ctx_per_session:
+            self.close()
+            raise RuntimeError(f"llama.cpp gave {n_ctx_seq} cells per session, not {cfg.ctx_per_session}")
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            llama.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            llama.llama_model_free(self._model)
+            self._model = None
+
+    # ---- facts ------------------------------------------------------------------------------
+
+    def info(self) -> ModelInfo:
+        """Facts about the model; probes the state layout and exactness in slot 0."""
+        model = self._model
+        template = llama.llama_model_chat_template(model, None)
+        desc = ctypes.create_string_buffer(256)
+        llama.llama_model_desc(model, desc, 256)
+        arch = self._meta("general.architecture")
+        layout, note = self.probe_layout(arch)
+        return ModelInfo(
+            description=desc.value.decode("utf-8", "replace"),
+            architecture=arch,
+            n_vocab=self.n_vocab,
+            n_ctx_train=int(llama.llama_model_n_ctx_train(model)),
+            n_ctx_seq=self.cfg.ctx_per_session,
+            n_layer=int(llama.llama_model_n_layer(model)),
+            n_swa=int(llama.llama_model_n_swa(model)),
+            chat_template=template.decode("utf-8") if template else None,
+            bos_token=int(llama.llama_vocab_bos(self._vocab)),
+            eos_token=int(llama.llama_vocab_eos(self._vocab)),
+            add_bos=bool(llama.llama_vocab_get_add_bos(self._vocab)),
+            memory=layout.kind if layout is not None else self._memory_guess(),
+            layout=layout,
+            layout_note=note,
+            exact=self.probe_exact(),
+        )
+
+    def _meta(self, key: str) -> str:
+        buf = ctypes.create_string_buffer(256)
+        n = llama.llama_model_meta_val_str(self._model, key.encode(), buf, 256)
+        return buf.value.decode("utf-8", "replace") if n >= 0 else ""
+
+    def _memory_guess(self) -> str:
+        if llama.llama_model_is_recurrent(self._model):
+            return "recurrent"
+        if llama.llama_model_is_hybrid(self._model):
+            return "hybrid"
+        return "unknown"
+
+    def probe_layout(self, arch: str) -> tuple[kvstate.StateLayout | None, str]:
+        """Learn the state layout from a real one-token state of slot 0, then clear it."""
+        n_swa = int(llama.llama_model_n_swa(self._model))
+        if arch in _OTHER_WINDOWS:
+            return None, f"checkpoints keep token history only: {arch}'s chunked attention window"
+        try:
+            self.decode([BatchItem(0, int(llama.llama_vocab_bos(self._vocab)), 0, False)])
+            layout = kvstate.discover(
+                self.state_bytes(0),
+                recurrent=bool(llama.llama_model_is_recurrent(self._model)),
+                hybrid=bool(llama.llama_model_is_hybrid(self._model)),
+                window=n_swa,
+            )
+        except kvstate.StateFormatError as e:
+            log.warning("KV checkpoints are off for this model: %s", e)
+            return None, f"checkpoints keep token history only: {e}"
+        finally:
+            self.clear(0)
+        return layout, "checkpoints carry the model's computed state"
+
+    def probe_exact(self) -> bool:
+        """Whether a token evaluated alone gets the same logits as inside a prompt chunk.
+
+        Sampling, resumes and restores by re-evaluation are bit-exact only then. It fails
+        with llama.cpp's tinyBLAS (GGML_LLAMAFILE) kernels, which serve products of 2+
+        columns only, and in the compact modes.
+        """
+        tokens = [int(t) for t in np.random.default_rng(0).integers(0, self.n_vocab, 45)]
+        try:
+            # Several lengths: tiled kernels differ from one another only at some sizes.
+            for n in (37, 41, 45):
+                chunk = self.decode([BatchItem(0, t, p, p == n - 1) for p, t in enumerate(tokens[:n])])
+                self.clear(0)
+                self.decode([BatchItem(0, t, p, False) for p, t in enumerate(tokens[: n - 1])])
+                alone = self.decode([BatchItem(0, tokens[n - 1], n - 1, True)])
+                self.clear(0)
+                if not np.array_equal(chunk[0], alone[0]):
+                    return False
+        finally:
+            self.clear(0)
+        return True
+
+    # ---- tokens -----------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        if not data:
+            return []
+        cap = len(data) + 8
+        buf = (llama.llama_token * cap)()
+        n = llama.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (llama.llama_token * cap)()
+            n = llama.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise InvalidRequest("the prompt could not be tokenized")
+        return list(buf[:n])
+
+    def piece(self, token: int, special: bool) -> bytes:
+        key = (token, special)
+        cached = self._pieces.get(key)
+        if cached is None:
+            buf = ctypes.create_string_buffer(64)
+            n = llama.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+            cached = buf.raw[: max(n, 0)]
+            self._pieces[key] = cached
+        return cached
+
+    def detokenize(self, tokens: Sequence[int], special: bool) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama.llama_vocab_is_eog(self._vocab, token))
+
+    # ---- evaluation -------------------------------------------------------------------------
+
+    def decode(self, items: Sequence[BatchItem]) -> list[Logits]:
+        """Evaluate one batch; the logits rows of the items that asked for them, in order."""
+        batch = self._batch
+        for k, item in enumerate(items):
+            batch.token[k] = item.token
+            batch.pos[k] = item.pos
+            batch.n_seq_id[k] = 1
+            batch.seq_id[k][0] = item.slot
+            batch.logits[k] = int(item.logits)
+        batch.n_tokens = len(items)
+        rc = llama.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise KvstashError(f"llama_decode failed with {rc} for a batch of {len(items)} tokens")
+        rows = []
+        for k, item in enumerate(items):
+            if item.logits:
+                ptr = llama.llama_get_logits_ith(self._ctx, k)
+                rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+        return rows
+
+    # ---- sequences --------------------------------------------------------------------------
+
+    def clear(self, slot: int) -> None:
+        """Forget every cell of a slot."""
+        llama.llama_memory_seq_rm(self._mem, slot, -1, -1)
+
+    def remove_from(self, slot: int, pos: int) -> bool:
+        """Forget a slot's cells from `pos` on; False where the memory cannot (recurrent)."""
+        return bool(llama.llama_memory_seq_rm(self._mem, slot, pos, -1))
+
+    def positions(self, slot: int) -> tuple[int, int]:
+        """(lowest, highest) position a slot holds; (-1, -1) when it is empty."""
+        return (
+            int(llama.llama_memory_seq_pos_min(self._mem, slot)),
+            int(llama.llama_memory_seq_pos_max(self._mem, slot)),
+        )
+
+    def state_bytes(self, slot: int, *, partial: bool = False) -> memoryview:
+        """A slot's sequence state as llama.cpp writes it (partial: the recurrent part only)."""
+        flags = _PARTIAL if partial else 0
+        size = int(llama.llama_state_seq_get_size_ext(self._ctx, slot, flags))
+        # np.empty, not a ctypes array: those are zero-filled, and llama.cpp overwrites it all.
+        out = np.empty(size, dtype=np.uint8)
+        buf = (ctypes.c_uint8 * size).from_buffer(out.data)
+        written = int(llama.llama_state_seq_get_data_ext(self._ctx, buf, size, slot, flags))
+        if written != size:
+            raise KvstashError(f"llama.cpp wrote {written} of {size} bytes of sequence state")
+        return memoryview(out.data)
+
+    def set_state(self, slot: int, blob: bytes | bytearray | memoryview, *, partial: bool = False) -> bool:
+        """Load a checked blob into a slot; True when llama.cpp took all of it."""
+        try:
+            buf = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
+        except TypeError:  # a read-only buffer
+            buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        flags = _PARTIAL if partial else 0
+        read = int(llama.llama_state_seq_set_data_ext(self._ctx, buf, len(blob), slot, flags))
+        return read == len(blob)
+
+
+_log_callback: Any = None
+
+
+def route_llama_log() -> None:
+    """Send llama.cpp's C log to Python logging (it prints a lot to stderr otherwise).
+
+    llama.cpp's own INFO is chatty model-loading detail, so it lands at DEBUG here.
+    """
+    global _log_callback
+    if _log_callback is not None:
+        return
+    # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continue the previous line.
+    levels = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+    pending: list[str] = []
+    last_level = [logging.DEBUG]
+
+    def on_log(level: int, text: bytes | None, _user: Any) -> None:
+        if text is None:
+            return
+        if level != 5:
+            last_level[0] = levels.get(level, logging.DEBUG)
+        pending.append(text.decode("utf-8", "replace"))
+        if pending[-1].endswith("\n"):
+            message = "".join(pending).rstrip()
+            pending.clear()
+            if message:
+                llama_log.log(last_level[0], "%s", message)
+
+    _log_callback = llama.llama_log_callback(on_log)
+    llama.llama_log_set(_log_callback, ctypes.c_void_p(0))

@@ -1,0 +1,251 @@
+"""Generation flows: raw continuation and chat turns, from a request to streamed chunks.
+
+Both run inside an operation holding the session's lock: the prompt is tokenized (chat:
+through the model's template, message content never parsed for control tokens), checked
+against the context, the session is given a slot, and one engine job streams the reply.
+A persistent session is saved before the last chunk goes out, so a client that saw the end
+of a generation can rely on it surviving a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, TypeVar
+
+from kvstashd import ops
+from kvstashd.chat import ChatMessage, Message, Segment, after_prefix, text_of
+from kvstashd.engine import Engine
+from kvstashd.errors import ContextFull, InvalidRequest
+from kvstashd.job import Chunk, GenerationRequest, Job
+from kvstashd.session import SamplingOverrides, Session
+
+if TYPE_CHECKING:
+    from kvstashd.sessions import SessionManager
+
+T = TypeVar("T")
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+Put = Callable[[Chunk], None]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What every generation request says besides its prompt."""
+
+    max_tokens: int | None = None
+    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
+    stop: Sequence[str] = ()
+    logprobs: int = 0
+
+
+class Conversations:
+    """Runs generations for a SessionManager."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.manager = manager
+        self.tokens_reused = 0
+
+    async def generate(
+        self,
+        session: Session,
+        put: Put,
+        *,
+        prompt: str,
+        prompt_token_ids: Sequence[int],
+        parse_special: bool,
+        turn: Turn,
+    ) -> None:
+        """Extend the session by a prompt (text or token ids) and stream the continuation."""
+        if prompt and prompt_token_ids:
+            raise InvalidRequest("give the prompt as text or as token ids, not both")
+        n_vocab = self.manager.model.n_vocab
+        bad = next((t for t in prompt_token_ids if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
+        request = self._request(session, turn)
+        async with self.manager.use(session):
+            if prompt:
+                tokens = await self.tokenize(
+                    prompt, first=not session.state.tokens, parse_special=parse_special
+                )
+            else:
+                tokens = list(prompt_token_ids)
+            request = replace(request, prompt=tuple(tokens))
+            self._check_fits(session, request)
+            await self._run(session, request, put)
+
+    async def chat(self, session: Session, put: Put, *, message: str, turn: Turn) -> None:
+        """Add a user message through the chat template and stream the assistant's reply."""
+        template = self.manager.template
+        assert template is not None
+        if not message:
+            raise InvalidRequest("the message is empty")
+        request = self._request(session, turn)
+        async with self.manager.use(session):
+            state = session.state
+            user = ChatMessage("user", message, len(state.tokens))
+            conversation = [Message(m.role, m.content) for m in session.messages]
+            conversation.append(Message("user", message))
+            segments = template.render(conversation, add_generation_prompt=True)
+            history = list(state.tokens)
+            history_text = await self._engine(lambda e: e.ctx.detokenize(history, True))
+            delta = after_prefix(segments, history_text)
+            if delta is not None:
+                tokens = await self.tokenize_segments(delta, first=not state.tokens)
+            else:
+                # The history is not a prefix of the rendered conversation (raw generation or
+                # a stop string left text the template does not have): keep what matches.
+                full = await self.tokenize_segments(segments, first=True)
+                keep = _common_prefix(full, state.tokens)
+                await self.manager.residency.truncate(session, keep)
+                tokens = full[keep:]
+                user.start = keep
+            request = replace(request, prompt=tuple(tokens))
+            self._check_fits(session, request)
+            reply = ChatMessage("assistant", "", len(state.tokens) + len(tokens))
+            session.messages += [user, reply]
+            try:
+                await self._run(session, request, put, reply)
+            except BaseException:
+                if len(state.tokens) <= user.start:  # nothing was added: neither are messages
+                    del session.messages[-2:]
+                raise
+
+    async def _run(
+        self, session: Session, request: GenerationRequest, put: Put, reply: ChatMessage | None = None
+    ) -> None:
+        """Run one generation on a session whose lock the caller holds."""
+        manager = self.manager
+        slot = await manager.residency.into_slot(session)
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
+
+        def emit(item: Chunk | BaseException) -> None:
+            loop.call_soon_threadsafe(items.put_nowait, item)
+
+        job = Job(session.state, slot, request, emit)
+        session.job = job
+        manager.touch(session)
+        manager.engine.submit(job)
+        # A client that leaves stops the job within one step; the job's end is awaited all
+        # the same, so the session's history is settled before anything else touches it.
+        ops.current().on_abandon(lambda: setattr(job, "cancelled", True))
+        try:
+            while True:
+                item = await items.get()
+                # Chunks that queued up while the client was being served go out as one.
+                while isinstance(item, Chunk) and item.finish_reason is None and not items.empty():
+                    following = items.get_nowait()
+                    if not isinstance(following, Chunk):
+                        raise following
+                    item = _merge(item, following)
+                if isinstance(item, BaseException):
+                    raise item
+                if reply is not None:
+                    reply.content += item.text
+                if item.finish_reason is not None:
+                    session.job = None
+                    self.tokens_reused += item.usage.reused_tokens if item.usage else 0
+                    session.keep_snapshot(job.snapshot)
+                    if session.persistent:
+                        await manager.persistence.save_head(session)
+                put(item)
+                if item.finish_reason is not None:
+                    return
+        finally:
+            session.job = None
+
+    def _request(self, session: Session, turn: Turn) -> GenerationRequest:
+        if turn.max_tokens is not None and turn.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be > 0, got {turn.max_tokens}")
+        if not 0 <= turn.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {turn.logprobs}")
+        return GenerationRequest(
+            prompt=(),
+            max_tokens=turn.max_tokens,
+            params=turn.sampling.apply(session.params),
+            stop=session.stop + check_stop(turn.stop),
+            logprobs=turn.logprobs,
+        )
+
+    def _check_fits(self, session: Session, request: GenerationRequest) -> None:
+        settings, model = self.manager.settings, self.manager.model
+        n_prompt = len(request.prompt)
+        if n_prompt > settings.prompt_limit:
+            raise InvalidRequest(f"the prompt has {n_prompt} tokens; the limit is {settings.prompt_limit}")
+        state = session.state
+        if not n_prompt and not state.tokens:
+            raise InvalidRequest("the prompt is empty and the session has nothing to continue")
+        needed = len(state.tokens) + n_prompt + (request.max_tokens or 1)
+        if needed > model.n_ctx_seq:
+            raise ContextFull(
+                f"history ({len(state.tokens)}) + prompt ({n_prompt}) + max_tokens "
+                f"({request.max_tokens or 1}) is {needed} tokens; the session's context is {model.n_ctx_seq}"
+            )
+
+    # ---- tokens ------------------------------------------------------------------------------
+
+    async def system_tokens(self, system_prompt: str) -> list[int]:
+        template = self.manager.template
+        if template is not None:
+            segments = template.render([Message("system", system_prompt)], False)
+            return await self.tokenize_segments(segments, first=True)
+        return await self.tokenize(system_prompt, first=True, parse_special=False)
+
+    async def tokenize(self, text: str, *, first: bool, parse_special: bool) -> list[int]:
+        add = first and self.manager.model.add_bos
+        return await self._engine(
+            lambda e: e.ctx.tokenize(text, add_special=add, parse_special=parse_special)
+        )
+
+    async def tokenize_segments(self, segments: Sequence[Segment], *, first: bool) -> list[int]:
+        """Template text with control tokens parsed; message content never."""
+        model = self.manager.model
+
+        def run(e: Engine) -> list[int]:
+            c = e.ctx
+            bos_text = c.detokenize([model.bos_token], True)
+            add_bos = first and model.add_bos and not text_of(segments).startswith(bos_text)
+            out: list[int] = [model.bos_token] if add_bos else []
+            for seg in segments:
+                out += c.tokenize(seg.text, add_special=False, parse_special=not seg.content)
+            return out
+
+        return await self._engine(run)
+
+    async def _engine(self, fn: Callable[[Engine], T]) -> T:
+        return await asyncio.wrap_future(self.manager.engine.call(fn))
+
+
+def _merge(a: Chunk, b: Chunk) -> Chunk:
+    """One chunk for two consecutive ones; the later one's end and usage are kept."""
+    return Chunk(
+        text=a.text + b.text,
+        token_ids=a.token_ids + b.token_ids,
+        logprobs=a.logprobs + b.logprobs,
+        finish_reason=b.finish_reason,
+        usage=b.usage,
+    )
+
+
+def check_stop(stop: Sequence[str]) -> tuple[str, ...]:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for s in stop:
+        if not s or len(s) > MAX_STOP_LENGTH:
+            raise InvalidRequest(f"stop strings must have 1 to {MAX_STOP_LENGTH} characters")
+    return tuple(stop)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

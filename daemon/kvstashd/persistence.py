@@ -1,0 +1,142 @@
+"""Persistence: checkpoint stores, persistent sessions' heads, and sessions loaded at start.
+
+A persistent session has a movable *head* manifest, saved (delta) when a generation ends,
+on graceful shutdown and when it is created; after a restart it is listed and continues
+from its head. Explicit checkpoints are separate, labelled, immutable manifests. Ephemeral
+sessions keep their checkpoints in RAM; under memory pressure their state may spill to a
+disk area wiped at every start, and nothing of them outlives close, expiry or restart.
+All catalog and file work runs in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstashd.catalog import CheckpointRow
+from kvstashd.checkpoints import CheckpointStore, Loaded
+from kvstashd.config import Settings
+from kvstashd.errors import Busy, KvstashError, NotFound
+from kvstashd.manifest import Snapshot
+from kvstashd.placement import HistoryOnly, Placement, Residency, Stored, store_write
+from kvstashd.session import Session
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Stores:
+    """durable: persistent sessions and imports (disk); volatile: ephemeral sessions'
+    checkpoints (RAM); spill: ephemeral sessions' state under memory pressure (disk, wiped
+    at start)."""
+
+    durable: CheckpointStore
+    volatile: CheckpointStore
+    spill: CheckpointStore
+
+
+class Persistence:
+    """Saves and finds checkpoints for the session manager."""
+
+    def __init__(self, stores: Stores, settings: Settings, clock: Callable[[], float]) -> None:
+        self.stores = stores
+        self.durable = stores.durable
+        self.volatile = stores.volatile
+        self.settings = settings
+        self.clock = clock
+        self.residency: Residency | None = None
+
+    def store_of(self, session: Session) -> CheckpointStore:
+        return self.durable if session.persistent else self.volatile
+
+    async def save_head(self, session: Session) -> tuple[str, Snapshot]:
+        """Autosave a persistent session: its new head manifest, writing only new blocks."""
+        assert self.residency is not None
+        kv = await self.residency.state_of(session)
+        snap = session.snapshot("", self.settings.block_tokens)
+        row, stored = await store_write(
+            self.durable.save, snap, kv, kind="head", now=self.clock(), head_of=session.session_id
+        )
+        session.head_checkpoint_id = row.checkpoint_id
+        session.dirty = False
+        return row.checkpoint_id, stored
+
+    async def checkpoint(self, session: Session, label: str) -> CheckpointRow:
+        """An immutable, labelled checkpoint of the session as it is now."""
+        assert self.residency is not None
+        if session.persistent:
+            await self.check_disk()
+        kv = await self.residency.state_of(session)
+        snap = session.snapshot(label, self.settings.block_tokens)
+        row, _ = await store_write(self.store_of(session).save, snap, kv, kind="explicit", now=self.clock())
+        return row
+
+    async def find(self, checkpoint_id: str) -> CheckpointStore:
+        """The store that holds a checkpoint (NotFound if none does)."""
+
+        def lookup() -> CheckpointStore:
+            for store in (self.durable, self.volatile):
+                if store.catalog.get(checkpoint_id) is not None:
+                    return store
+            raise NotFound(f"no checkpoint {checkpoint_id}")
+
+        return await asyncio.to_thread(lookup)
+
+    async def load(self, checkpoint_id: str) -> Loaded:
+        store = await self.find(checkpoint_id)
+        return await asyncio.to_thread(store.load, checkpoint_id, self.clock())
+
+    async def check_disk(self) -> None:
+        """Refuse new persistent state when the disk budget cannot be kept."""
+        budget = self.settings.disk_budget
+        if self.durable.store.total_bytes() <= budget:
+            return
+        await asyncio.to_thread(self.durable.sweep, budget)
+        if self.durable.store.total_bytes() > budget:
+            raise Busy(
+                f"the state store holds {self.durable.store.total_bytes()} bytes, over its budget "
+                f"of {budget}: delete checkpoints or close persistent sessions"
+            )
+
+    async def delete_session(self, session: Session) -> None:
+        """Forget a session's head and checkpoints, in one transaction: the commit point of
+        a close."""
+        store = self.store_of(session)
+        await store_write(store.catalog.delete_session, session.session_id)
+        if not session.persistent:
+            await asyncio.to_thread(self.volatile.sweep, 0)
+
+    async def import_checkpoint(self, chunks: list[bytes], limit: int) -> CheckpointRow:
+        await self.check_disk()
+        return await store_write(self.durable.import_, chunks, limit, self.clock())
+
+    def load_persistent(
+        self, new_session: Callable[[Snapshot, str], Session]
+    ) -> list[tuple[Session, Placement]]:
+        """Persistent sessions from the catalog, each with where its state is (blocking)."""
+        out: list[tuple[Session, Placement]] = []
+        for session_id, _created, head in self.durable.catalog.sessions():
+            if head is None:
+                continue
+            try:
+                snap = self.durable.snapshot(head)
+            except KvstashError as e:
+                log.error("persistent session %s is not loaded: %s", session_id, e)
+                continue
+            session = new_session(snap, session_id)
+            session.apply(snap, snap.n_kv)
+            session.head_checkpoint_id = head
+            if snap.n_kv and snap.kv_layout == self.durable.layout_desc:
+                where: Placement = Stored(self.durable, head, snap)
+            else:
+                if snap.n_kv:
+                    log.info(
+                        "session %s: its state has another layout; its history is evaluated again", session_id
+                    )
+                session.state.n_kv = 0
+                session.state.logits = None
+                where = HistoryOnly("a stored state of another layout")
+            out.append((session, where))
+        return out

@@ -1,0 +1,364 @@
+"""Residency: where each session's computed state lives, and the only code that moves it.
+
+A session's state is in exactly one place, one `Placement` value:
+
+- `InSlot`: in an engine slot (hot);
+- `Parked`: parsed and checked, in RAM (warm), after eviction, a restore or a fork;
+- `Stored`: in a checkpoint store (cold): a persistent session's head after a restart or a
+  spill, or an ephemeral session's spill (a disk area wiped at every start);
+- `HistoryOnly`: only the token history; the next generation evaluates it again.
+
+Moves into and out of slots are single engine commands (see engine.py), and they run inside
+operations that finish once started (ops.py), so every move ends with its bookkeeping done:
+a failed move leaves the session history-only (with its error) and the slot free. The slot
+table holds a session exactly while its placement is `InSlot` (and, during a load, while
+the slot is reserved for it). Callers hold the session's lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvstashd import ops
+from kvstashd import state as kvstate
+from kvstashd.checkpoints import CheckpointStore
+from kvstashd.config import Settings
+from kvstashd.engine import Engine
+from kvstashd.errors import Busy, CorruptCheckpoint, KvstashError
+from kvstashd.manifest import Snapshot
+from kvstashd.session import Session
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class InSlot:
+    slot: int
+
+
+@dataclass(frozen=True)
+class Parked:
+    kv: kvstate.SeqKv
+
+
+@dataclass(frozen=True)
+class Stored:
+    store: CheckpointStore
+    checkpoint_id: str
+    snapshot: Snapshot
+
+
+@dataclass(frozen=True)
+class HistoryOnly:
+    reason: str = ""
+
+
+Placement = InSlot | Parked | Stored | HistoryOnly
+
+TIERS = {InSlot: "hot", Parked: "warm", Stored: "cold", HistoryOnly: "cold"}
+
+# Saves a persistent session's head; returns its checkpoint id and manifest.
+SaveHead = Callable[[Session], Awaitable[tuple[str, Snapshot]]]
+
+
+class Residency:
+    """The slot table and every session's placement."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: Settings,
+        durable: CheckpointStore,
+        spill: CheckpointStore,
+        save_head: SaveHead,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.durable = durable
+        self.spill_store = spill
+        self.save_head = save_head
+        self._where: dict[str, tuple[Session, Placement]] = {}
+        self._slots: list[Session | None] = [None] * settings.slots
+        self._slot_freed = asyncio.Event()
+        self.waiting = 0
+        self.swap_ins = 0
+        self.swap_in_seconds = 0.0
+
+    # ---- reading ------------------------------------------------------------------------------
+
+    def where(self, session: Session) -> Placement:
+        return self._where[session.session_id][1]
+
+    def tier(self, session: Session) -> str:
+        return TIERS[type(self.where(session))]
+
+    @property
+    def slots_in_use(self) -> int:
+        return sum(1 for s in self._slots if s is not None)
+
+    def parked_bytes(self) -> int:
+        total = 0
+        for session, where in self._where.values():
+            total += sum(s.nbytes for s in session.snapshots)
+            if isinstance(where, Parked):
+                total += where.kv.nbytes
+        return total
+
+    # ---- placing new sessions -------------------------------------------------------------------
+
+    def add(self, session: Session, where: Placement | None = None) -> None:
+        """Start tracking a session that holds no slot (new: history only)."""
+        if isinstance(where, InSlot):
+            raise ValueError("a session enters a slot through into_slot")
+        self._where[session.session_id] = (session, where or HistoryOnly())
+
+    def _set(self, session: Session, where: Placement) -> None:
+        if isinstance(where, HistoryOnly):
+            state = session.state
+            state.n_kv = 0
+            state.logits = None
+            state.window_from = 0
+        self._where[session.session_id] = (session, where)
+
+    # ---- moves ----------------------------------------------------------------------------------
+
+    async def into_slot(self, session: Session) -> int:
+        """Give the session a slot and load its state there (a free slot, or the one of the
+        least recently used idle session, which is parked first)."""
+        where = self.where(session)
+        if isinstance(where, InSlot):
+            return where.slot
+        if isinstance(where, Stored):
+            await self._warm(session)
+        slot = await self._free_slot(session)
+        where = self.where(session)
+        kv = where.kv if isinstance(where, Parked) else None
+        state = session.state
+        self._slots[slot] = session  # reserved while its state loads
+        started = time.perf_counter()
+        try:
+            await self._engine(lambda e: e.load(slot, state, kv))
+        except BaseException as e:
+            self._slots[slot] = None
+            self._slot_freed.set()
+            self._set(session, HistoryOnly(str(e)))
+            raise
+        self._set(session, InSlot(slot))
+        if kv is not None:
+            self.swap_ins += 1
+            self.swap_in_seconds += time.perf_counter() - started
+        return slot
+
+    async def release(self, session: Session, *, park: bool = True) -> None:
+        """Take the session out of its slot; with park, its state moves to RAM first."""
+        where = self.where(session)
+        if not isinstance(where, InSlot):
+            return
+        slot = where.slot
+        keep = park and self.engine.layout is not None
+        state = session.state
+        try:
+            kv = await self._engine(lambda e: e.unload(slot, state, keep))
+        finally:
+            self._slots[slot] = None
+            self._slot_freed.set()
+        self._set(session, Parked(kv) if kv is not None else HistoryOnly())
+
+    async def forget(self, session: Session) -> None:
+        """Free whatever the session's state holds (a slot, RAM, a spill) and stop tracking it."""
+        await self.release(session, park=False)
+        await self._drop_spill(session)
+        self._where.pop(session.session_id, None)
+
+    async def replace(self, session: Session, snap: Snapshot, kv: kvstate.SeqKv | None) -> None:
+        """The session's history and state become a checkpoint's (restore, fork)."""
+        await self.release(session, park=False)
+        await self._drop_spill(session)
+        session.apply(snap, kv.n if kv is not None else 0)
+        self._set(session, Parked(kv) if kv is not None else HistoryOnly())
+
+    async def state_of(self, session: Session) -> kvstate.SeqKv | None:
+        """The session's state as it is now (exported from its slot if hot), for a save."""
+        where = self.where(session)
+        if isinstance(where, Stored):
+            await self._warm(session)
+            where = self.where(session)
+        state = session.state
+        if isinstance(where, InSlot):
+            if self.engine.layout is None or not state.n_kv:
+                return None
+            slot = where.slot
+            return await self._engine(lambda e: e.export(slot, state))
+        return where.kv if isinstance(where, Parked) else None
+
+    async def truncate(self, session: Session, n_tokens: int) -> None:
+        """Keep the first n_tokens of history, and a state to match (see Engine.truncate)."""
+        session.forget_snapshots_after(n_tokens)
+        snapshots = tuple(session.snapshots)
+        state = session.state
+        if isinstance(self.where(session), Stored):
+            await self._warm(session)
+        where = self.where(session)
+        if isinstance(where, InSlot):
+            slot = where.slot
+            await self._engine(lambda e: e.truncate(slot, state, n_tokens, snapshots))
+            return
+        del state.tokens[n_tokens:]
+        if not isinstance(where, Parked) or state.n_kv < n_tokens:
+            return
+        if state.n_kv == n_tokens and state.logits is not None:
+            return
+        kv = kvstate.rewind(where.kv, max(n_tokens - 1, 0), snapshots)
+        state.logits = None
+        state.n_kv = kv.n if kv is not None else 0
+        self._set(session, Parked(kv) if kv is not None else HistoryOnly())
+
+    # ---- slots --------------------------------------------------------------------------------
+
+    async def _free_slot(self, session: Session) -> int:
+        if self.waiting >= self.settings.max_queue:
+            raise Busy("too many requests are waiting for a slot; try again later")
+        self.waiting += 1
+        try:
+            while (slot := self._first_free()) is None:
+                victim = self._victim()
+                if victim is not None:
+                    # Idle, so its lock is free: taking it does not wait.
+                    async with victim.lock:
+                        await self.release(victim, park=True)
+                    await self.enforce_ram(keep=session)
+                    continue
+                self._slot_freed.clear()
+                async with ops.current().waiting():
+                    await self._slot_freed.wait()
+        finally:
+            self.waiting -= 1
+        return slot
+
+    def _first_free(self) -> int | None:
+        return next((i for i, s in enumerate(self._slots) if s is None), None)
+
+    def _victim(self) -> Session | None:
+        idle = [s for s in self._slots if s is not None and not s.busy and isinstance(self.where(s), InSlot)]
+        return min(idle, key=lambda s: s.last_used_at) if idle else None
+
+    def slot_freed(self) -> None:
+        """A session went idle: requests waiting for a slot may now evict it."""
+        self._slot_freed.set()
+
+    # ---- RAM and disk tiers ---------------------------------------------------------------------
+
+    async def enforce_ram(self, keep: Session | None = None) -> None:
+        """Spill parked state to disk, least recently used first, while over the RAM budget."""
+        while self.parked_bytes() > self.settings.ram_cache:
+            idle = [
+                s
+                for s, where in self._where.values()
+                if isinstance(where, Parked) and not s.busy and s is not keep
+            ]
+            if not idle:
+                return
+            victim = min(idle, key=lambda s: s.last_used_at)
+            async with victim.lock:
+                try:
+                    await self._spill(victim)
+                except KvstashError as e:
+                    log.error("could not spill session %s: %s", victim.session_id, e)
+                    return
+
+    async def _spill(self, session: Session) -> None:
+        """Parked state to disk: a persistent session's head, or the spill area."""
+        where = self.where(session)
+        if not isinstance(where, Parked):
+            return
+        session.snapshots = []
+        if session.persistent:
+            checkpoint_id, stored = await self.save_head(session)
+            ref = Stored(self.durable, checkpoint_id, stored)
+        else:
+            snap = session.snapshot("", self.settings.block_tokens)
+            row, stored = await store_write(
+                self.spill_store.save, snap, where.kv, kind="spill", now=time.time()
+            )
+            ref = Stored(self.spill_store, row.checkpoint_id, stored)
+        self._set(session, ref if ref.snapshot.n_kv == session.state.n_kv else HistoryOnly())
+
+    async def _warm(self, session: Session) -> None:
+        """A stored state back into RAM (Parked), or history-only if it cannot be used.
+        A damaged block fails the request with DATA_LOSS; the next one evaluates again."""
+        ref = self.where(session)
+        assert isinstance(ref, Stored)
+        state = session.state
+        try:
+            kv, _ = await asyncio.to_thread(ref.store.cells, ref.snapshot)
+        except CorruptCheckpoint as e:
+            await self._drop_spill(session)
+            self._set(session, HistoryOnly(str(e)))
+            raise
+        except KvstashError as e:
+            kv = None
+            log.warning("session %s: its stored state is not used: %s", session.session_id, e)
+        await self._drop_spill(session)
+        if kv is None or kv.n != state.n_kv:
+            self._set(session, HistoryOnly("the stored state does not fit this daemon"))
+            return
+        self._set(session, Parked(kv))
+        await self.enforce_ram(keep=session)
+
+    async def _drop_spill(self, session: Session) -> None:
+        where = self._where.get(session.session_id, (session, HistoryOnly()))[1]
+        if isinstance(where, Stored) and where.store is self.spill_store:
+            self._where[session.session_id] = (session, HistoryOnly())
+            await asyncio.to_thread(self.spill_store.delete, where.checkpoint_id)
+            await asyncio.to_thread(self.spill_store.sweep, 0)
+
+    # ---- checks --------------------------------------------------------------------------------
+
+    def problems(self) -> list[str]:
+        """Where the slot table and the placements disagree (empty when they agree)."""
+        out = []
+        for i, owner in enumerate(self._slots):
+            if owner is not None and self._where.get(owner.session_id, (owner, None))[1] != InSlot(i):
+                out.append(f"slot {i} is held by {owner.session_id}, which is not placed there")
+        for sid, (session, where) in self._where.items():
+            state = session.state
+            if state.n_kv > len(state.tokens):
+                out.append(f"{sid}: state covers {state.n_kv} of {len(state.tokens)} tokens")
+            match where:
+                case InSlot(slot):
+                    if self._slots[slot] is not session:
+                        out.append(f"{sid} is placed in slot {slot}, which another holds")
+                case Parked(kv):
+                    if kv.n != state.n_kv:
+                        out.append(f"{sid}: parked state covers {kv.n} tokens, the session {state.n_kv}")
+                case Stored(_, _, snap):
+                    if snap.n_kv != state.n_kv:
+                        out.append(f"{sid}: stored state covers {snap.n_kv} tokens, the session {state.n_kv}")
+                case HistoryOnly():
+                    if state.n_kv:
+                        out.append(f"{sid} is history-only but claims {state.n_kv} tokens of state")
+        return out
+
+    def slot_owners(self) -> list[int | None]:
+        """Per slot, its owner's state length or None: what the engine's check compares."""
+        return [s.state.n_kv if s is not None else None for s in self._slots]
+
+    async def _engine(self, fn: Callable[[Engine], T]) -> T:
+        return await asyncio.wrap_future(self.engine.call(fn))
+
+
+async def store_write(fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+    """A store write in a worker thread; a failing disk is RESOURCE_EXHAUSTED."""
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except (OSError, sqlite3.Error) as e:
+        log.error("the state store failed: %s", e)
+        raise Busy("the state store is failing (disk full?); nothing was saved") from None

@@ -1,0 +1,127 @@
+"""Sessions as the daemon records them, and the values the session layer trades in."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field, replace
+
+from kvstashd import state as kvstate
+from kvstashd.chat import ChatMessage
+from kvstashd.job import Job, SeqState
+from kvstashd.manifest import Snapshot
+from kvstashd.sampling import SamplingParams
+
+# Recurrent snapshots a session keeps (models with a recurrent state): the newest turns' starts.
+MAX_SNAPSHOTS = 2
+
+
+@dataclass
+class Session:
+    """A conversation bound to the loaded model. Where its computed state lives is not
+    recorded here: the Residency owns that."""
+
+    session_id: str
+    persistent: bool
+    params: SamplingParams
+    stop: tuple[str, ...]
+    created_at: float
+    last_used_at: float
+    state: SeqState = field(default_factory=SeqState)
+    messages: list[ChatMessage] = field(default_factory=list)
+    # Recurrent states at earlier positions of this history (see Job.snapshot), oldest first.
+    snapshots: list[kvstate.RecurrentCells] = field(default_factory=list)
+    head_checkpoint_id: str = ""
+    # Changed since its last save (persistent sessions only).
+    dirty: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    job: Job | None = None
+    closed: bool = False
+
+    @property
+    def busy(self) -> bool:
+        return self.lock.locked()
+
+    def keep_snapshot(self, snap: kvstate.RecurrentCells | None) -> None:
+        if snap is not None:
+            older = [s for s in self.snapshots if s.pos < snap.pos]
+            self.snapshots = [*older[len(older) - MAX_SNAPSHOTS + 1 :], snap]
+
+    def forget_snapshots_after(self, n_tokens: int) -> None:
+        """Drop snapshots of positions the history no longer has."""
+        self.snapshots = [s for s in self.snapshots if s.pos + 1 <= n_tokens]
+
+    def snapshot(self, label: str, block_tokens: int) -> Snapshot:
+        """The session as a manifest would record it (its state pieces filled in on save)."""
+        state = self.state
+        return Snapshot(
+            session_id=self.session_id,
+            persistent=self.persistent,
+            created_at=self.created_at,
+            tokens=list(state.tokens),
+            n_kv=state.n_kv,
+            logits=state.logits if state.n_kv == len(state.tokens) else None,
+            draws=state.draws,
+            params=self.params,
+            stop=self.stop,
+            messages=[replace(m) for m in self.messages],
+            fingerprint="",
+            kv_layout=None,
+            block_tokens=block_tokens,
+            label=label,
+        )
+
+    def apply(self, snap: Snapshot, n_kv: int) -> None:
+        """Make this session's history and parameters the snapshot's, with a state that
+        covers tokens[:n_kv] (the caller places it)."""
+        self.state = SeqState(
+            tokens=list(snap.tokens),
+            n_kv=n_kv,
+            logits=snap.logits if n_kv == len(snap.tokens) else None,
+            draws=snap.draws,
+        )
+        self.params = snap.params
+        self.stop = snap.stop
+        self.messages = [replace(m) for m in snap.messages]
+        self.snapshots = []
+
+
+@dataclass(frozen=True)
+class SamplingOverrides:
+    """Optional per-request or per-session values; None keeps the current one."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    penalty_last_n: int | None = None
+    seed: int | None = None
+
+    def apply(self, base: SamplingParams) -> SamplingParams:
+        return base.merged(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty,
+            penalty_last_n=self.penalty_last_n,
+            seed=self.seed,
+        )
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What GetInfo and the metrics report; a snapshot, safe to read from any thread."""
+
+    sessions: int = 0
+    hot: int = 0
+    warm: int = 0
+    cold: int = 0
+    slots_in_use: int = 0
+    tokens_evaluated: int = 0
+    tokens_generated: int = 0
+    tokens_reused: int = 0
+    swap_ins: int = 0
+    swap_in_seconds: float = 0.0
+    parked_bytes: int = 0
+    store_bytes: int = 0
