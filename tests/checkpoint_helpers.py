@@ -312,5 +312,7 @@ def own_daemon(state_dir: Path, *, model: Path | None = None, **settings: Any) -
     d = InProcessDaemon(s.validate())
     try:
         yield d
+        problems = d.check_invariant()
+        assert not problems, "; ".join(problems)
     finally:
         d.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemons import DaemonProcess, InProcessDaemon
+from daemons import VIOLATION, DaemonProcess, InProcessDaemon
 
 import kvstash
 
@@ -34,6 +34,16 @@ def pytest_runtest_makereport(
         for proc in getattr(item, "_kvstash_daemon_processes", ()):
             report.sections.append((f"kvstash daemon log ({proc.log_path})", proc.log()))
     return report
+
+
+@pytest.fixture(autouse=True)
+def invariant_holds() -> Iterator[None]:
+    """After every test, each running daemon is idle and consistent: its slot table, the
+    sessions' placements, the engine's sequences and the catalog agree."""
+    yield
+    for d in list(InProcessDaemon.live):
+        problems = d.check_invariant()
+        assert not problems, f"{d}: " + "; ".join(problems)
 
 
 @pytest.fixture(scope="session")
@@ -70,8 +80,13 @@ def start_daemon(
         return d
 
     yield start
-    for d in reversed(started):
-        d.stop()
+    try:
+        for d in started:
+            problems = d.check_invariant()
+            assert not problems, f"{d}: " + "; ".join(problems)
+    finally:
+        for d in reversed(started):
+            d.stop()
 
 
 @pytest.fixture
@@ -106,3 +121,5 @@ def spawn_daemon(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cal
     yield spawn
     for proc in procs:
         proc.close()
+    violations = [line for proc in procs for line in proc.log().splitlines() if VIOLATION in line]
+    assert not violations, "\n".join(violations)

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -46,7 +46,12 @@ TEST_DEFAULTS: dict[str, Any] = {
     "ctx_per_session": 1024,
     "threads": 1,
     "grace_seconds": 1.0,
+    "check_invariants": True,
 }
+
+#: What a daemon run with --check-invariants logs when slots, placements, the engine's
+#: sequences and the catalog disagree.
+VIOLATION = "invariant violated"
 
 
 def model_path() -> Path:
@@ -98,6 +103,9 @@ def check_serving(client: kvstash.Client) -> None:
 class InProcessDaemon:
     """A Daemon served by an event loop on a background thread of this process."""
 
+    #: The daemons running now: every test ends with a check of their invariant.
+    live: ClassVar[set[InProcessDaemon]] = set()
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.loop = asyncio.new_event_loop()
@@ -111,6 +119,19 @@ class InProcessDaemon:
             self._close_loop()
             raise
         self.address = self.daemon.address
+        InProcessDaemon.live.add(self)
+
+    def check_invariant(self, timeout: float = 120) -> list[str]:
+        """Wait until the daemon is idle, then what disagrees among its slots, placements,
+        engine sequences, registry and catalog (nothing, when all is well)."""
+        manager = self.daemon.manager if self.daemon is not None else None
+        if manager is None:
+            return []
+        self.run(manager.settle(), timeout=timeout)
+        problems: list[str] = self.run(manager.check_invariant(), timeout=timeout)
+        if manager.invariant_violations:
+            problems.append(f"{manager.invariant_violations} violations were logged while it ran")
+        return problems
 
     @classmethod
     def with_settings(cls, state_dir: Path, **overrides: Any) -> InProcessDaemon:
@@ -122,6 +143,7 @@ class InProcessDaemon:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
+        InProcessDaemon.live.discard(self)
         if self.daemon is not None:
             daemon, self.daemon = self.daemon, None
             self.run(daemon.stop(), timeout=60)
@@ -183,6 +205,7 @@ class DaemonProcess:
             str(TEST_DEFAULTS["ctx_per_session"]),
             "--threads",
             str(TEST_DEFAULTS["threads"]),
+            "--check-invariants",
             *self.args,
         ]
 
@@ -274,6 +297,7 @@ __all__ = [
     "SERVICE_NAME",
     "SERVING",
     "TEST_DEFAULTS",
+    "VIOLATION",
     "DaemonProcess",
     "InProcessDaemon",
     "check_serving",

@@ -69,6 +69,8 @@ class Conversations:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
         request = self._request(session, turn)
         async with self.manager.use(session):
+            # The slot first: waiting for it may be cut short, and nothing has changed yet.
+            slot = await self.manager.residency.into_slot(session)
             if prompt:
                 tokens = await self.tokenize(
                     prompt, first=not session.state.tokens, parse_special=parse_special
@@ -77,7 +79,7 @@ class Conversations:
                 tokens = list(prompt_token_ids)
             request = replace(request, prompt=tuple(tokens))
             self._check_fits(session, request)
-            await self._run(session, request, put)
+            await self._run(session, slot, request, put)
 
     async def chat(self, session: Session, put: Put, *, message: str, turn: Turn) -> None:
         """Add a user message through the chat template and stream the assistant's reply."""
@@ -87,6 +89,7 @@ class Conversations:
             raise InvalidRequest("the message is empty")
         request = self._request(session, turn)
         async with self.manager.use(session):
+            slot = await self.manager.residency.into_slot(session)
             state = session.state
             user = ChatMessage("user", message, len(state.tokens))
             conversation = [Message(m.role, m.content) for m in session.messages]
@@ -110,18 +113,22 @@ class Conversations:
             reply = ChatMessage("assistant", "", len(state.tokens) + len(tokens))
             session.messages += [user, reply]
             try:
-                await self._run(session, request, put, reply)
+                await self._run(session, slot, request, put, reply)
             except BaseException:
                 if len(state.tokens) <= user.start:  # nothing was added: neither are messages
                     del session.messages[-2:]
                 raise
 
     async def _run(
-        self, session: Session, request: GenerationRequest, put: Put, reply: ChatMessage | None = None
+        self,
+        session: Session,
+        slot: int,
+        request: GenerationRequest,
+        put: Put,
+        reply: ChatMessage | None = None,
     ) -> None:
-        """Run one generation on a session whose lock the caller holds."""
+        """Run one generation on a session in `slot`, whose lock the caller holds."""
         manager = self.manager
-        slot = await manager.residency.into_slot(session)
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
 

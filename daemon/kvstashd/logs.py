@@ -22,6 +22,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+class LateAnswerFilter(logging.Filter):
+    """gRPC logs an ERROR with a traceback when a handler answers a call whose client has
+    just gone (its deadline passed as the answer was sent). The work was done; nobody was
+    there to hear. That is routine under client deadlines: it goes to DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and "ExecuteBatchError" in record.getMessage():
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info = None
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 def configure(level: str, as_json: bool) -> None:
     """Send all logs to stderr at `level`; llama.cpp's own chatter only shows at debug."""
     handler = logging.StreamHandler(sys.stderr)
@@ -32,3 +45,4 @@ def configure(level: str, as_json: bool) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("kvstashd.llama_cpp").setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+    logging.getLogger("grpc._cython.cygrpc").addFilter(LateAnswerFilter())

@@ -159,7 +159,7 @@ class Residency:
 
     async def release(self, session: Session, *, park: bool = True) -> None:
         """Take the session out of its slot; with park, its state moves to RAM first."""
-        where = self.where(session)
+        where = self._where.get(session.session_id, (session, None))[1]
         if not isinstance(where, InSlot):
             return
         slot = where.slot
@@ -231,9 +231,11 @@ class Residency:
             while (slot := self._first_free()) is None:
                 victim = self._victim()
                 if victim is not None:
-                    # Idle, so its lock is free: taking it does not wait.
+                    # Idle, so taking its lock does not wait, unless a request for it is
+                    # queued: that one goes first, and may close it or keep its slot.
                     async with victim.lock:
-                        await self.release(victim, park=True)
+                        if not victim.closed:
+                            await self.release(victim, park=True)
                     await self.enforce_ram(keep=session)
                     continue
                 self._slot_freed.clear()

@@ -148,7 +148,11 @@ class SessionManager:
         return session
 
     async def view(self, session: Session) -> SessionView:
-        return (await self.views([session]))[0]
+        """The session as the RPCs report it; NotFound if it was closed meanwhile."""
+        views = await self.views([session])
+        if not views:
+            raise NotFound(f"no session {session.session_id}")
+        return views[0]
 
     async def views(self, sessions: Sequence[Session] | None = None) -> list[SessionView]:
         """Sessions as the RPCs report them (all, oldest first, by default)."""
