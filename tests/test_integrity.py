@@ -45,7 +45,7 @@ from daemons import InProcessDaemon, check_serving
 
 import kvstash
 from kvstashd import blocks as blk
-from kvstashd.state import STATE_VERSION
+from kvstashd.layout import STATE_VERSION
 
 BLOCK_HEADER = 4 + 1 + 4 + 32  # magic, codec, payload length, BLAKE2b (kvstashd.blocks)
 

@@ -26,7 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from kvstashd import blocks as blk
+from kvstashd import layout as kvlayout
 from kvstashd import manifest as mf
+from kvstashd import pieces
 from kvstashd import state as kvstate
 from kvstashd.catalog import Catalog, CheckpointRow
 from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint, InvalidRequest, NotFound
@@ -80,7 +82,7 @@ class CheckpointStore:
         key: bytes,
         *,
         fingerprint: str,
-        layout: kvstate.StateLayout | None,
+        layout: kvlayout.StateLayout | None,
         block_tokens: int,
         codec: str,
         n_vocab: int,
@@ -161,7 +163,7 @@ class CheckpointStore:
                     yield rec, functools.partial(bytes, section.data)
                 continue
             for p in window if section.layout.window else full:
-                yield p, functools.partial(kvstate.cut, section, p.start, p.end)
+                yield p, functools.partial(pieces.cut, section, p.start, p.end)
 
     def _plan(
         self, tokens: list[int], n: int, block_tokens: int, salt: str
@@ -252,25 +254,25 @@ class CheckpointStore:
             or (rec.key if rec else "") != snap.recurrent
         ):
             raise CorruptCheckpoint("the checkpoint's block keys do not follow from its tokens")
-        pieces = [*full, *window, *([rec] if rec else [])]
+        wanted = [*full, *window, *([rec] if rec else [])]
         # File reads and CRC-32 release the GIL: pieces are read and checked on every core.
         payloads = dict(
             zip(
-                (p.key for p in pieces),
-                _READERS.map(lambda p: self._block(p.key, p.size, read)[1], pieces),
+                (p.key for p in wanted),
+                _READERS.map(lambda p: self._block(p.key, p.size, read)[1], wanted),
                 strict=True,
             )
         )
         sections: list[kvstate.Section] = []
         for section in lay.sections:
-            if isinstance(section, kvstate.RecurrentLayout):
+            if isinstance(section, kvlayout.RecurrentLayout):
                 assert rec is not None
-                sections.append(kvstate.recurrent_from(section, snap.n_kv - 1, payloads[rec.key]))
+                sections.append(pieces.recurrent_from(section, snap.n_kv - 1, payloads[rec.key]))
                 continue
             mine = window if section.window else full
-            runs = [kvstate.piece(section, payloads[p.key], p.end - p.start) for p in mine]
-            sections.append(kvstate.cells_from(section, mine[0].start, runs))
-        return kvstate.build(lay, snap.n_kv, sections), False
+            runs = [pieces.piece(section, payloads[p.key], p.end - p.start) for p in mine]
+            sections.append(pieces.cells_from(section, mine[0].start, runs))
+        return pieces.build(lay, snap.n_kv, sections), False
 
     def _block(self, key: str, size: int, read: Callable[[str], bytes]) -> tuple[bytes, bytes | memoryview]:
         """One block, read once and checked: (its frame, its payload). A damaged block of

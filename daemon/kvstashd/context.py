@@ -20,6 +20,7 @@ from typing import Any
 import llama_cpp as llama
 import numpy as np
 
+from kvstashd import layout as kvlayout
 from kvstashd import state as kvstate
 from kvstashd.errors import InvalidRequest, KvstashError
 from kvstashd.sampling import Logits
@@ -66,7 +67,7 @@ class ModelInfo:
     memory: str
     # None when this model's sequence state is not one state.py can parse: sessions then
     # checkpoint their token history only and restore by evaluating it again.
-    layout: kvstate.StateLayout | None
+    layout: kvlayout.StateLayout | None
     layout_note: str
     # Logits do not depend on how a session's tokens were batched (see probe_exact).
     exact: bool
@@ -176,7 +177,7 @@ class LlamaContext:
             return "hybrid"
         return "unknown"
 
-    def probe_layout(self, arch: str) -> tuple[kvstate.StateLayout | None, str]:
+    def probe_layout(self, arch: str) -> tuple[kvlayout.StateLayout | None, str]:
         """Learn the state layout from a real one-token state of slot 0, then clear it."""
         n_swa = int(llama.llama_model_n_swa(self._model))
         if arch in _OTHER_WINDOWS:
@@ -189,7 +190,7 @@ class LlamaContext:
                 hybrid=bool(llama.llama_model_is_hybrid(self._model)),
                 window=n_swa,
             )
-        except kvstate.StateFormatError as e:
+        except kvlayout.StateFormatError as e:
             log.warning("KV checkpoints are off for this model: %s", e)
             return None, f"checkpoints keep token history only: {e}"
         finally:

@@ -19,8 +19,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from kvstashd import layout as kvlayout
+from kvstashd import pieces, steps
 from kvstashd import state as kvstate
-from kvstashd import steps
 from kvstashd.context import BatchItem, ContextConfig, LlamaContext, ModelInfo
 from kvstashd.errors import ContextFull, CorruptCheckpoint, InvalidRequest, KvstashError, Unavailable
 from kvstashd.job import Job, SeqState
@@ -53,7 +54,7 @@ class Engine:
         self._ctx: LlamaContext | None = None
         self._stopping = False
         self.info: ModelInfo | None = None
-        self.layout: kvstate.StateLayout | None = None
+        self.layout: kvlayout.StateLayout | None = None
         self.stats_evaluated = 0
         self.stats_generated = 0
 
@@ -182,7 +183,7 @@ class Engine:
             return
         if kv.layout != self.layout:
             raise KvstashError("internal: KV of another layout")
-        if not ctx.set_state(slot, kvstate.assemble(kv)):
+        if not ctx.set_state(slot, pieces.assemble(kv)):
             ctx.clear(slot)
             state.logits = None
             raise CorruptCheckpoint("llama.cpp did not take the session's state")
@@ -226,13 +227,11 @@ class Engine:
         target = max(n_tokens - 1, 0)
         layout = self.layout
         state.logits = None
-        if layout is None or (
-            layout.recurrent is None and kvstate.can_cut(layout, state.window_from, target)
-        ):
+        if layout is None or (layout.recurrent is None and pieces.can_cut(layout, state.window_from, target)):
             self.ctx.remove_from(slot, target)
             state.n_kv = target
             return
-        kv = kvstate.rewind(self.export(slot, state), target, snapshots)
+        kv = pieces.rewind(self.export(slot, state), target, snapshots)
         self.load(slot, state, kv)
 
     def check(self, slots: Sequence[int | None]) -> list[str]:
@@ -252,7 +251,7 @@ class Engine:
             if self.layout is not None:
                 try:
                     kv = kvstate.parse(self.ctx.state_bytes(slot), self.layout)
-                except kvstate.StateFormatError as e:
+                except kvlayout.StateFormatError as e:
                     problems.append(f"slot {slot}: {e}")
                     continue
                 if kv.n != n_kv:

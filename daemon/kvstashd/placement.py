@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvstashd import ops
+from kvstashd import ops, pieces
 from kvstashd import state as kvstate
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
@@ -216,7 +216,7 @@ class Residency:
             return
         if state.n_kv == n_tokens and state.logits is not None:
             return
-        kv = kvstate.rewind(where.kv, max(n_tokens - 1, 0), snapshots)
+        kv = pieces.rewind(where.kv, max(n_tokens - 1, 0), snapshots)
         state.logits = None
         state.n_kv = kv.n if kv is not None else 0
         self._set(session, Parked(kv) if kv is not None else HistoryOnly())

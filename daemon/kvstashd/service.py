@@ -186,14 +186,14 @@ class KvStashService(pb_grpc.KvStashServicer):
     @unary
     async def Checkpoint(self, request: pb.CheckpointRequest, context: Any) -> pb.CheckpointResponse:
         self._check_accepting()
-        row = await self.manager.checkpoint(request.session_id, request.label)
+        row = await self.manager.checkpoints.checkpoint(request.session_id, request.label)
         return pb.CheckpointResponse(checkpoint=checkpoint_to_pb(row))
 
     @unary
     async def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, context: Any
     ) -> pb.ListCheckpointsResponse:
-        rows = await self.manager.list_checkpoints(request.session_id)
+        rows = await self.manager.checkpoints.list_checkpoints(request.session_id)
         return pb.ListCheckpointsResponse(checkpoints=[checkpoint_to_pb(r) for r in rows])
 
     @unary
@@ -201,14 +201,16 @@ class KvStashService(pb_grpc.KvStashServicer):
         self, request: pb.RestoreCheckpointRequest, context: Any
     ) -> pb.RestoreCheckpointResponse:
         self._check_accepting()
-        session, reprefilled = await self.manager.restore(request.session_id, request.checkpoint_id)
+        session, reprefilled = await self.manager.checkpoints.restore(
+            request.session_id, request.checkpoint_id
+        )
         view = await self.manager.view(session)
         return pb.RestoreCheckpointResponse(session=self._session_pb(view), reprefilled=reprefilled)
 
     @unary
     async def ForkSession(self, request: pb.ForkSessionRequest, context: Any) -> pb.ForkSessionResponse:
         self._check_accepting()
-        session, reprefilled = await self.manager.fork(
+        session, reprefilled = await self.manager.checkpoints.fork(
             request.session_id, request.checkpoint_id, request.persistent
         )
         view = await self.manager.view(session)
@@ -218,14 +220,14 @@ class KvStashService(pb_grpc.KvStashServicer):
     async def DeleteCheckpoint(
         self, request: pb.DeleteCheckpointRequest, context: Any
     ) -> pb.DeleteCheckpointResponse:
-        await self.manager.delete_checkpoint(request.checkpoint_id)
+        await self.manager.checkpoints.delete_checkpoint(request.checkpoint_id)
         return pb.DeleteCheckpointResponse()
 
     @streaming
     async def ExportCheckpoint(
         self, request: pb.ExportCheckpointRequest, context: Any
     ) -> AsyncGenerator[pb.ExportCheckpointResponse, None]:
-        async for data in self.manager.export_checkpoint(request.checkpoint_id):
+        async for data in self.manager.checkpoints.export_checkpoint(request.checkpoint_id):
             yield pb.ExportCheckpointResponse(data=data)
 
     @unary
@@ -238,7 +240,7 @@ class KvStashService(pb_grpc.KvStashServicer):
             async for request in request_iterator:
                 yield request.data
 
-        row = await self.manager.import_checkpoint(data())
+        row = await self.manager.checkpoints.import_checkpoint(data())
         return pb.ImportCheckpointResponse(checkpoint=checkpoint_to_pb(row))
 
     def _session_pb(self, view: SessionView) -> pb.SessionInfo:

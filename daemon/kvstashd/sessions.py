@@ -3,7 +3,8 @@
 Every flow runs as an operation that finishes once started (ops.py): a client that gives
 up stops waiting, not the work. One operation at a time acts on a session (its lock); a
 second one waits its turn. Where a session's state lives is the Residency's (placement.py);
-saving and finding checkpoints is the Persistence's; generation flows are in generation.py.
+saving and finding checkpoints is the Persistence's; the flows of generation and of
+checkpoints are in generation.py and checkpointing.py.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvstashd import ops as opsmod
-from kvstashd import state as kvstate
-from kvstashd.catalog import CheckpointRow
-from kvstashd.chat import ChatMessage, ChatTemplate, Message
+from kvstashd.chat import ChatMessage, ChatTemplate
+from kvstashd.checkpointing import Checkpointing
 from kvstashd.config import Settings
 from kvstashd.context import ModelInfo
 from kvstashd.engine import Engine
@@ -36,8 +36,6 @@ from kvstashd.session import Counters, SamplingOverrides, Session
 log = logging.getLogger(__name__)
 
 _SESSION_ID = re.compile(r"^s_[0-9a-f]{24}$")
-_CHECKPOINT_ID = re.compile(r"^c_[0-9a-f]{24}$")
-MAX_LABEL = 256
 
 
 @dataclass(frozen=True)
@@ -75,6 +73,7 @@ class SessionManager:
         self.residency = Residency(engine, settings, stores.durable, stores.spill, self.persistence.save_head)
         self.persistence.residency = self.residency
         self.conversations = Conversations(self)
+        self.checkpoints = Checkpointing(self)
         self.template: ChatTemplate | None = None
         self.counters = Counters()
         self.invariant_violations = 0
@@ -237,114 +236,6 @@ class SessionManager:
         session.last_used_at = self.clock()
         session.dirty = True
 
-    # ---- checkpoints -------------------------------------------------------------------------
-
-    async def checkpoint(self, session_id: str, label: str) -> CheckpointRow:
-        """An immutable, labelled checkpoint of the session as it is now."""
-        session = self.get(session_id)
-        if len(label) > MAX_LABEL:
-            raise InvalidRequest(f"labels have at most {MAX_LABEL} characters")
-        return await self.ops.run(self._checkpoint(session, label))
-
-    async def _checkpoint(self, session: Session, label: str) -> CheckpointRow:
-        async with self.use(session):
-            return await self.persistence.checkpoint(session, label)
-
-    async def list_checkpoints(self, session_id: str) -> list[CheckpointRow]:
-        session = self.get(session_id)
-        return await asyncio.to_thread(self.persistence.store_of(session).catalog.checkpoints, session_id)
-
-    def _check_checkpoint_id(self, checkpoint_id: str) -> None:
-        if not _CHECKPOINT_ID.match(checkpoint_id):
-            raise InvalidRequest(f"malformed checkpoint id: {checkpoint_id[:80]!r}")
-
-    async def restore(self, session_id: str, checkpoint_id: str) -> tuple[Session, bool]:
-        """Roll the session back to a checkpoint. Returns (session, history evaluated again)."""
-        session = self.get(session_id)
-        self._check_checkpoint_id(checkpoint_id)
-        return await self.ops.run(self._restore(session, checkpoint_id))
-
-    async def _restore(self, session: Session, checkpoint_id: str) -> tuple[Session, bool]:
-        loaded = await self.persistence.load(checkpoint_id)
-        async with self.use(session):
-            await self.residency.replace(session, loaded.snapshot, loaded.kv)
-            self.touch(session)
-            if session.persistent:
-                await self.persistence.save_head(session)
-        return session, loaded.reprefill
-
-    async def fork(self, session_id: str, checkpoint_id: str, persistent: bool) -> tuple[Session, bool]:
-        """A new session that continues exactly as the source (a session or a checkpoint)."""
-        if bool(session_id) == bool(checkpoint_id):
-            raise InvalidRequest("fork from a session_id or from a checkpoint_id (one of them)")
-        if checkpoint_id:
-            self._check_checkpoint_id(checkpoint_id)
-            return await self.ops.run(self._fork_checkpoint(checkpoint_id, persistent))
-        source = self.get(session_id)
-        return await self.ops.run(self._fork_session(source, persistent))
-
-    async def _fork_checkpoint(self, checkpoint_id: str, persistent: bool) -> tuple[Session, bool]:
-        loaded = await self.persistence.load(checkpoint_id)
-        child = await self._child(loaded.snapshot, loaded.kv, persistent, [])
-        return child, loaded.reprefill
-
-    async def _fork_session(self, source: Session, persistent: bool) -> tuple[Session, bool]:
-        async with self.use(source):
-            kv = await self.residency.state_of(source)
-            snap = source.snapshot("", self.settings.block_tokens)
-            snapshots = list(source.snapshots)
-        return await self._child(snap, kv, persistent, snapshots), False
-
-    async def _child(
-        self,
-        snap: Snapshot,
-        kv: kvstate.SeqKv | None,
-        persistent: bool,
-        snapshots: list[kvstate.RecurrentCells],
-    ) -> Session:
-        now = self.clock()
-        child = Session("s_" + secrets.token_hex(12), persistent, snap.params, snap.stop, now, now)
-        self.residency.add(child)
-        await self.residency.replace(child, snap, kv)
-        child.snapshots = snapshots
-        if persistent:
-            try:
-                await self.persistence.check_disk()
-                await self.persistence.save_head(child)
-            except BaseException:
-                await self.residency.forget(child)
-                raise
-        self.sessions[child.session_id] = child
-        self.publish()
-        return child
-
-    async def delete_checkpoint(self, checkpoint_id: str) -> None:
-        self._check_checkpoint_id(checkpoint_id)
-        if any(s.head_checkpoint_id == checkpoint_id for s in self.sessions.values()):
-            raise FailedPrecondition("that checkpoint is a live session's head; close the session")
-        store = await self.persistence.find(checkpoint_id)
-        await asyncio.to_thread(store.delete, checkpoint_id)
-
-    async def export_checkpoint(self, checkpoint_id: str) -> AsyncIterator[bytes]:
-        self._check_checkpoint_id(checkpoint_id)
-        store = await self.persistence.find(checkpoint_id)
-        chunks = await asyncio.to_thread(lambda: list(store.export(checkpoint_id)))
-        for chunk in chunks:
-            yield chunk
-
-    async def import_checkpoint(self, chunks: AsyncIterator[bytes]) -> CheckpointRow:
-        layout = self.model.layout
-        state_bytes = layout.max_bytes(self.model.n_ctx_seq) if layout is not None else 0
-        limit = 2 * state_bytes + (64 << 20)
-        received: list[bytes] = []
-        size = 0
-        async for chunk in chunks:
-            size += len(chunk)
-            if size > limit:
-                raise InvalidRequest(f"the import exceeds {limit} bytes")
-            received.append(chunk)
-        return await self.ops.run(self.persistence.import_checkpoint(received, limit))
-
     # ---- generation --------------------------------------------------------------------------
 
     def generate(
@@ -456,6 +347,3 @@ class SessionManager:
         for problem in await self.check_invariant():
             self.invariant_violations += 1
             log.error("invariant violated: %s", problem)
-
-    def message_list(self, session: Session) -> list[Message]:
-        return [Message(m.role, m.content) for m in session.messages]

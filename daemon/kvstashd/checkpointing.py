@@ -1,0 +1,139 @@
+"""The RPC flows around checkpoints: take, list, restore, fork, delete, export and import.
+
+Each runs as an operation that finishes once started (ops.py), holding the lock of the
+session it changes; the Residency places restored and forked state, the Persistence stores
+and reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from kvstashd import state as kvstate
+from kvstashd.catalog import CheckpointRow
+from kvstashd.errors import FailedPrecondition, InvalidRequest
+from kvstashd.manifest import Snapshot
+from kvstashd.session import Session
+
+if TYPE_CHECKING:
+    from kvstashd.sessions import SessionManager
+
+_CHECKPOINT_ID = re.compile(r"^c_[0-9a-f]{24}$")
+MAX_LABEL = 256
+
+
+class Checkpointing:
+    """Checkpoint flows for a SessionManager."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.m = manager
+
+    async def checkpoint(self, session_id: str, label: str) -> CheckpointRow:
+        """An immutable, labelled checkpoint of the session as it is now."""
+        session = self.m.get(session_id)
+        if len(label) > MAX_LABEL:
+            raise InvalidRequest(f"labels have at most {MAX_LABEL} characters")
+        return await self.m.ops.run(self._checkpoint(session, label))
+
+    async def _checkpoint(self, session: Session, label: str) -> CheckpointRow:
+        async with self.m.use(session):
+            return await self.m.persistence.checkpoint(session, label)
+
+    async def list_checkpoints(self, session_id: str) -> list[CheckpointRow]:
+        session = self.m.get(session_id)
+        return await asyncio.to_thread(self.m.persistence.store_of(session).catalog.checkpoints, session_id)
+
+    def _check_checkpoint_id(self, checkpoint_id: str) -> None:
+        if not _CHECKPOINT_ID.match(checkpoint_id):
+            raise InvalidRequest(f"malformed checkpoint id: {checkpoint_id[:80]!r}")
+
+    async def restore(self, session_id: str, checkpoint_id: str) -> tuple[Session, bool]:
+        """Roll the session back to a checkpoint. Returns (session, history evaluated again)."""
+        session = self.m.get(session_id)
+        self._check_checkpoint_id(checkpoint_id)
+        return await self.m.ops.run(self._restore(session, checkpoint_id))
+
+    async def _restore(self, session: Session, checkpoint_id: str) -> tuple[Session, bool]:
+        loaded = await self.m.persistence.load(checkpoint_id)
+        async with self.m.use(session):
+            await self.m.residency.replace(session, loaded.snapshot, loaded.kv)
+            self.m.touch(session)
+            if session.persistent:
+                await self.m.persistence.save_head(session)
+        return session, loaded.reprefill
+
+    async def fork(self, session_id: str, checkpoint_id: str, persistent: bool) -> tuple[Session, bool]:
+        """A new session that continues exactly as the source (a session or a checkpoint)."""
+        if bool(session_id) == bool(checkpoint_id):
+            raise InvalidRequest("fork from a session_id or from a checkpoint_id (one of them)")
+        if checkpoint_id:
+            self._check_checkpoint_id(checkpoint_id)
+            return await self.m.ops.run(self._fork_checkpoint(checkpoint_id, persistent))
+        source = self.m.get(session_id)
+        return await self.m.ops.run(self._fork_session(source, persistent))
+
+    async def _fork_checkpoint(self, checkpoint_id: str, persistent: bool) -> tuple[Session, bool]:
+        loaded = await self.m.persistence.load(checkpoint_id)
+        child = await self._child(loaded.snapshot, loaded.kv, persistent, [])
+        return child, loaded.reprefill
+
+    async def _fork_session(self, source: Session, persistent: bool) -> tuple[Session, bool]:
+        async with self.m.use(source):
+            kv = await self.m.residency.state_of(source)
+            snap = source.snapshot("", self.m.settings.block_tokens)
+            snapshots = list(source.snapshots)
+        return await self._child(snap, kv, persistent, snapshots), False
+
+    async def _child(
+        self,
+        snap: Snapshot,
+        kv: kvstate.SeqKv | None,
+        persistent: bool,
+        snapshots: list[kvstate.RecurrentCells],
+    ) -> Session:
+        now = self.m.clock()
+        child = Session("s_" + secrets.token_hex(12), persistent, snap.params, snap.stop, now, now)
+        self.m.residency.add(child)
+        await self.m.residency.replace(child, snap, kv)
+        child.snapshots = snapshots
+        if persistent:
+            try:
+                await self.m.persistence.check_disk()
+                await self.m.persistence.save_head(child)
+            except BaseException:
+                await self.m.residency.forget(child)
+                raise
+        self.m.sessions[child.session_id] = child
+        self.m.publish()
+        return child
+
+    async def delete_checkpoint(self, checkpoint_id: str) -> None:
+        self._check_checkpoint_id(checkpoint_id)
+        if any(s.head_checkpoint_id == checkpoint_id for s in self.m.sessions.values()):
+            raise FailedPrecondition("that checkpoint is a live session's head; close the session")
+        store = await self.m.persistence.find(checkpoint_id)
+        await asyncio.to_thread(store.delete, checkpoint_id)
+
+    async def export_checkpoint(self, checkpoint_id: str) -> AsyncIterator[bytes]:
+        self._check_checkpoint_id(checkpoint_id)
+        store = await self.m.persistence.find(checkpoint_id)
+        chunks = await asyncio.to_thread(lambda: list(store.export(checkpoint_id)))
+        for chunk in chunks:
+            yield chunk
+
+    async def import_checkpoint(self, chunks: AsyncIterator[bytes]) -> CheckpointRow:
+        layout = self.m.model.layout
+        state_bytes = layout.max_bytes(self.m.model.n_ctx_seq) if layout is not None else 0
+        limit = 2 * state_bytes + (64 << 20)
+        received: list[bytes] = []
+        size = 0
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise InvalidRequest(f"the import exceeds {limit} bytes")
+            received.append(chunk)
+        return await self.m.ops.run(self.m.persistence.import_checkpoint(received, limit))
