@@ -234,10 +234,10 @@ class Engine:
         kv = pieces.rewind(self.export(slot, state), target, snapshots)
         self.load(slot, state, kv)
 
-    def check(self, slots: Sequence[int | None]) -> list[str]:
+    def check(self, slots: Sequence[int | None], deep: bool = True) -> list[str]:
         """Problems with the slots, given per slot its owner's n_kv or None when free. A free
         slot must be empty; an owned one must hold exactly positions [0, n_kv) (and its state
-        parse and check, when this model's layout is known)."""
+        parse and check, when this model's layout is known and `deep`)."""
         problems = []
         for slot, owner in enumerate(slots):
             lo, hi = self.ctx.positions(slot)
@@ -248,7 +248,7 @@ class Engine:
                 continue
             if hi != n_kv - 1:
                 problems.append(f"slot {slot} holds positions up to {hi}, its owner {n_kv}")
-            if self.layout is not None:
+            if deep and self.layout is not None:
                 try:
                     kv = kvstate.parse(self.ctx.state_bytes(slot), self.layout)
                 except kvlayout.StateFormatError as e:
