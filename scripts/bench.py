@@ -3,6 +3,7 @@ compared with, and reported as a ratio: this machine is shared and noisy.
 
     scripts/bench generate     one session's tokens/s vs llama-cpp-python create_completion
     scripts/bench checkpoint   a 2,000-token session: checkpoint, restore, delta, bytes
+                               (--model PATH: any model; the last line is its family row)
     scripts/bench sessions     batching speed-up vs raw llama_decode; swapping 32 sessions
 """
 
@@ -83,11 +84,15 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - started, result
 
 
-def llama(n_ctx: int, threads: int) -> Any:
+def llama(n_ctx: int, threads: int, model: Path | None = None) -> Any:
     from llama_cpp import Llama
 
     return Llama(
-        str(default_model_path()), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+        str(model or default_model_path()),
+        n_ctx=n_ctx,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
     )
 
 
@@ -168,8 +173,10 @@ def checkpoint_run(client: kvstash.Client, text: str, persistent: bool, repeat: 
 
 
 def bench_checkpoint(args: argparse.Namespace) -> None:
-    text = STORY * (args.tokens // 20)
+    model = args.model or default_model_path()
     flags = (
+        "--model",
+        str(model),
         "--slots",
         "4",
         "--ctx-per-session",
@@ -180,17 +187,22 @@ def bench_checkpoint(args: argparse.Namespace) -> None:
         args.codec,
     )
     with connected(*flags) as (client, _):
+        info = client.info()
+        # About args.tokens tokens of text in this model's tokenizer.
+        probe = client.create_session()
+        per_story = probe.complete(STORY, max_tokens=1).usage.prompt_tokens
+        probe.close()
+        text = STORY * max(1, args.tokens // max(per_story, 1))
         ram = checkpoint_run(client, text, False, args.repeat)
         disk = checkpoint_run(client, text, True, args.repeat)
     n = ram["n"]
-    llm = llama(4096, args.threads)
+    llm = llama(4096, args.threads, model)
     ids = llm.tokenize(text.encode())[:n]
     llm.reset()
     llm.eval(ids)
     save_s, saved = timed(llm.save_state)
     load_s, _ = timed(lambda: llm.load_state(saved))
     prefill = ram["prefill"]
-    raw_kv = n * 23040
     rows = [
         (f"measure ({n}-token session, {args.threads} threads)", "value", "vs re-prefill"),
         ("re-prefill from text + first token", f"{prefill * 1e3:.0f} ms", "1x"),
@@ -217,14 +229,23 @@ def bench_checkpoint(args: argparse.Namespace) -> None:
         ),
     ]
     full = disk["full"]
+    state_bytes = saved.llama_state_size
     rows.append(
         (
             f"bytes/token on disk (codec {args.codec})",
             f"{full.bytes_referenced / max(full.n_tokens, 1):.0f}",
-            f"raw f16 KV {raw_kv // max(n, 1)} B/token: ratio {raw_kv / max(full.bytes_referenced, 1):.3f}",
+            f"llama.cpp's whole state: {state_bytes / max(n, 1):.0f} B/token",
         )
     )
     table(rows)
+    print()
+    print(
+        f"family row: | {Path(model).name} | {info.architecture} | {info.memory_type} | {n} | "
+        f"{prefill * 1e3:.0f} ms | {ram['restore'] * 1e3:.1f} ms ({prefill / ram['restore']:.0f}x) | "
+        f"{disk['restore'] * 1e3:.1f} ms ({prefill / disk['restore']:.0f}x) | "
+        f"{full.bytes_referenced / max(full.n_tokens, 1):.0f} | "
+        f"{delta.bytes_written / 1e3:.0f} kB for {ram['grown']} tokens |"
+    )
 
 
 # ---- sessions ---------------------------------------------------------------------------------
@@ -234,7 +255,7 @@ def raw_decode_rates(counts: list[int], steps: int, threads: int) -> dict[int, f
     """Tokens/s of llama_decode with batches of N tokens, one per sequence (exact mode)."""
     import llama_cpp as L
 
-    from kvstashd.engine import route_llama_log
+    from kvstashd.context import route_llama_log
 
     route_llama_log()  # llama.cpp's chatter to logging (warnings and up)
     L.llama_backend_init()
@@ -392,6 +413,7 @@ def main() -> None:
     c.add_argument("--tokens", type=int, default=2000)
     c.add_argument("--repeat", type=int, default=5)
     c.add_argument("--codec", default="lz4", choices=["lz4", "zstd", "none"])
+    c.add_argument("--model", type=Path, default=None, help="GGUF file (default: the embedded model)")
     s = sub.add_parser("sessions")
     s.add_argument("--tokens", type=int, default=48, help="tokens per session in the batching run")
     s.add_argument("--sessions", type=int, default=32)

@@ -169,12 +169,14 @@ class Daemon:
         """Load the model, start serving, report SERVING. Returns the bound port."""
         settings = self.settings
         keep_freed_memory()
-        settings.state_dir.mkdir(parents=True, exist_ok=True)
-        fp = fingerprint(settings.model_path, settings.state_dir)
+        # File work (hashing the model, opening the catalog and block stores) and loading
+        # the model run in worker threads: the event loop never waits on them.
+        await asyncio.to_thread(settings.state_dir.mkdir, parents=True, exist_ok=True)
+        fp = await asyncio.to_thread(fingerprint, settings.model_path, settings.state_dir)
         log.info("loading %s", settings.model_path)
-        info = self.engine.start()
+        info = await asyncio.to_thread(self.engine.start)
         try:
-            stores = checkpoint_stores(settings, info, fp)
+            stores = await asyncio.to_thread(checkpoint_stores, settings, info, fp)
             orphans = await asyncio.to_thread(stores.durable.remove_orphans)
             if orphans:
                 log.info("removed %d blocks that no checkpoint was committed for", orphans)
@@ -190,13 +192,14 @@ class Daemon:
             self._server, self._health, self.port = build_server(settings, self._service)
             await self._server.start()
         except BaseException:
-            self.engine.stop()
+            await asyncio.to_thread(self.engine.stop)
             raise
         if settings.exact and not info.exact:
             log.warning(
                 "this llama.cpp build evaluates a token alone differently from inside a prompt "
-                "chunk (built with GGML_LLAMAFILE?): generation is deterministic, but restores "
-                "by re-evaluation are not bit-exact; scripts/setup builds it without"
+                "chunk (built with GGML_LLAMAFILE, or a backend whose kernels depend on the batch "
+                "shape): generation is deterministic, but restores by re-evaluation are not "
+                "bit-exact; scripts/setup builds it for the CPU without"
             )
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -236,7 +239,7 @@ class Daemon:
                 await self._sweeper
         if self.manager is not None:
             await self.manager.shutdown()
-        self.engine.stop()
+        await asyncio.to_thread(self.engine.stop)
         log.info("stopped")
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
