@@ -15,6 +15,7 @@ another plain transformer (Qwen3):
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from checkpoint_helpers import (
 from daemons import DaemonProcess, InProcessDaemon
 
 import kvstash
+from kvstashd.context import BatchItem
+from kvstashd.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -171,3 +174,32 @@ def test_persistent_session_resumes_exactly_after_kill9(
         assert [(t.sampled.token_id, t.sampled.logprob) for t in resumed.logprobs] == ref[12:]
         # From its stored state (the last sampled token is evaluated), not from its history.
         assert resumed.usage.evaluated_tokens - (resumed.usage.generated_tokens - 1) == 1
+
+
+def test_a_layout_kvstash_does_not_know_is_refused_by_discovery(fam: Running) -> None:
+    """The daemon keeps such a model's token history only (GetInfo says why): discovery
+    refuses any state it cannot account for byte by byte."""
+    from kvstashd.layout import StateFormatError
+    from kvstashd.state import discover, parse
+
+    engine = fam.daemon.daemon.engine if fam.daemon.daemon else None
+    assert engine is not None and engine.layout is not None and engine.info is not None
+    info = engine.info
+
+    async def probe_state() -> bytes:
+        def run(e: Engine) -> bytes:
+            e.ctx.decode([BatchItem(0, info.bos_token, 0, False)])
+            try:
+                return bytes(e.ctx.state_bytes(0))
+            finally:
+                e.ctx.clear(0)
+
+        return await asyncio.wrap_future(engine.call(run))
+
+    blob = fam.daemon.run(probe_state())
+    kinds = {"recurrent": info.memory == "recurrent", "hybrid": info.memory.startswith("hybrid")}
+    assert discover(blob, window=info.n_swa, **kinds) == engine.layout
+    parse(blob, engine.layout)
+    for bad in (blob + b"\0\0\0\0", blob[:-4], blob[:8] + b"\xff" * 4 + blob[12:]):
+        with pytest.raises(StateFormatError):
+            discover(bad, window=info.n_swa, **kinds)

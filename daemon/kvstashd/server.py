@@ -257,7 +257,7 @@ async def serve(settings: Settings, ready_file: Path | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if ready_file is not None:
-        ready_file.write_text(f"{port}\n")
+        await asyncio.to_thread(ready_file.write_text, f"{port}\n")
     try:
         await stop.wait()
     finally:
