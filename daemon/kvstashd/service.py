@@ -6,6 +6,7 @@ Nothing else happens here. Each handler is a translation; the work is in Session
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -251,17 +252,11 @@ class KvStashService(pb_grpc.KvStashServicer):
 
 
 def overrides_from_pb(p: pb.SamplingParams) -> SamplingOverrides:
-    def opt(name: str) -> Any:
-        return getattr(p, name) if p.HasField(name) else None  # type: ignore[arg-type]
-
     return SamplingOverrides(
-        temperature=opt("temperature"),
-        top_k=opt("top_k"),
-        top_p=opt("top_p"),
-        min_p=opt("min_p"),
-        repeat_penalty=opt("repeat_penalty"),
-        penalty_last_n=opt("penalty_last_n"),
-        seed=opt("seed"),
+        **{
+            f.name: getattr(p, f.name) if p.HasField(f.name) else None  # type: ignore[arg-type]
+            for f in dataclasses.fields(SamplingOverrides)
+        }
     )
 
 
@@ -275,15 +270,7 @@ def turn_from_pb(r: pb.GenerateRequest | pb.ChatRequest) -> Turn:
 
 
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        min_p=p.min_p,
-        repeat_penalty=p.repeat_penalty,
-        penalty_last_n=p.penalty_last_n,
-        seed=p.seed,
-    )
+    return pb.SamplingParams(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
 
 
 def message_to_pb(m: ChatMessage) -> pb.Message:

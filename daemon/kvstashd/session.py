@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from kvstashd import state as kvstate
 from kvstashd.chat import ChatMessage
@@ -98,15 +98,7 @@ class SamplingOverrides:
     seed: int | None = None
 
     def apply(self, base: SamplingParams) -> SamplingParams:
-        return base.merged(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repeat_penalty=self.repeat_penalty,
-            penalty_last_n=self.penalty_last_n,
-            seed=self.seed,
-        )
+        return base.merged(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 @dataclass(frozen=True)
