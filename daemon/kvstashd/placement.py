@@ -165,12 +165,13 @@ class Residency:
         slot = where.slot
         keep = park and self.engine.layout is not None
         state = session.state
+        kv: kvstate.SeqKv | None = None
         try:
             kv = await self._engine(lambda e: e.unload(slot, state, keep))
-        finally:
+        finally:  # the slot is free whatever happened (the engine clears it in any case)
             self._slots[slot] = None
             self._slot_freed.set()
-        self._set(session, Parked(kv) if kv is not None else HistoryOnly())
+            self._set(session, Parked(kv) if kv is not None else HistoryOnly())
 
     async def forget(self, session: Session) -> None:
         """Free whatever the session's state holds (a slot, RAM, a spill) and stop tracking it."""
