@@ -8,6 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from kvstash._async_client import AsyncClient, AsyncSession
 from kvstash._client import Client, Session
+from kvstash._connection import Tls
 from kvstash._errors import (
     AlreadyExistsError,
     AuthError,
@@ -62,6 +63,7 @@ __all__ = [
     "SamplingParams",
     "Session",
     "SessionInfo",
+    "Tls",
     "TokenLogprob",
     "UnavailableError",
     "Usage",

@@ -11,7 +11,7 @@ from typing import BinaryIO, TypeVar
 import grpc
 from grpc import aio
 
-from kvstash._client import CHANNEL_OPTIONS, resolve_address
+from kvstash._connection import Tls, aio_channel, auth_metadata, resolve_address
 from kvstash._convert import (
     chat_request,
     checkpoint_info_from_pb,
@@ -56,10 +56,18 @@ class AsyncClient:
         closed: wrap it in ``contextlib.aclosing`` to have that happen at once.
     """
 
-    def __init__(self, address: str | None = None, *, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout: float | None = None,
+        token: str | None = None,
+        tls: Tls | None = None,
+    ) -> None:
         self.address = resolve_address(address)
         self.timeout = timeout
-        self._channel = aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._metadata = auth_metadata(token)
+        self._channel = aio_channel(self.address, tls)
         self._stub = pb_grpc.KvStashStub(self._channel)
 
     def __repr__(self) -> str:
@@ -82,7 +90,7 @@ class AsyncClient:
 
     async def _unary(self, rpc: aio.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp:
         try:
-            return await rpc(request, timeout=self.timeout)
+            return await rpc(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
@@ -92,7 +100,7 @@ class AsyncClient:
         request: _Req,
         convert: Callable[[_Resp], _T],
     ) -> AsyncGenerator[_T, None]:
-        call = rpc(request)
+        call = rpc(request, metadata=self._metadata)
         try:
             async for response in call:
                 yield convert(response)
@@ -113,9 +121,10 @@ class AsyncClient:
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         persistent: bool = False,
+        cache_salt: str | bytes | None = None,
     ) -> AsyncSession:
         """Open a session; see Client.create_session."""
-        request = create_session_request(system_prompt, sampling, stop, persistent)
+        request = create_session_request(system_prompt, sampling, stop, persistent, cache_salt)
         response = await self._unary(self._stub.CreateSession, request)
         return AsyncSession(self, response.session.session_id)
 
@@ -144,9 +153,9 @@ class AsyncClient:
         response = await self._unary(self._stub.ForkSession, request)
         return AsyncSession(self, response.session.session_id)
 
-    async def list_checkpoints(self, session_id: str) -> list[CheckpointInfo]:
-        """The checkpoints of a session."""
-        request = pb.ListCheckpointsRequest(session_id=session_id)
+    async def list_checkpoints(self, session_id: str | None = None) -> list[CheckpointInfo]:
+        """The checkpoints of a session; with none, all of the caller's (imports too)."""
+        request = pb.ListCheckpointsRequest(session_id=session_id or "")
         response = await self._unary(self._stub.ListCheckpoints, request)
         return [checkpoint_info_from_pb(c) for c in response.checkpoints]
 
@@ -170,7 +179,7 @@ class AsyncClient:
         """Load an exported checkpoint into the daemon's store."""
         with open_source(path_or_file) as f:
             try:
-                response = await self._stub.ImportCheckpoint(_read_requests(f))
+                response = await self._stub.ImportCheckpoint(_read_requests(f), metadata=self._metadata)
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
         return checkpoint_info_from_pb(response.checkpoint)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from types import TracebackType
@@ -10,6 +9,7 @@ from typing import TypeVar
 
 import grpc
 
+from kvstash._connection import Tls, auth_metadata, channel, resolve_address
 from kvstash._convert import (
     chat_request,
     checkpoint_info_from_pb,
@@ -26,21 +26,9 @@ from kvstash._types import CheckpointInfo, Chunk, Completion, Info, SamplingPara
 from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
-_MAX_MESSAGE_BYTES = 64 << 20
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-]
-
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
 _T = TypeVar("_T")
-
-
-def resolve_address(address: str | None) -> str:
-    """``address``, else ``$KVSTASH_ADDRESS``, else the daemon's default address."""
-    return address or os.environ.get("KVSTASH_ADDRESS") or DEFAULT_ADDRESS
 
 
 class Client:
@@ -64,10 +52,18 @@ class Client:
     UnavailableError while the daemon is down. Every failed call raises a KvstashError.
     """
 
-    def __init__(self, address: str | None = None, *, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout: float | None = None,
+        token: str | None = None,
+        tls: Tls | None = None,
+    ) -> None:
         self.address = resolve_address(address)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._metadata = auth_metadata(token)
+        self._channel = channel(self.address, tls)
         self._stub = pb_grpc.KvStashStub(self._channel)
 
     def __repr__(self) -> str:
@@ -90,7 +86,7 @@ class Client:
 
     def _unary(self, rpc: grpc.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp:
         try:
-            return rpc(request, timeout=self.timeout)
+            return rpc(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
@@ -100,7 +96,7 @@ class Client:
         request: _Req,
         convert: Callable[[_Resp], _T],
     ) -> Generator[_T, None, None]:
-        call = rpc(request)
+        call = rpc(request, metadata=self._metadata)
         try:
             for response in call:
                 yield convert(response)
@@ -121,12 +117,15 @@ class Client:
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         persistent: bool = False,
+        cache_salt: str | bytes | None = None,
     ) -> Session:
         """Open a session; ``sampling`` and ``stop`` become its defaults for every request.
 
-        A persistent session survives a daemon restart.
+        A persistent session survives a daemon restart. Prompt prefixes are computed once
+        per tenant; ``cache_salt`` (16+ bytes, hard to guess) shares them instead with
+        whoever presents the same salt.
         """
-        request = create_session_request(system_prompt, sampling, stop, persistent)
+        request = create_session_request(system_prompt, sampling, stop, persistent, cache_salt)
         response = self._unary(self._stub.CreateSession, request)
         return Session(self, response.session.session_id)
 
@@ -137,7 +136,7 @@ class Client:
         return Session(self, response.session.session_id)
 
     def list_sessions(self) -> list[SessionInfo]:
-        """Every session the daemon holds."""
+        """Every session of the caller's (its tenant's)."""
         response = self._unary(self._stub.ListSessions, pb.ListSessionsRequest())
         return [session_info_from_pb(s) for s in response.sessions]
 
@@ -155,9 +154,9 @@ class Client:
         response = self._unary(self._stub.ForkSession, request)
         return Session(self, response.session.session_id)
 
-    def list_checkpoints(self, session_id: str) -> list[CheckpointInfo]:
-        """The checkpoints of a session."""
-        request = pb.ListCheckpointsRequest(session_id=session_id)
+    def list_checkpoints(self, session_id: str | None = None) -> list[CheckpointInfo]:
+        """The checkpoints of a session; with none, all of the caller's (imports too)."""
+        request = pb.ListCheckpointsRequest(session_id=session_id or "")
         response = self._unary(self._stub.ListCheckpoints, request)
         return [checkpoint_info_from_pb(c) for c in response.checkpoints]
 
@@ -186,7 +185,7 @@ class Client:
                 pb.ImportCheckpointRequest(data=data) for data in iter(partial(f.read, CHUNK_BYTES), b"")
             )
             try:
-                response = self._stub.ImportCheckpoint(requests)
+                response = self._stub.ImportCheckpoint(requests, metadata=self._metadata)
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
         return checkpoint_info_from_pb(response.checkpoint)

@@ -265,14 +265,20 @@ def info_from_pb(m: pb.GetInfoResponse) -> Info:
 
 
 def create_session_request(
-    system_prompt: str, sampling: SamplingParams | None, stop: Sequence[str], persistent: bool
+    system_prompt: str,
+    sampling: SamplingParams | None,
+    stop: Sequence[str],
+    persistent: bool,
+    cache_salt: str | bytes | None = None,
 ) -> pb.CreateSessionRequest:
     """The request that opens a session."""
+    salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt or b""
     return pb.CreateSessionRequest(
         system_prompt=system_prompt,
         sampling=sampling_to_pb(sampling),
         stop=_strings(stop),
         persistent=persistent,
+        cache_salt=salt,
     )
 
 

@@ -15,7 +15,8 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from kvstash import __version__
-from kvstash._client import Client, Session, resolve_address
+from kvstash._client import Client, Session
+from kvstash._connection import Tls, resolve_address
 from kvstash._convert import join_chunks
 from kvstash._errors import KvstashError
 from kvstash._types import Chunk, SamplingParams
@@ -30,11 +31,13 @@ class _State:
     address: str
     timeout: float | None
     as_json: bool
+    token: str | None = None
+    tls: Tls | None = None
     _client: Client | None = None
 
     def client(self) -> Client:
         if self._client is None:
-            self._client = Client(self.address, timeout=self.timeout)
+            self._client = Client(self.address, timeout=self.timeout, token=self.token, tls=self.tls)
         return self._client
 
     def close(self) -> None:
@@ -169,12 +172,35 @@ def _reply(
     help="Daemon address, host:port or unix:PATH.  [default: 127.0.0.1:50051]",
 )
 @click.option("--timeout", type=float, metavar="SECONDS", help="Deadline of each call that is not a stream.")
+@click.option(
+    "--token",
+    envvar="KVSTASH_TOKEN",
+    metavar="TOKEN",
+    help="Bearer token of your tenant (daemons with --auth-file).",
+)
+@click.option("--tls", "use_tls", is_flag=True, help="Connect with TLS (implied by the --tls-* files).")
+@click.option(
+    "--tls-ca", type=click.Path(dir_okay=False), help="CA certificate (PEM) of the daemon's certificate."
+)
+@click.option("--tls-cert", type=click.Path(dir_okay=False), help="Client certificate (PEM), for mutual TLS.")
+@click.option("--tls-key", type=click.Path(dir_okay=False), help="Client key (PEM), for mutual TLS.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @click.version_option(__version__, prog_name="kvstash")
 @click.pass_context
-def main(ctx: click.Context, address: str | None, timeout: float | None, as_json: bool) -> None:
+def main(
+    ctx: click.Context,
+    address: str | None,
+    timeout: float | None,
+    token: str | None,
+    use_tls: bool,
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    as_json: bool,
+) -> None:
     """kvstash: one llama.cpp model, many chat sessions, and their checkpoints."""
-    state = _State(resolve_address(address), timeout, as_json)
+    tls = Tls(tls_ca, tls_cert, tls_key) if use_tls or tls_ca or tls_cert or tls_key else None
+    state = _State(resolve_address(address), timeout, as_json, token, tls)
     ctx.obj = state
     ctx.call_on_close(state.close)
 

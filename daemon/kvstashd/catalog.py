@@ -15,7 +15,8 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     session_id TEXT PRIMARY KEY,
     created_at REAL NOT NULL,
-    head TEXT
+    head TEXT,
+    tenant TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
     checkpoint_id TEXT PRIMARY KEY,
@@ -26,7 +27,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     bytes_written INTEGER NOT NULL,
     bytes_referenced INTEGER NOT NULL,
     created_at REAL NOT NULL,
-    manifest BLOB NOT NULL
+    manifest BLOB NOT NULL,
+    tenant TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS checkpoints_session ON checkpoints (session_id);
 CREATE TABLE IF NOT EXISTS refs (
@@ -53,9 +55,12 @@ class CheckpointRow:
     bytes_written: int
     bytes_referenced: int
     created_at: float
+    tenant: str = ""
 
 
-_COLUMNS = "checkpoint_id, session_id, label, kind, n_tokens, bytes_written, bytes_referenced, created_at"
+_COLUMNS = (
+    "checkpoint_id, session_id, label, kind, n_tokens, bytes_written, bytes_referenced, created_at, tenant"
+)
 
 
 class Catalog:
@@ -69,6 +74,12 @@ class Catalog:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
+            # Catalogs made before tenants existed: their rows are the anonymous tenant's.
+            for table in ("sessions", "checkpoints"):
+                columns = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+                if "tenant" not in columns:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN tenant TEXT NOT NULL DEFAULT ''")
+            self._db.execute("CREATE INDEX IF NOT EXISTS checkpoints_tenant ON checkpoints (tenant)")
 
     def close(self) -> None:
         with self._lock:
@@ -87,7 +98,7 @@ class Catalog:
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute(
-                f"INSERT INTO checkpoints ({_COLUMNS}, manifest) VALUES (?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO checkpoints ({_COLUMNS}, manifest) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (
                     row.checkpoint_id,
                     row.session_id,
@@ -97,6 +108,7 @@ class Catalog:
                     row.bytes_written,
                     row.bytes_referenced,
                     row.created_at,
+                    row.tenant,
                     manifest,
                 ),
             )
@@ -117,9 +129,9 @@ class Catalog:
                 ).fetchone()
                 old = found[0] if found else None
                 self._db.execute(
-                    "INSERT INTO sessions (session_id, created_at, head) VALUES (?,?,?) "
+                    "INSERT INTO sessions (session_id, created_at, head, tenant) VALUES (?,?,?,?) "
                     "ON CONFLICT (session_id) DO UPDATE SET head = excluded.head",
-                    (head_of, row.created_at, row.checkpoint_id),
+                    (head_of, row.created_at, row.checkpoint_id, row.tenant),
                 )
                 if old is not None:
                     self._delete(old)
@@ -148,6 +160,26 @@ class Catalog:
                 (session_id, *kinds),
             ).fetchall()
         return [CheckpointRow(*r) for r in rows]
+
+    def tenant_checkpoints(self, tenant: str) -> list[CheckpointRow]:
+        """A tenant's explicit and imported checkpoints, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_COLUMNS} FROM checkpoints WHERE tenant = ? AND kind IN ('explicit', 'imported') "
+                "ORDER BY created_at",
+                (tenant,),
+            ).fetchall()
+        return [CheckpointRow(*r) for r in rows]
+
+    def stored_bytes(self, tenant: str) -> int:
+        """Bytes of the distinct blocks a tenant's checkpoints reference."""
+        with self._lock:
+            found = self._db.execute(
+                "SELECT COALESCE(SUM(size), 0) FROM blocks WHERE block IN (SELECT refs.block FROM refs "
+                "JOIN checkpoints USING (checkpoint_id) WHERE checkpoints.tenant = ?)",
+                (tenant,),
+            ).fetchone()
+        return int(found[0])
 
     def delete(self, checkpoint_id: str) -> bool:
         with self._lock, self._db:
@@ -190,6 +222,18 @@ class Catalog:
     def touch(self, keys: Iterable[str], now: float) -> None:
         with self._lock, self._db:
             self._db.executemany("UPDATE blocks SET last_used = ? WHERE block = ?", [(now, k) for k in keys])
+
+    def present(self, keys: list[str]) -> set[str]:
+        """Which of these blocks the catalog knows."""
+        found: set[str] = set()
+        with self._lock:
+            for at in range(0, len(keys), 500):
+                part = keys[at : at + 500]
+                rows = self._db.execute(
+                    f"SELECT block FROM blocks WHERE block IN ({','.join('?' * len(part))})", part
+                ).fetchall()
+                found.update(r[0] for r in rows)
+        return found
 
     def block_size(self, key: str) -> int | None:
         with self._lock:

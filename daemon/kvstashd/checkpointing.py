@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING
 from kvstashd import state as kvstate
 from kvstashd.catalog import CheckpointRow
 from kvstashd.errors import FailedPrecondition, InvalidRequest
+from kvstashd.limits import MAX_LABEL
 from kvstashd.manifest import Snapshot
 from kvstashd.session import Session
+from kvstashd.tenants import Tenant
 
 if TYPE_CHECKING:
     from kvstashd.sessions import SessionManager
 
 _CHECKPOINT_ID = re.compile(r"^c_[0-9a-f]{24}$")
-MAX_LABEL = 256
 
 
 class Checkpointing:
@@ -32,33 +33,38 @@ class Checkpointing:
     def __init__(self, manager: SessionManager) -> None:
         self.m = manager
 
-    async def checkpoint(self, session_id: str, label: str) -> CheckpointRow:
+    async def checkpoint(self, session_id: str, tenant: Tenant, label: str) -> CheckpointRow:
         """An immutable, labelled checkpoint of the session as it is now."""
-        session = self.m.get(session_id)
+        session = self.m.get(session_id, tenant)
         if len(label) > MAX_LABEL:
             raise InvalidRequest(f"labels have at most {MAX_LABEL} characters")
-        return await self.m.ops.run(self._checkpoint(session, label))
+        return await self.m.ops.run(self._checkpoint(tenant, session, label))
 
-    async def _checkpoint(self, session: Session, label: str) -> CheckpointRow:
+    async def _checkpoint(self, tenant: Tenant, session: Session, label: str) -> CheckpointRow:
         async with self.m.use(session):
+            if session.persistent:
+                await self.m.persistence.check_stored(tenant)
             return await self.m.persistence.checkpoint(session, label)
 
-    async def list_checkpoints(self, session_id: str) -> list[CheckpointRow]:
-        session = self.m.get(session_id)
+    async def list_checkpoints(self, session_id: str, tenant: Tenant) -> list[CheckpointRow]:
+        """A session's checkpoints, or with no session_id all of the tenant's (imports too)."""
+        if not session_id:
+            return await self.m.persistence.tenant_checkpoints(tenant)
+        session = self.m.get(session_id, tenant)
         return await asyncio.to_thread(self.m.persistence.store_of(session).catalog.checkpoints, session_id)
 
     def _check_checkpoint_id(self, checkpoint_id: str) -> None:
         if not _CHECKPOINT_ID.match(checkpoint_id):
             raise InvalidRequest(f"malformed checkpoint id: {checkpoint_id[:80]!r}")
 
-    async def restore(self, session_id: str, checkpoint_id: str) -> tuple[Session, bool]:
+    async def restore(self, session_id: str, checkpoint_id: str, tenant: Tenant) -> tuple[Session, bool]:
         """Roll the session back to a checkpoint. Returns (session, history evaluated again)."""
-        session = self.m.get(session_id)
+        session = self.m.get(session_id, tenant)
         self._check_checkpoint_id(checkpoint_id)
-        return await self.m.ops.run(self._restore(session, checkpoint_id))
+        return await self.m.ops.run(self._restore(session, checkpoint_id, tenant))
 
-    async def _restore(self, session: Session, checkpoint_id: str) -> tuple[Session, bool]:
-        loaded = await self.m.persistence.load(checkpoint_id)
+    async def _restore(self, session: Session, checkpoint_id: str, tenant: Tenant) -> tuple[Session, bool]:
+        loaded = await self.m.persistence.load(checkpoint_id, tenant)
         async with self.m.use(session):
             await self.m.residency.replace(session, loaded.snapshot, loaded.kv)
             self.m.touch(session)
@@ -66,43 +72,62 @@ class Checkpointing:
                 await self.m.persistence.save_head(session)
         return session, loaded.reprefill
 
-    async def fork(self, session_id: str, checkpoint_id: str, persistent: bool) -> tuple[Session, bool]:
+    async def fork(
+        self, session_id: str, checkpoint_id: str, persistent: bool, tenant: Tenant
+    ) -> tuple[Session, bool]:
         """A new session that continues exactly as the source (a session or a checkpoint)."""
         if bool(session_id) == bool(checkpoint_id):
             raise InvalidRequest("fork from a session_id or from a checkpoint_id (one of them)")
         if checkpoint_id:
             self._check_checkpoint_id(checkpoint_id)
-            return await self.m.ops.run(self._fork_checkpoint(checkpoint_id, persistent))
-        source = self.m.get(session_id)
-        return await self.m.ops.run(self._fork_session(source, persistent))
+            return await self.m.ops.run(self._fork_checkpoint(checkpoint_id, persistent, tenant))
+        source = self.m.get(session_id, tenant)
+        return await self.m.ops.run(self._fork_session(source, persistent, tenant))
 
-    async def _fork_checkpoint(self, checkpoint_id: str, persistent: bool) -> tuple[Session, bool]:
-        loaded = await self.m.persistence.load(checkpoint_id)
-        child = await self._child(loaded.snapshot, loaded.kv, persistent, [])
+    async def _fork_checkpoint(
+        self, checkpoint_id: str, persistent: bool, tenant: Tenant
+    ) -> tuple[Session, bool]:
+        self.m.check_quota(tenant)
+        loaded = await self.m.persistence.load(checkpoint_id, tenant)
+        salt = bytes.fromhex(loaded.snapshot.salt)
+        child = await self._child(tenant, salt, loaded.snapshot, loaded.kv, persistent, [])
         return child, loaded.reprefill
 
-    async def _fork_session(self, source: Session, persistent: bool) -> tuple[Session, bool]:
+    async def _fork_session(self, source: Session, persistent: bool, tenant: Tenant) -> tuple[Session, bool]:
+        self.m.check_quota(tenant)
         async with self.m.use(source):
             kv = await self.m.residency.state_of(source)
             snap = source.snapshot("", self.m.settings.block_tokens)
             snapshots = list(source.snapshots)
-        return await self._child(snap, kv, persistent, snapshots), False
+        return await self._child(tenant, source.salt, snap, kv, persistent, snapshots), False
 
     async def _child(
         self,
+        tenant: Tenant,
+        salt: bytes,
         snap: Snapshot,
         kv: kvstate.SeqKv | None,
         persistent: bool,
         snapshots: list[kvstate.RecurrentCells],
     ) -> Session:
         now = self.m.clock()
-        child = Session("s_" + secrets.token_hex(12), persistent, snap.params, snap.stop, now, now)
+        child = Session(
+            "s_" + secrets.token_hex(12),
+            persistent,
+            snap.params,
+            snap.stop,
+            now,
+            now,
+            tenant=tenant.name,
+            salt=salt,
+        )
         self.m.residency.add(child)
         await self.m.residency.replace(child, snap, kv)
         child.snapshots = snapshots
         if persistent:
             try:
                 await self.m.persistence.check_disk()
+                await self.m.persistence.check_stored(tenant)
                 await self.m.persistence.save_head(child)
             except BaseException:
                 await self.m.residency.forget(child)
@@ -111,21 +136,22 @@ class Checkpointing:
         self.m.publish()
         return child
 
-    async def delete_checkpoint(self, checkpoint_id: str) -> None:
+    async def delete_checkpoint(self, checkpoint_id: str, tenant: Tenant) -> None:
         self._check_checkpoint_id(checkpoint_id)
+        store = await self.m.persistence.find(checkpoint_id, tenant)
         if any(s.head_checkpoint_id == checkpoint_id for s in self.m.sessions.values()):
             raise FailedPrecondition("that checkpoint is a live session's head; close the session")
-        store = await self.m.persistence.find(checkpoint_id)
         await asyncio.to_thread(store.delete, checkpoint_id)
 
-    async def export_checkpoint(self, checkpoint_id: str) -> AsyncIterator[bytes]:
+    async def export_checkpoint(self, checkpoint_id: str, tenant: Tenant) -> AsyncIterator[bytes]:
         self._check_checkpoint_id(checkpoint_id)
-        store = await self.m.persistence.find(checkpoint_id)
+        store = await self.m.persistence.find(checkpoint_id, tenant)
         chunks = await asyncio.to_thread(lambda: list(store.export(checkpoint_id)))
         for chunk in chunks:
             yield chunk
 
-    async def import_checkpoint(self, chunks: AsyncIterator[bytes]) -> CheckpointRow:
+    async def import_checkpoint(self, chunks: AsyncIterator[bytes], tenant: Tenant) -> CheckpointRow:
+        """Store an exported checkpoint as one of the tenant's own (see CheckpointStore.import_)."""
         layout = self.m.model.layout
         state_bytes = layout.max_bytes(self.m.model.n_ctx_seq) if layout is not None else 0
         limit = 2 * state_bytes + (64 << 20)
@@ -136,4 +162,4 @@ class Checkpointing:
             if size > limit:
                 raise InvalidRequest(f"the import exceeds {limit} bytes")
             received.append(chunk)
-        return await self.m.ops.run(self.m.persistence.import_checkpoint(received, limit))
+        return await self.m.ops.run(self.m.persistence.import_checkpoint(received, limit, tenant))

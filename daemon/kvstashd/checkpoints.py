@@ -146,6 +146,7 @@ class CheckpointStore:
                 bytes_written=written + len(data),
                 bytes_referenced=referenced + len(data),
                 created_at=now,
+                tenant=snap.tenant,
             )
             self.catalog.add_checkpoint(row, data, sizes, now, head_of=head_of)
         return row, snap
@@ -254,6 +255,19 @@ class CheckpointStore:
             or (rec.key if rec else "") != snap.recurrent
         ):
             raise CorruptCheckpoint("the checkpoint's block keys do not follow from its tokens")
+        return self._read(snap.n_kv, full, window, rec, read), False
+
+    def _read(
+        self,
+        n: int,
+        full: list[_Piece],
+        window: list[_Piece],
+        rec: _Piece | None,
+        read: Callable[[str], bytes],
+    ) -> kvstate.SeqKv:
+        """The state after n positions from its pieces, each read once and checked."""
+        lay = self.layout
+        assert lay is not None
         wanted = [*full, *window, *([rec] if rec else [])]
         # File reads and CRC-32 release the GIL: pieces are read and checked on every core.
         payloads = dict(
@@ -267,12 +281,43 @@ class CheckpointStore:
         for section in lay.sections:
             if isinstance(section, kvlayout.RecurrentLayout):
                 assert rec is not None
-                sections.append(pieces.recurrent_from(section, snap.n_kv - 1, payloads[rec.key]))
+                sections.append(pieces.recurrent_from(section, n - 1, payloads[rec.key]))
                 continue
             mine = window if section.window else full
             runs = [pieces.piece(section, payloads[p.key], p.end - p.start) for p in mine]
             sections.append(pieces.cells_from(section, mine[0].start, runs))
-        return pieces.build(lay, snap.n_kv, sections), False
+        return pieces.build(lay, n, sections)
+
+    # ---- the prefix cache --------------------------------------------------------------------
+
+    def longest_prefix(self, tokens: list[int], limit: int, block_tokens: int, salt: str) -> int:
+        """The longest n <= limit, a multiple of block_tokens, whose state this store holds
+        every piece of (its keys follow from tokens[:n] and the salt); 0 if none."""
+        if self.layout is None or limit < block_tokens:
+            return 0
+        limit -= limit % block_tokens
+        full, window, rec = self._plan(tokens, limit, block_tokens, salt)
+        present = self.catalog.present([p.key for p in full])
+        n = 0
+        for p in full:
+            if p.key not in present or not self.store.has(p.key):
+                break
+            n = p.end
+        if self.layout.windowed is None and self.layout.recurrent is None:
+            return n
+        while n >= block_tokens:  # window pieces and the recurrent state exist at few points
+            _, window, rec = self._plan(tokens, n, block_tokens, salt)
+            extra = [p.key for p in [*window, *([rec] if rec else [])]]
+            have = self.catalog.present(extra)
+            if all(k in have and self.store.has(k) for k in extra):
+                return n
+            n -= block_tokens
+        return 0
+
+    def prefix_state(self, tokens: list[int], n: int, block_tokens: int, salt: str) -> kvstate.SeqKv:
+        """The state after tokens[:n] from this store's pieces (see longest_prefix)."""
+        full, window, rec = self._plan(tokens, n, block_tokens, salt)
+        return self._read(n, full, window, rec, self.store.get)
 
     def _block(self, key: str, size: int, read: Callable[[str], bytes]) -> tuple[bytes, bytes | memoryview]:
         """One block, read once and checked: (its frame, its payload). A damaged block of
@@ -352,11 +397,15 @@ class CheckpointStore:
         for at in range(0, len(final), EXPORT_CHUNK):
             yield final[at : at + EXPORT_CHUNK]
 
-    def import_(self, chunks: Iterable[bytes], limit: int, now: float) -> CheckpointRow:
-        """Check an exported stream completely, then store it as an imported checkpoint.
+    def import_(
+        self, chunks: Iterable[bytes], limit: int, now: float, *, tenant: str, n_ctx: int
+    ) -> CheckpointRow:
+        """Check an exported stream completely, then store it as an imported checkpoint of
+        `tenant`.
 
         Its pieces are stored under a salt of their own: bytes from elsewhere never stand
-        for blocks this daemon computed, even when their tokens are the same.
+        for blocks this daemon computed, even when their tokens are the same. Every field of
+        its manifest is held to the RPCs' limits (`n_ctx`: this daemon's context).
         """
         buf = bytearray()
         for c in chunks:
@@ -394,10 +443,11 @@ class CheckpointStore:
             raise CorruptCheckpoint("the checkpoint export has no manifest")
         # The exporting daemon's key is not ours: check structure and content instead.
         snap = mf.decode(manifest, None, self.n_vocab)
+        mf.check_limits(snap, n_ctx)
         if snap.kv_layout == self.layout_desc and set(found) != set(_keys(snap)):
             raise CorruptCheckpoint("the checkpoint export's blocks do not match its manifest")
         kv, reprefill = self._cells(snap, found.__getitem__)
-        snap = replace(snap, session_id="", persistent=True, salt=secrets.token_hex(16))
+        snap = replace(snap, session_id="", persistent=True, salt=secrets.token_hex(16), tenant=tenant)
         # The state of another layout is not kept; its layout is, so that a restore says it
         # evaluates the tokens again.
         foreign = snap.kv_layout if reprefill else None

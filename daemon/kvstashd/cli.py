@@ -163,6 +163,37 @@ def _default_state_dir() -> Path:
     "--metrics-address", default="", help="host:port to serve Prometheus metrics on (/metrics); empty: off."
 )
 @click.option(
+    "--auth-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="TOML file of tenants and their bearer tokens ([tenants.NAME] tokens = [...]); re-read on "
+    "SIGHUP. Without it: one anonymous tenant, loopback or unix socket only.",
+)
+@click.option(
+    "--tls-cert", type=click.Path(dir_okay=False, path_type=Path), default=None, help="TLS certificate (PEM)."
+)
+@click.option(
+    "--tls-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="TLS private key (PEM)."
+)
+@click.option(
+    "--tls-client-ca",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="CA (PEM) whose client certificates are required (mutual TLS).",
+)
+@click.option(
+    "--tenant-quota",
+    default="",
+    help="Default per-tenant limits, e.g. sessions=100,parked_bytes=1000000000,stored_bytes=5000000000 "
+    "(0 or absent: none); the auth file may set them per tenant.",
+)
+@click.option(
+    "--prefix-cache/--no-prefix-cache",
+    default=True,
+    help="Attach cached blocks of a new prompt's prefix (same tenant or cache salt) instead of "
+    "evaluating them.",
+)
+@click.option(
     "--check-invariants/--no-check-invariants",
     default=False,
     help="Debug: whenever the daemon goes idle, check that slots, placements, the engine's "
@@ -193,9 +224,11 @@ def serve(model_path: Path | None, ready_file: Path | None, **options: Any) -> N
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     logs.configure(settings.log_level, settings.log_json)
+    from kvstashd.tenants import AuthFileError
+
     try:
         asyncio.run(run_server(settings, ready_file))
-    except OSError as e:
+    except (OSError, AuthFileError) as e:
         raise click.ClickException(str(e)) from None
 
 

@@ -10,6 +10,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstashd.limits import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
+
 KV_TYPES = ("f16", "q8_0", "q4_0")
 CODECS = ("lz4", "zstd", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -31,6 +33,14 @@ def default_model_path() -> Path | None:
         return None
     path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
     return path if path.is_file() else None
+
+
+def is_local(address: str) -> bool:
+    """Whether an address is a unix socket or on loopback."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,13 @@ class Settings:
     sweep_interval: float = 10.0
     metrics_address: str = ""  # host:port of the Prometheus endpoint; "" = off
     check_invariants: bool = False
+    auth_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    # Default quota of every tenant: "sessions=N,parked_bytes=N,stored_bytes=N" (0: none).
+    tenant_quota: str = ""
+    prefix_cache: bool = True
     log_level: str = "info"
     log_json: bool = False
     grace_seconds: float = 5.0
@@ -94,8 +111,10 @@ class Settings:
             raise ConfigError("max-message-bytes must be in [1 KiB, 256 MiB]")
         if not 1 <= self.max_queue <= 100_000:
             raise ConfigError("max-queue must be in [1, 100000]")
-        if not 16 <= self.block_tokens <= 128:
-            raise ConfigError(f"block-tokens must be in [16, 128], got {self.block_tokens}")
+        if not MIN_BLOCK_TOKENS <= self.block_tokens <= MAX_BLOCK_TOKENS:
+            raise ConfigError(
+                f"block-tokens must be in [{MIN_BLOCK_TOKENS}, {MAX_BLOCK_TOKENS}], got {self.block_tokens}"
+            )
         if self.codec not in CODECS:
             raise ConfigError(f"codec must be one of {', '.join(CODECS)}")
         if self.disk_budget < 0 or self.ram_cache < 0:
@@ -108,7 +127,33 @@ class Settings:
             raise ConfigError(f"metrics-address must be host:port, got {self.metrics_address!r}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log-level must be one of {', '.join(LOG_LEVELS)}")
+        if self.auth_file is None and not is_local(self.address):
+            raise ConfigError(
+                "without --auth-file the daemon listens on loopback or a unix socket only, "
+                f"not {self.address}"
+            )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls-cert and tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("tls-client-ca needs tls-cert and tls-key")
+        for name in ("auth_file", "tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{name.replace('_', '-')}: no file {path}")
+        self.quota()  # raises on a malformed value
         return self
+
+    def quota(self) -> tuple[int, int, int]:
+        """The default tenant quota: (sessions, parked bytes, stored bytes); 0 means none."""
+        values = {"sessions": 0, "parked_bytes": 0, "stored_bytes": 0}
+        for part in filter(None, (p.strip() for p in self.tenant_quota.split(","))):
+            key, _, value = part.partition("=")
+            if key.strip() not in values or not value.strip().isdigit():
+                raise ConfigError(
+                    f"tenant-quota takes sessions=N,parked_bytes=N,stored_bytes=N; got {part!r}"
+                )
+            values[key.strip()] = int(value)
+        return values["sessions"], values["parked_bytes"], values["stored_bytes"]
 
     @property
     def prompt_limit(self) -> int:

@@ -275,6 +275,12 @@ class Engine:
         except BaseException as e:
             job.emit(e)
             return
+        prefix = job.prefix
+        if prefix is not None and state.n_kv < prefix.n < len(state.tokens):
+            try:
+                self.load(job.slot, state, prefix)
+            except KvstashError as e:  # the slot is empty now: the history is evaluated
+                log.warning("a cached prefix was not taken: %s", e)
         job.reused = state.n_kv
         self._active.append(job)
 

@@ -19,16 +19,13 @@ from kvstashd.chat import ChatMessage, Message, Segment, after_prefix, text_of
 from kvstashd.engine import Engine
 from kvstashd.errors import ContextFull, InvalidRequest
 from kvstashd.job import Chunk, GenerationRequest, Job
+from kvstashd.limits import MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from kvstashd.session import SamplingOverrides, Session
 
 if TYPE_CHECKING:
     from kvstashd.sessions import SessionManager
 
 T = TypeVar("T")
-
-MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
 
 Put = Callable[[Chunk], None]
 
@@ -129,6 +126,8 @@ class Conversations:
     ) -> None:
         """Run one generation on a session in `slot`, whose lock the caller holds."""
         manager = self.manager
+        if session.persistent:  # its autosave would store more: refused before anything changes
+            await manager.persistence.check_stored(manager.tenants.get(session.tenant))
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
 
@@ -136,6 +135,7 @@ class Conversations:
             loop.call_soon_threadsafe(items.put_nowait, item)
 
         job = Job(session.state, slot, request, emit)
+        job.prefix = await manager.prefixes.find(session, [*session.state.tokens, *request.prompt])
         session.job = job
         manager.touch(session)
         manager.engine.submit(job)
@@ -157,7 +157,12 @@ class Conversations:
                     reply.content += item.text
                 if item.finish_reason is not None:
                     session.job = None
-                    self.tokens_reused += item.usage.reused_tokens if item.usage else 0
+                    if item.usage is not None:
+                        self.tokens_reused += item.usage.reused_tokens
+                        usage = manager.residency.usage[session.tenant]
+                        usage.tokens_reused += item.usage.reused_tokens
+                        usage.tokens_evaluated += item.usage.evaluated_tokens
+                        usage.tokens_generated += item.usage.generated_tokens
                     session.keep_snapshot(job.snapshot)
                     if session.persistent:
                         await manager.persistence.save_head(session)

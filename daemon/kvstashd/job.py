@@ -113,6 +113,9 @@ class Job:
         # The recurrent state at the end of the prompt (models with one): a point the
         # session can later rewind to without evaluating from the start.
         self.snapshot: kvstate.RecurrentCells | None = None
+        # A cached state of the history's first positions (the prefix cache), loaded into the
+        # slot at the start when it covers more than the slot holds.
+        self.prefix: kvstate.SeqKv | None = None
         self._utf8 = Utf8Stream()
         self._stop = StopMatcher(request.stop)
         self._pending_ids: list[int] = []

@@ -20,6 +20,15 @@ import numpy as np
 
 from kvstashd.chat import ChatMessage
 from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint
+from kvstashd.limits import (
+    MAX_BLOCK_TOKENS,
+    MAX_LABEL,
+    MAX_MESSAGE_CHARS,
+    MAX_MESSAGES,
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    MIN_BLOCK_TOKENS,
+)
 from kvstashd.sampling import Logits, SamplingParams
 
 MAGIC = b"KVSTMAN1"
@@ -53,6 +62,8 @@ class Snapshot:
     recurrent: str = ""
     # Hex salt of the block keys ("" for the daemon's own; imports get one of their own).
     salt: str = ""
+    # The tenant it belongs to ("" for the anonymous one).
+    tenant: str = ""
     label: str = ""
     saved_at: float = 0.0
     format: int = FORMAT
@@ -86,6 +97,7 @@ def encode(s: Snapshot, key: bytes) -> bytes:
         "window": [[k, p] for k, p in s.window],
         "recurrent": s.recurrent,
         "salt": s.salt,
+        "tenant": s.tenant,
     }
     head = json.dumps(meta, separators=(",", ":")).encode()
     tokens = np.asarray(s.tokens, dtype="<i4").tobytes()
@@ -132,7 +144,7 @@ def decode(data: bytes, key: bytes | None, n_vocab: int) -> Snapshot:
 
     try:
         meta = json.loads(take(u32()))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: deep nesting
         raise CorruptCheckpoint("the manifest metadata is not valid JSON") from None
     n_tokens = u32()
     if n_tokens > MAX_TOKENS:
@@ -208,6 +220,9 @@ def _snapshot(
         raise CorruptCheckpoint("the checkpoint's recurrent state key is malformed")
     if not isinstance(salt, str) or len(salt) > 128 or any(c not in "0123456789abcdef" for c in salt):
         raise CorruptCheckpoint("the checkpoint's salt is malformed")
+    tenant = meta.get("tenant", "")
+    if not isinstance(tenant, str) or len(tenant) > 128:
+        raise CorruptCheckpoint("the checkpoint's tenant is malformed")
     layout = meta.get("kv_layout")
     if layout is not None and not isinstance(layout, str):
         raise CorruptCheckpoint("the checkpoint's KV layout is malformed")
@@ -238,8 +253,31 @@ def _snapshot(
         window=[(str(k), int(p)) for k, p in window],
         recurrent=recurrent,
         salt=salt,
+        tenant=tenant,
     )
 
 
 def _is_key(value: object) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def check_limits(s: Snapshot, n_ctx: int) -> None:
+    """Everything an RPC could not have made is refused (imports: another daemon's manifest
+    is checked as strictly as an RPC argument). CorruptCheckpoint names the field."""
+    problems = []
+    if len(s.tokens) > n_ctx:
+        problems.append(f"{len(s.tokens)} tokens, beyond the context of {n_ctx}")
+    if not 0 <= s.draws < 1 << 62:  # not bounded by the history: rewinds keep the count
+        problems.append("a draw count out of range")
+    if not MIN_BLOCK_TOKENS <= s.block_tokens <= MAX_BLOCK_TOKENS:
+        problems.append(f"a block size outside [{MIN_BLOCK_TOKENS}, {MAX_BLOCK_TOKENS}]")
+    if len(s.stop) > MAX_STOP_STRINGS or any(not x or len(x) > MAX_STOP_LENGTH for x in s.stop):
+        problems.append("stop strings beyond the RPC limits")
+    if len(s.label) > MAX_LABEL:
+        problems.append("a label beyond the RPC limit")
+    if len(s.messages) > MAX_MESSAGES or any(len(m.content) > MAX_MESSAGE_CHARS for m in s.messages):
+        problems.append("messages beyond the RPC limits")
+    if any(not 0 <= m.start <= len(s.tokens) for m in s.messages):
+        problems.append("a message outside the history")
+    if problems:
+        raise CorruptCheckpoint("the checkpoint holds " + "; ".join(problems))

@@ -22,6 +22,7 @@ from kvstashd.errors import Busy, KvstashError, NotFound
 from kvstashd.manifest import Snapshot
 from kvstashd.placement import HistoryOnly, Placement, Residency, Stored, store_write
 from kvstashd.session import Session
+from kvstashd.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +74,42 @@ class Persistence:
         row, _ = await store_write(self.store_of(session).save, snap, kv, kind="explicit", now=self.clock())
         return row
 
-    async def find(self, checkpoint_id: str) -> CheckpointStore:
-        """The store that holds a checkpoint (NotFound if none does)."""
+    async def find(self, checkpoint_id: str, tenant: Tenant) -> CheckpointStore:
+        """The store that holds the tenant's checkpoint; NotFound if none does (another
+        tenant's gets the same answer, by the same path: one lookup, then the owner)."""
 
         def lookup() -> CheckpointStore:
             for store in (self.durable, self.volatile):
-                if store.catalog.get(checkpoint_id) is not None:
+                found = store.catalog.get(checkpoint_id)
+                if found is not None and found[0].tenant == tenant.name:
                     return store
             raise NotFound(f"no checkpoint {checkpoint_id}")
 
         return await asyncio.to_thread(lookup)
 
-    async def load(self, checkpoint_id: str) -> Loaded:
-        store = await self.find(checkpoint_id)
+    async def load(self, checkpoint_id: str, tenant: Tenant) -> Loaded:
+        store = await self.find(checkpoint_id, tenant)
         return await asyncio.to_thread(store.load, checkpoint_id, self.clock())
+
+    async def tenant_checkpoints(self, tenant: Tenant) -> list[CheckpointRow]:
+        def rows() -> list[CheckpointRow]:
+            found = self.durable.catalog.tenant_checkpoints(tenant.name)
+            found += self.volatile.catalog.tenant_checkpoints(tenant.name)
+            return sorted(found, key=lambda r: r.created_at)
+
+        return await asyncio.to_thread(rows)
+
+    async def check_stored(self, tenant: Tenant) -> None:
+        """Busy when the tenant's stored bytes reach its quota."""
+        limit = tenant.quota.max_stored_bytes
+        if not limit:
+            return
+        used = await asyncio.to_thread(self.durable.catalog.stored_bytes, tenant.name)
+        if used >= limit:
+            raise Busy(
+                f"the tenant's stored state holds {used} bytes, its quota is {limit}: delete "
+                "checkpoints or close persistent sessions"
+            )
 
     async def check_disk(self) -> None:
         """Refuse new persistent state when the disk budget cannot be kept."""
@@ -108,9 +131,13 @@ class Persistence:
         if not session.persistent:
             await asyncio.to_thread(self.volatile.sweep, 0)
 
-    async def import_checkpoint(self, chunks: list[bytes], limit: int) -> CheckpointRow:
+    async def import_checkpoint(self, chunks: list[bytes], limit: int, tenant: Tenant) -> CheckpointRow:
         await self.check_disk()
-        return await store_write(self.durable.import_, chunks, limit, self.clock())
+        await self.check_stored(tenant)
+        n_ctx = self.settings.ctx_per_session
+        return await store_write(
+            self.durable.import_, chunks, limit, self.clock(), tenant=tenant.name, n_ctx=n_ctx
+        )
 
     def load_persistent(
         self, new_session: Callable[[Snapshot, str], Session]

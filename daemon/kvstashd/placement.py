@@ -21,6 +21,7 @@ import asyncio
 import logging
 import sqlite3
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -32,7 +33,7 @@ from kvstashd.config import Settings
 from kvstashd.engine import Engine
 from kvstashd.errors import Busy, CorruptCheckpoint, KvstashError
 from kvstashd.manifest import Snapshot
-from kvstashd.session import Session
+from kvstashd.session import Session, TenantUsage
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +89,13 @@ class Residency:
         self._where: dict[str, tuple[Session, Placement]] = {}
         self._slots: list[Session | None] = [None] * settings.slots
         self._slot_freed = asyncio.Event()
+        # A tenant's RAM quota in bytes (0: none); the manager knows the tenants.
+        self.parked_quota: Callable[[str], int] = lambda _tenant: 0
         self.waiting = 0
         self.swap_ins = 0
         self.swap_in_seconds = 0.0
+        # Per tenant, for GetInfo: each sees its own.
+        self.usage: defaultdict[str, TenantUsage] = defaultdict(TenantUsage)
 
     # ---- reading ------------------------------------------------------------------------------
 
@@ -104,9 +109,12 @@ class Residency:
     def slots_in_use(self) -> int:
         return sum(1 for s in self._slots if s is not None)
 
-    def parked_bytes(self) -> int:
+    def parked_bytes(self, tenant: str | None = None) -> int:
+        """Bytes of state held in RAM (of one tenant's sessions, or of all)."""
         total = 0
         for session, where in self._where.values():
+            if tenant is not None and session.tenant != tenant:
+                continue
             total += sum(s.nbytes for s in session.snapshots)
             if isinstance(where, Parked):
                 total += where.kv.nbytes
@@ -153,8 +161,12 @@ class Residency:
             raise
         self._set(session, InSlot(slot))
         if kv is not None:
+            took = time.perf_counter() - started
             self.swap_ins += 1
-            self.swap_in_seconds += time.perf_counter() - started
+            self.swap_in_seconds += took
+            usage = self.usage[session.tenant]
+            usage.swap_ins += 1
+            usage.swap_in_seconds += took
         return slot
 
     async def release(self, session: Session, *, park: bool = True) -> None:
@@ -260,12 +272,25 @@ class Residency:
     # ---- RAM and disk tiers ---------------------------------------------------------------------
 
     async def enforce_ram(self, keep: Session | None = None) -> None:
-        """Spill parked state to disk, least recently used first, while over the RAM budget."""
-        while self.parked_bytes() > self.settings.ram_cache:
+        """Spill parked state to disk, least recently used first, while over the RAM budget;
+        and a tenant's, while over its own quota (never another tenant's for it)."""
+        for tenant in {s.tenant for s, _ in self._where.values()}:
+            limit = self.parked_quota(tenant)
+            if limit:
+                await self._spill_while(limit, keep, tenant)
+        await self._spill_while(self.settings.ram_cache, keep, None)
+
+    async def _spill_while(self, budget: int, keep: Session | None, tenant: str | None) -> None:
+        """Spill the least recently used idle parked sessions (of `tenant`, or any) while
+        their bytes exceed `budget`."""
+        while self.parked_bytes(tenant) > budget:
             idle = [
                 s
                 for s, where in self._where.values()
-                if isinstance(where, Parked) and not s.busy and s is not keep
+                if isinstance(where, Parked)
+                and not s.busy
+                and s is not keep
+                and (tenant is None or s.tenant == tenant)
             ]
             if not idle:
                 return

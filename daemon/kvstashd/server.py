@@ -36,6 +36,7 @@ from kvstashd.sessions import SessionManager
 from kvstashd.store import BlockStore
 from kvstashd.store.local import LocalBlockStore
 from kvstashd.store.memory import MemoryBlockStore
+from kvstashd.tenants import AuthFileError, Quota, Tenants
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,30 @@ def checkpoint_stores(settings: Settings, info: ModelInfo, fp: str) -> Stores:
     )
 
 
+def load_tenants(settings: Settings) -> Tenants:
+    """The tenants of the auth file, or the one anonymous tenant; AuthFileError if the file
+    cannot be used."""
+    sessions, parked, stored = settings.quota()
+    default = Quota(max_sessions=sessions, max_parked_bytes=parked, max_stored_bytes=stored)
+    if settings.auth_file is None:
+        return Tenants.anonymous(default)
+    return Tenants.load(settings.auth_file, default)
+
+
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS credentials from the settings' PEM files (mutual TLS with a client CA), or None."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    ca = settings.tls_client_ca.read_bytes() if settings.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+
+
 def build_server(
-    settings: Settings, service: KvStashService
+    settings: Settings, service: KvStashService, credentials: grpc.ServerCredentials | None = None
 ) -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
     """A gRPC server with the service, health and reflection, bound but not started.
 
@@ -143,7 +166,10 @@ def build_server(
         ),
         server,
     )
-    port = server.add_insecure_port(settings.address)
+    if credentials is not None:
+        port = server.add_secure_port(settings.address, credentials)
+    else:
+        port = server.add_insecure_port(settings.address)
     if port == 0 and not settings.address.startswith("unix:"):
         raise OSError(f"cannot listen on {settings.address}")
     return server, health_servicer, port
@@ -188,9 +214,16 @@ class Daemon:
             if settings.metrics_address:
                 self._metrics = serve_metrics(settings.metrics_address, manager)
                 self.metrics_port = int(self._metrics.server_port)
+            manager.tenants = await asyncio.to_thread(load_tenants, settings)
+            credentials = await asyncio.to_thread(server_credentials, settings)
             self._service = KvStashService(manager, str(settings.model_path), fp)
-            self._server, self._health, self.port = build_server(settings, self._service)
-            await self._server.start()
+            # A unix socket is created owner-only: the umask is in force while gRPC binds it.
+            old_umask = os.umask(0o177)
+            try:
+                self._server, self._health, self.port = build_server(settings, self._service, credentials)
+                await self._server.start()
+            finally:
+                os.umask(old_umask)
         except BaseException:
             await asyncio.to_thread(self.engine.stop)
             raise
@@ -214,6 +247,18 @@ class Daemon:
             info.layout_note,
         )
         return self.port
+
+    async def reload_tenants(self) -> None:
+        """Read the auth file again (SIGHUP); a file that cannot be used keeps the old one."""
+        if self.manager is None or self.settings.auth_file is None:
+            return
+        try:
+            tenants = await asyncio.to_thread(load_tenants, self.settings)
+        except AuthFileError as e:
+            log.error("the auth file was not reloaded: %s", e)
+            return
+        self.manager.tenants = tenants
+        log.info("auth file reloaded: %d tenants", len(tenants.names))
 
     @property
     def address(self) -> str:
@@ -256,6 +301,14 @@ async def serve(settings: Settings, ready_file: Path | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[None]] = set()
+
+    def reload() -> None:
+        task = loop.create_task(daemon.reload_tenants())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     if ready_file is not None:
         await asyncio.to_thread(ready_file.write_text, f"{port}\n")
     try:

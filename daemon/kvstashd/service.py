@@ -25,6 +25,7 @@ from kvstashd.job import Chunk
 from kvstashd.sampling import SamplingParams
 from kvstashd.session import SamplingOverrides
 from kvstashd.sessions import SessionManager, SessionView
+from kvstashd.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,12 @@ class KvStashService(pb_grpc.KvStashServicer):
         self.fingerprint = fingerprint
         self.accepting = True
 
+    def tenant(self, context: Any) -> Tenant:
+        """The caller's tenant, from its bearer token; Unauthenticated if it has none."""
+        metadata = context.invocation_metadata() or ()
+        authorization = next((v for k, v in metadata if k == "authorization"), None)
+        return self.manager.tenants.resolve(authorization if isinstance(authorization, str) else None)
+
     def _check_accepting(self) -> None:
         if not self.accepting:
             raise Unavailable("the daemon is shutting down")
@@ -100,10 +107,11 @@ class KvStashService(pb_grpc.KvStashServicer):
     @unary
     async def GetInfo(self, request: pb.GetInfoRequest, context: Any) -> pb.GetInfoResponse:
         m = self.manager
-        c = m.publish()
+        c = m.tenant_counters(self.tenant(context))
         return pb.GetInfoResponse(
             version=__version__,
-            model_path=self.model_path,
+            # A multi-tenant daemon shows callers no paths of its machine.
+            model_path="" if m.tenants.authenticated else self.model_path,
             model_fingerprint=self.fingerprint,
             model_description=m.model.description,
             n_vocab=m.model.n_vocab,
@@ -135,6 +143,8 @@ class KvStashService(pb_grpc.KvStashServicer):
     async def CreateSession(self, request: pb.CreateSessionRequest, context: Any) -> pb.CreateSessionResponse:
         self._check_accepting()
         session = await self.manager.create(
+            self.tenant(context),
+            cache_salt=request.cache_salt,
             system_prompt=request.system_prompt,
             sampling=overrides_from_pb(request.sampling),
             stop=list(request.stop),
@@ -144,22 +154,23 @@ class KvStashService(pb_grpc.KvStashServicer):
 
     @unary
     async def GetSession(self, request: pb.GetSessionRequest, context: Any) -> pb.GetSessionResponse:
-        session = self.manager.get(request.session_id)
+        session = self.manager.get(request.session_id, self.tenant(context))
         return pb.GetSessionResponse(session=self._session_pb(await self.manager.view(session)))
 
     @unary
     async def ListSessions(self, request: pb.ListSessionsRequest, context: Any) -> pb.ListSessionsResponse:
-        return pb.ListSessionsResponse(sessions=[self._session_pb(v) for v in await self.manager.views()])
+        mine = self.manager.owned(self.tenant(context))
+        return pb.ListSessionsResponse(sessions=[self._session_pb(v) for v in await self.manager.views(mine)])
 
     @unary
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
-        await self.manager.close(request.session_id)
+        await self.manager.close(request.session_id, self.tenant(context))
         return pb.CloseSessionResponse()
 
     @unary
     async def Rewind(self, request: pb.RewindRequest, context: Any) -> pb.RewindResponse:
         self._check_accepting()
-        session = await self.manager.rewind(request.session_id, request.n_tokens)
+        session = await self.manager.rewind(request.session_id, self.tenant(context), request.n_tokens)
         return pb.RewindResponse(session=self._session_pb(await self.manager.view(session)))
 
     @streaming
@@ -169,6 +180,7 @@ class KvStashService(pb_grpc.KvStashServicer):
         self._check_accepting()
         stream = self.manager.generate(
             request.session_id,
+            self.tenant(context),
             prompt=request.prompt,
             prompt_token_ids=list(request.prompt_token_ids),
             parse_special=request.parse_special,
@@ -180,21 +192,25 @@ class KvStashService(pb_grpc.KvStashServicer):
     @streaming
     async def Chat(self, request: pb.ChatRequest, context: Any) -> AsyncGenerator[pb.ChatResponse, None]:
         self._check_accepting()
-        stream = self.manager.chat(request.session_id, message=request.message, turn=turn_from_pb(request))
+        stream = self.manager.chat(
+            request.session_id, self.tenant(context), message=request.message, turn=turn_from_pb(request)
+        )
         async for chunk in stream:
             yield pb.ChatResponse(chunk=chunk_to_pb(chunk))
 
     @unary
     async def Checkpoint(self, request: pb.CheckpointRequest, context: Any) -> pb.CheckpointResponse:
         self._check_accepting()
-        row = await self.manager.checkpoints.checkpoint(request.session_id, request.label)
+        row = await self.manager.checkpoints.checkpoint(
+            request.session_id, self.tenant(context), request.label
+        )
         return pb.CheckpointResponse(checkpoint=checkpoint_to_pb(row))
 
     @unary
     async def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, context: Any
     ) -> pb.ListCheckpointsResponse:
-        rows = await self.manager.checkpoints.list_checkpoints(request.session_id)
+        rows = await self.manager.checkpoints.list_checkpoints(request.session_id, self.tenant(context))
         return pb.ListCheckpointsResponse(checkpoints=[checkpoint_to_pb(r) for r in rows])
 
     @unary
@@ -203,7 +219,7 @@ class KvStashService(pb_grpc.KvStashServicer):
     ) -> pb.RestoreCheckpointResponse:
         self._check_accepting()
         session, reprefilled = await self.manager.checkpoints.restore(
-            request.session_id, request.checkpoint_id
+            request.session_id, request.checkpoint_id, self.tenant(context)
         )
         view = await self.manager.view(session)
         return pb.RestoreCheckpointResponse(session=self._session_pb(view), reprefilled=reprefilled)
@@ -212,7 +228,7 @@ class KvStashService(pb_grpc.KvStashServicer):
     async def ForkSession(self, request: pb.ForkSessionRequest, context: Any) -> pb.ForkSessionResponse:
         self._check_accepting()
         session, reprefilled = await self.manager.checkpoints.fork(
-            request.session_id, request.checkpoint_id, request.persistent
+            request.session_id, request.checkpoint_id, request.persistent, self.tenant(context)
         )
         view = await self.manager.view(session)
         return pb.ForkSessionResponse(session=self._session_pb(view), reprefilled=reprefilled)
@@ -221,14 +237,15 @@ class KvStashService(pb_grpc.KvStashServicer):
     async def DeleteCheckpoint(
         self, request: pb.DeleteCheckpointRequest, context: Any
     ) -> pb.DeleteCheckpointResponse:
-        await self.manager.checkpoints.delete_checkpoint(request.checkpoint_id)
+        await self.manager.checkpoints.delete_checkpoint(request.checkpoint_id, self.tenant(context))
         return pb.DeleteCheckpointResponse()
 
     @streaming
     async def ExportCheckpoint(
         self, request: pb.ExportCheckpointRequest, context: Any
     ) -> AsyncGenerator[pb.ExportCheckpointResponse, None]:
-        async for data in self.manager.checkpoints.export_checkpoint(request.checkpoint_id):
+        tenant = self.tenant(context)
+        async for data in self.manager.checkpoints.export_checkpoint(request.checkpoint_id, tenant):
             yield pb.ExportCheckpointResponse(data=data)
 
     @unary
@@ -236,12 +253,13 @@ class KvStashService(pb_grpc.KvStashServicer):
         self, request_iterator: AsyncIterator[pb.ImportCheckpointRequest], context: Any
     ) -> pb.ImportCheckpointResponse:
         self._check_accepting()
+        tenant = self.tenant(context)
 
         async def data() -> AsyncIterator[bytes]:
             async for request in request_iterator:
                 yield request.data
 
-        row = await self.manager.checkpoints.import_checkpoint(data())
+        row = await self.manager.checkpoints.import_checkpoint(data(), tenant)
         return pb.ImportCheckpointResponse(checkpoint=checkpoint_to_pb(row))
 
     def _session_pb(self, view: SessionView) -> pb.SessionInfo:

@@ -26,6 +26,9 @@ class Session:
     stop: tuple[str, ...]
     created_at: float
     last_used_at: float
+    # Whose it is, and the salt its blocks are keyed with (see tenants.py).
+    tenant: str = ""
+    salt: bytes = b""
     state: SeqState = field(default_factory=SeqState)
     messages: list[ChatMessage] = field(default_factory=list)
     # Recurrent states at earlier positions of this history (see Job.snapshot), oldest first.
@@ -68,6 +71,8 @@ class Session:
             kv_layout=None,
             block_tokens=block_tokens,
             label=label,
+            salt=self.salt.hex(),
+            tenant=self.tenant,
         )
 
     def apply(self, snap: Snapshot, n_kv: int) -> None:
@@ -99,6 +104,17 @@ class SamplingOverrides:
 
     def apply(self, base: SamplingParams) -> SamplingParams:
         return base.merged(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+@dataclass
+class TenantUsage:
+    """What one tenant's requests cost: tokens by what happened to them, and swap-ins."""
+
+    tokens_evaluated: int = 0
+    tokens_generated: int = 0
+    tokens_reused: int = 0
+    swap_ins: int = 0
+    swap_in_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

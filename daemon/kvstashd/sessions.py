@@ -24,14 +24,16 @@ from kvstashd.checkpointing import Checkpointing
 from kvstashd.config import Settings
 from kvstashd.context import ModelInfo
 from kvstashd.engine import Engine
-from kvstashd.errors import ContextFull, FailedPrecondition, InvalidRequest, KvstashError, NotFound
+from kvstashd.errors import Busy, ContextFull, FailedPrecondition, InvalidRequest, KvstashError, NotFound
 from kvstashd.generation import Conversations, Turn, check_stop
 from kvstashd.job import Chunk
 from kvstashd.manifest import Snapshot
 from kvstashd.persistence import Persistence, Stores
 from kvstashd.placement import Residency
+from kvstashd.prefix import PrefixCache
 from kvstashd.sampling import MAX_SEED, SamplingParams
 from kvstashd.session import Counters, SamplingOverrides, Session
+from kvstashd.tenants import Tenant, Tenants, session_salt
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,10 @@ class SessionManager:
         self.persistence.residency = self.residency
         self.conversations = Conversations(self)
         self.checkpoints = Checkpointing(self)
+        self.prefixes = PrefixCache(self)
+        # Who may call, and their quotas; replaced as a whole when the auth file is read again.
+        self.tenants = Tenants.anonymous()
+        self.residency.parked_quota = lambda name: self.tenants.get(name).quota.max_parked_bytes
         self.template: ChatTemplate | None = None
         self.counters = Counters()
         self.invariant_violations = 0
@@ -103,7 +109,16 @@ class SessionManager:
         self.publish()
 
     def _restored_session(self, snap: Snapshot, session_id: str) -> Session:
-        return Session(session_id, True, snap.params, snap.stop, snap.created_at, snap.saved_at)
+        return Session(
+            session_id,
+            True,
+            snap.params,
+            snap.stop,
+            snap.created_at,
+            snap.saved_at,
+            tenant=snap.tenant,
+            salt=bytes.fromhex(snap.salt),
+        )
 
     async def shutdown(self) -> None:
         """Let running operations end, then save every persistent session that changed."""
@@ -137,12 +152,13 @@ class SessionManager:
 
     # ---- registry ----------------------------------------------------------------------------
 
-    def get(self, session_id: str) -> Session:
-        """The open session with this id; InvalidRequest if malformed, NotFound if unknown."""
+    def get(self, session_id: str, tenant: Tenant) -> Session:
+        """The tenant's open session with this id; InvalidRequest if malformed, NotFound if
+        unknown, closed or another tenant's (the same answer, by the same path)."""
         if not _SESSION_ID.match(session_id):
             raise InvalidRequest(f"malformed session id: {session_id[:80]!r}")
         session = self.sessions.get(session_id)
-        if session is None or session.closed:
+        if session is None or session.closed or session.tenant != tenant.name:
             raise NotFound(f"no session {session_id}")
         return session
 
@@ -153,9 +169,9 @@ class SessionManager:
             raise NotFound(f"no session {session.session_id}")
         return views[0]
 
-    async def views(self, sessions: Sequence[Session] | None = None) -> list[SessionView]:
-        """Sessions as the RPCs report them (all, oldest first, by default)."""
-        chosen = sorted(self.sessions.values(), key=lambda s: s.created_at) if sessions is None else sessions
+    async def views(self, sessions: Sequence[Session]) -> list[SessionView]:
+        """Sessions as the RPCs report them."""
+        chosen = sessions
 
         def counts() -> dict[str, int]:
             out = self.durable.catalog.counts()
@@ -169,17 +185,45 @@ class SessionManager:
             if s.session_id in self.sessions
         ]
 
+    def owned(self, tenant: Tenant) -> list[Session]:
+        """The tenant's open sessions, oldest first."""
+        mine = [s for s in self.sessions.values() if s.tenant == tenant.name and not s.closed]
+        return sorted(mine, key=lambda s: s.created_at)
+
     async def create(
-        self, system_prompt: str, sampling: SamplingOverrides, stop: Sequence[str], persistent: bool
+        self,
+        tenant: Tenant,
+        system_prompt: str,
+        sampling: SamplingOverrides,
+        stop: Sequence[str],
+        persistent: bool,
+        cache_salt: bytes = b"",
     ) -> Session:
         """A new session; its system prompt is rendered now and evaluated on first use."""
         seed = sampling.seed if sampling.seed is not None else secrets.randbelow(MAX_SEED + 1)
         params = replace(sampling, seed=seed).apply(SamplingParams())
+        salt = session_salt(tenant, cache_salt)
         now = self.clock()
-        session = Session("s_" + secrets.token_hex(12), persistent, params, check_stop(stop), now, now)
-        return await self.ops.run(self._create(session, system_prompt))
+        session = Session(
+            "s_" + secrets.token_hex(12),
+            persistent,
+            params,
+            check_stop(stop),
+            now,
+            now,
+            tenant=tenant.name,
+            salt=salt,
+        )
+        return await self.ops.run(self._create(tenant, session, system_prompt))
 
-    async def _create(self, session: Session, system_prompt: str) -> Session:
+    def check_quota(self, tenant: Tenant) -> None:
+        """Busy when the tenant holds as many sessions as its quota allows."""
+        limit = tenant.quota.max_sessions
+        if limit and len(self.owned(tenant)) >= limit:
+            raise Busy(f"the tenant's quota of {limit} sessions is reached: close one first")
+
+    async def _create(self, tenant: Tenant, session: Session, system_prompt: str) -> Session:
+        self.check_quota(tenant)
         if system_prompt:
             tokens = await self.conversations.system_tokens(system_prompt)
             if len(tokens) >= self.model.n_ctx_seq:
@@ -193,6 +237,7 @@ class SessionManager:
         if session.persistent:
             try:
                 await self.persistence.check_disk()
+                await self.persistence.check_stored(tenant)
                 await self.persistence.save_head(session)
             except BaseException:
                 await self.residency.forget(session)
@@ -201,10 +246,10 @@ class SessionManager:
         self.publish()
         return session
 
-    async def close(self, session_id: str) -> None:
+    async def close(self, session_id: str, tenant: Tenant) -> None:
         """Stop the session's generation if any, forget its head and checkpoints, free its
         state. All or nothing: the catalog transaction is the commit point."""
-        session = self.get(session_id)
+        session = self.get(session_id, tenant)
         await self.ops.run(self._close(session))
 
     async def _close(self, session: Session) -> None:
@@ -216,9 +261,9 @@ class SessionManager:
             self.sessions.pop(session.session_id, None)
             await self.residency.forget(session)
 
-    async def rewind(self, session_id: str, n_tokens: int) -> Session:
+    async def rewind(self, session_id: str, tenant: Tenant, n_tokens: int) -> Session:
         """Keep the first n_tokens tokens of history; the session continues from there."""
-        session = self.get(session_id)
+        session = self.get(session_id, tenant)
         return await self.ops.run(self._rewind(session, n_tokens))
 
     async def _rewind(self, session: Session, n_tokens: int) -> Session:
@@ -241,6 +286,7 @@ class SessionManager:
     def generate(
         self,
         session_id: str,
+        tenant: Tenant,
         *,
         prompt: str,
         prompt_token_ids: Sequence[int],
@@ -248,7 +294,7 @@ class SessionManager:
         turn: Turn,
     ) -> AsyncIterator[Chunk]:
         """Extend the session by a prompt (text or token ids) and stream the continuation."""
-        session = self.get(session_id)
+        session = self.get(session_id, tenant)
         return self.ops.stream(
             lambda put: self.conversations.generate(
                 session,
@@ -260,14 +306,32 @@ class SessionManager:
             )
         )
 
-    def chat(self, session_id: str, *, message: str, turn: Turn) -> AsyncIterator[Chunk]:
+    def chat(self, session_id: str, tenant: Tenant, *, message: str, turn: Turn) -> AsyncIterator[Chunk]:
         """Add a user message through the chat template and stream the assistant's reply."""
-        session = self.get(session_id)
+        session = self.get(session_id, tenant)
         if self.template is None:
             raise FailedPrecondition("the model has no chat template; use Generate")
         return self.ops.stream(lambda put: self.conversations.chat(session, put, message=message, turn=turn))
 
     # ---- counters, expiry, invariants ----------------------------------------------------------
+
+    def tenant_counters(self, tenant: Tenant) -> Counters:
+        """The counters of one tenant's sessions and requests (GetInfo shows a caller its own)."""
+        mine = self.owned(tenant)
+        tiers = [self.residency.tier(s) for s in mine]
+        usage = self.residency.usage[tenant.name]
+        return Counters(
+            sessions=len(mine),
+            hot=tiers.count("hot"),
+            warm=tiers.count("warm"),
+            cold=tiers.count("cold"),
+            slots_in_use=tiers.count("hot"),
+            tokens_evaluated=usage.tokens_evaluated,
+            tokens_generated=usage.tokens_generated,
+            tokens_reused=usage.tokens_reused,
+            swap_ins=usage.swap_ins,
+            swap_in_seconds=usage.swap_in_seconds,
+        )
 
     def publish(self) -> Counters:
         """Recompute the counters; the metrics thread reads the last value published."""

@@ -404,6 +404,8 @@ Global___CheckpointInfo: _TypeAlias = CheckpointInfo  # noqa: Y015
 
 @_typing.final
 class GetInfoRequest(_message.Message):
+    """Counters are the caller's own (its tenant's); nothing of other tenants is reported."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -531,8 +533,13 @@ class CreateSessionRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     PERSISTENT_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     system_prompt: _builtins.str
     persistent: _builtins.bool
+    cache_salt: _builtins.bytes
+    """The salt of this session's cached blocks (16 to 256 bytes): whoever presents the same
+    salt shares them, across tenants. Empty: the tenant's own salt (shared with nobody else).
+    """
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
     @_builtins.property
@@ -544,10 +551,11 @@ class CreateSessionRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         persistent: _builtins.bool = ...,
+        cache_salt: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["persistent", b"persistent", "sampling", b"sampling", "stop", b"stop", "system_prompt", b"system_prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "persistent", b"persistent", "sampling", b"sampling", "stop", b"stop", "system_prompt", b"system_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -904,6 +912,7 @@ class ListCheckpointsRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    """empty: every checkpoint of the caller's, imported ones included"""
     def __init__(
         self,
         *,

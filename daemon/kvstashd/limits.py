@@ -1,0 +1,14 @@
+"""Bounds on what a request, or a checkpoint from elsewhere, may hold: one place for both,
+so an import is checked as strictly as the RPCs that could have made it."""
+
+from __future__ import annotations
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_LABEL = 256
+# A message's content, in characters (a gRPC message is at most 256 MiB anyway).
+MAX_MESSAGE_CHARS = 1 << 24
+MAX_MESSAGES = 1 << 16
+MIN_BLOCK_TOKENS = 16
+MAX_BLOCK_TOKENS = 128

@@ -1,0 +1,114 @@
+"""The prefix cache: a session whose history begins with blocks already computed attaches
+them instead of evaluating them.
+
+A block's key is a hash chain over the tokens up to its end, started from the session's
+salt (its tenant's, or a `cache_salt` it chose), so blocks are found only by sessions of the
+same salt: nobody can probe another tenant's prompts, not even through timing. Sources, the
+longest prefix first: another live session's state (in its slot, or parked in RAM) whose
+history begins the same way, and the block stores (persistent sessions' heads and
+checkpoints on disk, which outlive restarts, and ephemeral checkpoints in RAM).
+
+Every source holds the cells the session would compute itself (exact mode: a token's cells
+do not depend on how it was batched), so a session that attached a prefix continues exactly
+as one that evaluated it. At least the last token of the history is always evaluated, for
+its logits. Sliding-window and recurrent models attach only where a store holds the whole
+state at a block boundary (window pieces and the recurrent snapshot there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstashd import pieces
+from kvstashd import state as kvstate
+from kvstashd.checkpoints import CheckpointStore
+from kvstashd.errors import CorruptCheckpoint
+from kvstashd.placement import InSlot, Parked
+from kvstashd.session import Session
+
+if TYPE_CHECKING:
+    from kvstashd.sessions import SessionManager
+
+log = logging.getLogger(__name__)
+
+
+class PrefixCache:
+    """Finds and builds cached prefixes for a SessionManager."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.m = manager
+
+    async def find(self, session: Session, history: list[int]) -> kvstate.SeqKv | None:
+        """The state of the longest cached prefix of `history` that is longer than what the
+        session holds (full blocks, the last token left out), or None."""
+        m = self.m
+        if not m.settings.prefix_cache or m.model.layout is None:
+            return None
+        block = m.settings.block_tokens
+        limit = (len(history) - 1) // block * block
+        have = session.state.n_kv
+        if limit <= have:
+            return None
+        live_n, live = self._live(session, history, limit)
+        salt = session.salt.hex()
+        best_n, best_store = 0, None
+        for store in (m.stores.durable, m.stores.volatile):
+            n = await asyncio.to_thread(store.longest_prefix, history, limit, block, salt)
+            if n > best_n:
+                best_n, best_store = n, store
+        if live is not None and live_n >= best_n and live_n > have:
+            kv = await self._from_session(live, live_n)
+            if kv is not None:
+                return kv
+        if best_store is not None and best_n > have:
+            return await self._from_store(best_store, history, best_n, salt)
+        return None
+
+    def _live(self, session: Session, history: list[int], limit: int) -> tuple[int, Session | None]:
+        """The live session whose state shares the longest block-aligned prefix with history."""
+        block = self.m.settings.block_tokens
+        want = np.asarray(history[:limit], dtype=np.int64)
+        best, source = 0, None
+        for other in self.m.sessions.values():
+            if other is session or other.closed or other.busy or other.salt != session.salt:
+                continue
+            n = min(other.state.n_kv, limit)
+            if n - n % block <= best:
+                continue
+            theirs = np.asarray(other.state.tokens[:n], dtype=np.int64)
+            differ = np.flatnonzero(theirs != want[:n])
+            common = int(differ[0]) if differ.size else n
+            common -= common % block
+            if common > best:
+                best, source = common, other
+        return best, source
+
+    async def _from_session(self, source: Session, n: int) -> kvstate.SeqKv | None:
+        """The first n positions of an idle session's state, read where it is.
+
+        No lock is taken: the placement is read and the engine's export queued in one step,
+        and the engine runs its commands in order, so a later move of the source comes after.
+        """
+        where = self.m.residency.where(source)
+        if isinstance(where, InSlot):
+            slot, state = where.slot, source.state
+            kv = await asyncio.wrap_future(self.m.engine.call(lambda e: e.export(slot, state)))
+        elif isinstance(where, Parked):
+            kv = where.kv
+        else:
+            return None
+        return pieces.head(kv, n) if kv.n >= n else None
+
+    async def _from_store(
+        self, store: CheckpointStore, history: list[int], n: int, salt: str
+    ) -> kvstate.SeqKv | None:
+        block = self.m.settings.block_tokens
+        try:
+            return await asyncio.to_thread(store.prefix_state, history, n, block, salt)
+        except CorruptCheckpoint as e:
+            log.warning("a cached prefix could not be read (%s); evaluating it instead", e)
+            return None
