@@ -5,6 +5,8 @@ compared with, and reported as a ratio: this machine is shared and noisy.
     scripts/bench checkpoint   a 2,000-token session: checkpoint, restore, delta, bytes
                                (--model PATH: any model; the last line is its family row)
     scripts/bench sessions     batching speed-up vs raw llama_decode; swapping 32 sessions
+    scripts/bench prefix       16 sessions sharing a 1,000-token system prompt: the prefix
+                               cache on and off, and on again after a restart
 """
 
 from __future__ import annotations
@@ -35,9 +37,12 @@ STORY = (
 
 
 @contextmanager
-def daemon(*flags: str) -> Iterator[tuple[str, Path]]:
-    """A daemon subprocess on a free port with a fresh state dir: (address, state dir)."""
-    state = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
+def daemon(*flags: str, state: Path | None = None) -> Iterator[tuple[str, Path]]:
+    """A daemon subprocess on a free port: (address, state dir). The state dir is fresh and
+    removed afterwards unless one is given (then it is kept, for a restart)."""
+    keep = state is not None
+    state = state or Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
+    (state / "ready").unlink(missing_ok=True)
     ready = state / "ready"
     log = (state / "daemon.log").open("w")
     proc = subprocess.Popen(
@@ -68,7 +73,8 @@ def daemon(*flags: str) -> Iterator[tuple[str, Path]]:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         log.close()
-        shutil.rmtree(state, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(state, ignore_errors=True)
 
 
 @contextmanager
@@ -400,6 +406,78 @@ def swap_turns(args: argparse.Namespace) -> None:
     )
 
 
+# ---- prefix -----------------------------------------------------------------------------------
+
+
+def prefix_round(address: str, system: str, n: int, persistent: bool) -> dict[str, Any]:
+    """n new sessions with the same system prompt, one chat turn each: time to first token,
+    tokens evaluated and reused."""
+    ttft, evaluated, reused = [], 0, 0
+    with kvstash.Client(address, timeout=600) as client:
+        for _ in range(n):
+            s = client.create_session(system, sampling=SamplingParams(temperature=0.0), persistent=persistent)
+            started = time.perf_counter()
+            stream = s.chat_stream("Which note names the copper lantern?", max_tokens=4)
+            next(iter(stream))
+            ttft.append(time.perf_counter() - started)
+            for chunk in stream:
+                if chunk.usage is not None:
+                    evaluated += chunk.usage.evaluated_tokens
+                    reused += chunk.usage.reused_tokens
+    return {"ttft": ttft, "evaluated": evaluated, "reused": reused}
+
+
+def disk_bytes(state: Path) -> int:
+    return sum(p.stat().st_size for p in (state / "blocks").rglob("*") if p.is_file())
+
+
+def bench_prefix(args: argparse.Namespace) -> None:
+    words = ["amber", "lantern", "granite", "meadow", "copper", "willow", "saffron", "harvest"]
+    system = " ".join(
+        f"Note {i}: the {words[i % 8]} {words[(i * 3 + 1) % 8]} rests near pier {i * 7 % 101}."
+        for i in range(args.prompt_tokens // 14)
+    )
+    flags = ("--slots", "4", "--ctx-per-session", "2048", "--threads", str(args.threads))
+    rows = [
+        (
+            f"{args.sessions} sessions sharing a system prompt, {args.threads} threads",
+            "tokens evaluated",
+            "tokens reused",
+            "first token, 1st session",
+            "first token, others (median)",
+            "blocks on disk",
+        )
+    ]
+    runs = []
+    state = Path(tempfile.mkdtemp(prefix="kvstash-bench-prefix-"))
+    try:
+        for label, extra, where in (
+            ("prefix cache off", ("--no-prefix-cache",), None),
+            ("prefix cache on", (), state),
+            ("prefix cache on, after a restart", (), state),
+        ):
+            with daemon(*flags, *extra, state=where) as (address, dir_):
+                r = prefix_round(address, system, args.sessions, persistent=True)
+                r["disk"] = disk_bytes(dir_)
+            runs.append((label, r))
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    base = statistics.median(runs[0][1]["ttft"][1:])
+    for label, r in runs:
+        others = statistics.median(r["ttft"][1:])
+        rows.append(
+            (
+                label,
+                f"{r['evaluated']:,}",
+                f"{r['reused']:,}",
+                f"{r['ttft'][0] * 1e3:.0f} ms",
+                f"{others * 1e3:.0f} ms ({base / others:.1f}x)",
+                f"{r['disk'] / 1e6:.1f} MB",
+            )
+        )
+    table(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -419,8 +497,17 @@ def main() -> None:
     s.add_argument("--sessions", type=int, default=32)
     s.add_argument("--context", type=int, default=2000)
     s.add_argument("--rounds", type=int, default=2)
+    p = sub.add_parser("prefix")
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=1000)
     args = parser.parse_args()
-    {"generate": bench_generate, "checkpoint": bench_checkpoint, "sessions": bench_sessions}[args.what](args)
+    benches = {
+        "generate": bench_generate,
+        "checkpoint": bench_checkpoint,
+        "sessions": bench_sessions,
+        "prefix": bench_prefix,
+    }
+    benches[args.what](args)
 
 
 if __name__ == "__main__":
