@@ -90,13 +90,16 @@ def auc(faster: list[float], slower: list[float]) -> float:
     return wins / (len(faster) * len(slower))
 
 
-def first_token_time(client: kvstash.Client, prompt: str) -> float:
+def first_token_time(client: kvstash.Client, prompt: str) -> tuple[float, int]:
+    """(seconds to the first token of a new session given `prompt`, its prompt's tokens)."""
     s = client.create_session(sampling=GREEDY)
     started = time.perf_counter()
-    next(iter(s.generate(prompt, max_tokens=1)))
+    chunks = list(s.generate(prompt, max_tokens=1))
     took = time.perf_counter() - started
     s.close()
-    return took
+    usage = chunks[-1].usage
+    assert usage is not None
+    return took, usage.prompt_tokens
 
 
 @pytest.mark.timing
@@ -105,7 +108,11 @@ def test_other_tenants_cannot_time_a_cached_prefix(
 ) -> None:
     n = 40
     d = start_daemon(slots=4, auth_file=write_auth(tmp_path / "auth.toml", TOKENS))
-    secret = long_text(10, "the secret plan")  # about 140 tokens: 2 full blocks
+    # Probes of one length in tokens, so that only a cache hit may make one faster than
+    # another: the decoys are the secret's sentences in another order (no shared first block).
+    notes = long_text(10, "vault").split(" Note ")
+    notes = [notes[0], *(f"Note {x}" for x in notes[1:])]
+    secret = " ".join(notes)  # about 140 tokens: 2 full blocks
     with (
         kvstash.Client(d.address, timeout=60, token=TOKENS["alice"]) as alice,
         kvstash.Client(d.address, timeout=60, token=TOKENS["bob"]) as bob,
@@ -114,10 +121,15 @@ def test_other_tenants_cannot_time_a_cached_prefix(
         holder.complete(secret, max_tokens=1)  # alice's cache now holds the secret prefix
         results = {}
         for name, client in (("alice", alice), ("bob", bob)):
-            cached, uncached = [], []
+            cached, uncached, lengths = [], [], set()
             for i in range(n):  # interleaved, so that drift hits both alike
-                cached.append(first_token_time(client, f"{secret} Probe {i}."))
-                uncached.append(first_token_time(client, f"{long_text(10, f'decoy {i}')} Probe {i}."))
+                k = 1 + i % (len(notes) - 1)
+                decoy = " ".join(notes[k:] + notes[:k])
+                for times, text in ((cached, secret), (uncached, decoy)):
+                    took, length = first_token_time(client, f"{text} Probe {i % 10}.")
+                    times.append(took)
+                    lengths.add(length)
+            assert len(lengths) == 1, lengths
             results[name] = auc(cached, uncached)
             print(
                 f"{name}: cached prefix {statistics.median(cached) * 1e3:.1f} ms, uncached "
