@@ -460,6 +460,7 @@ def bench_prefix(args: argparse.Namespace) -> None:
                 r = prefix_round(address, system, args.sessions, persistent=True)
                 r["disk"] = disk_bytes(dir_)
             runs.append((label, r))
+            print(f"{label}: done", file=sys.stderr)
     finally:
         shutil.rmtree(state, ignore_errors=True)
     base = statistics.median(runs[0][1]["ttft"][1:])

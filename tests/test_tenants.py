@@ -89,6 +89,17 @@ def test_the_token_comes_from_the_environment(
         assert c.info().slots == 2
 
 
+def test_the_cli_takes_a_token(multi: InProcessDaemon) -> None:
+    from click.testing import CliRunner
+
+    from kvstash.cli import main as cli_main
+
+    ok = CliRunner().invoke(cli_main, ["--address", multi.address, "--token", TOKENS["alice"], "info"])
+    assert ok.exit_code == 0, ok.output
+    refused = CliRunner().invoke(cli_main, ["--address", multi.address, "info"], env={"KVSTASH_TOKEN": ""})
+    assert refused.exit_code != 0 and "token" in refused.output.lower()
+
+
 def test_another_tenants_ids_are_not_found_like_unknown_ones(
     alice: kvstash.Client, bob: kvstash.Client, tmp_path: Path
 ) -> None:
