@@ -203,3 +203,32 @@ def test_a_layout_kvstash_does_not_know_is_refused_by_discovery(fam: Running) ->
     for bad in (blob + b"\0\0\0\0", blob[:-4], blob[:8] + b"\xff" * 4 + blob[12:]):
         with pytest.raises(StateFormatError):
             discover(bad, window=info.n_swa, **kinds)
+
+
+def test_a_shared_system_prompt_is_attached_exactly(fam: Running) -> None:
+    """A second session with the same system prompt attaches its first blocks (for sliding
+    windows and recurrent state: the snapshot at the prompt's last block boundary)."""
+    with fam.client() as client:
+        first = client.create_session(fam.prompt, sampling=SAMPLED)
+        a = first.complete(" Go on:", max_tokens=8, logprobs=1)
+        assert a.usage.reused_tokens == 0
+        second = client.create_session(fam.prompt, sampling=SAMPLED)
+        b = second.complete(" Go on:", max_tokens=8, logprobs=1)
+        assert b.usage.reused_tokens >= 64
+        assert [t.sampled for t in b.logprobs] == [t.sampled for t in a.logprobs]
+        first.close()
+        second.close()
+
+
+def test_the_prefix_cache_survives_a_restart(
+    fam: Running, spawn_daemon: Callable[..., DaemonProcess]
+) -> None:
+    d = spawn_daemon("--model", str(fam.path), "--threads", str(THREADS), "--slots", "2")
+    with kvstash.Client(d.address, timeout=120) as client:
+        first = client.create_session(fam.prompt, sampling=SAMPLED, persistent=True)
+        a = first.complete(" Go on:", max_tokens=8, logprobs=1)
+    d.restart(kill=True)
+    with kvstash.Client(d.address, timeout=120) as client:
+        b = client.create_session(fam.prompt, sampling=SAMPLED).complete(" Go on:", max_tokens=8, logprobs=1)
+        assert b.usage.reused_tokens >= 64  # from disk
+        assert [t.sampled for t in b.logprobs] == [t.sampled for t in a.logprobs]

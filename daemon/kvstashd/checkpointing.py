@@ -99,7 +99,10 @@ class Checkpointing:
             kv = await self.m.residency.state_of(source)
             snap = source.snapshot("", self.m.settings.block_tokens)
             snapshots = list(source.snapshots)
-        return await self._child(tenant, source.salt, snap, kv, persistent, snapshots), False
+            boundary = source.boundary
+        child = await self._child(tenant, source.salt, snap, kv, persistent, snapshots)
+        child.boundary, child.system_end = boundary, source.system_end
+        return child, False
 
     async def _child(
         self,

@@ -110,15 +110,30 @@ class CheckpointStore:
         now: float,
         head_of: str | None = None,
         foreign_layout: str | None = None,
+        boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None,
     ) -> tuple[CheckpointRow, Snapshot]:
         """Write the snapshot's missing pieces, then commit its manifest. Returns the row
-        and the snapshot as stored (with its piece keys)."""
+        and the snapshot as stored (with its piece keys).
+
+        `boundary`: sliding-window and recurrent sections at an earlier block boundary of the
+        same history (the system prompt's), stored and referenced too, so that the prefix
+        cache finds the whole state there (see prefix.py)."""
         n_kv = kv.n if kv is not None else 0
         full, window, rec = self._plan(snap.tokens, n_kv, snap.block_tokens, snap.salt)
+        extra: list[tuple[_Piece, Callable[[], bytes]]] = []
+        if boundary is not None and kv is not None and 0 < boundary[0] <= len(snap.tokens):
+            at, partial = boundary
+            _, window_at, rec_at = self._plan(snap.tokens, at, snap.block_tokens, snap.salt)
+            boundary_kv = kvstate.SeqKv(kv.layout, at, partial)
+            extra = list(self._payloads(boundary_kv, [], window_at, rec_at))
         written = referenced = 0
         sizes: list[tuple[str, int]] = []
+        seen: set[str] = set()
         with self._lock:
-            for piece, payload in self._payloads(kv, full, window, rec):
+            for piece, payload in [*self._payloads(kv, full, window, rec), *extra]:
+                if piece.key in seen:
+                    continue
+                seen.add(piece.key)
                 size = self.catalog.block_size(piece.key)
                 if size is None or not self.store.has(piece.key):
                     data = blk.frame(payload(), self.codec)
@@ -298,7 +313,7 @@ class CheckpointStore:
         limit -= limit % block_tokens
         full, window, rec = self._plan(tokens, limit, block_tokens, salt)
         present = self.catalog.present([p.key for p in full])
-        n = 0
+        n = 0 if full else limit  # a recurrent model has no full-attention blocks
         for p in full:
             if p.key not in present or not self.store.has(p.key):
                 break

@@ -300,6 +300,8 @@ class Engine:
             if not count:
                 continue
             state = job.state
+            if state.n_kv < job.boundary_at < state.n_kv + count:
+                count = job.boundary_at - state.n_kv  # the chunk ends where a snapshot is due
             last = state.n_kv + count == len(state.tokens)
             for k in range(count):
                 pos = state.n_kv + k
@@ -320,14 +322,23 @@ class Engine:
             state = job.state
             state.n_kv += count
             job.evaluated += count
+            if state.n_kv == job.boundary_at and job.boundary is None:
+                job.boundary = (state.n_kv, self._partial(job))
             if not last:
                 state.logits = None
                 continue
             state.logits = next(rows_iter)
             if job.snapshot is None and not job.generated and self.layout and self.layout.recurrent:
                 # The end of the prompt: where a turn can later be taken back to.
-                job.snapshot = kvstate.parse_partial(ctx.state_bytes(job.slot, partial=True), self.layout)
+                partial = self._partial(job)
+                job.snapshot = next(s for s in partial if isinstance(s, kvstate.RecurrentCells))
             self._sample(job, state.logits)
+
+    def _partial(self, job: Job) -> tuple[kvstate.Section, ...]:
+        """The sliding-window and recurrent sections of a job's slot, as they are now."""
+        assert self.layout is not None
+        blob = self.ctx.state_bytes(job.slot, partial=True)
+        return kvstate.parse_partial(blob, self.layout, job.state.n_kv)
 
     def _sample(self, job: Job, row: Logits) -> None:
         self.stats_generated += 1

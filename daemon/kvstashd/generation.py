@@ -136,6 +136,7 @@ class Conversations:
 
         job = Job(session.state, slot, request, emit)
         job.prefix = await manager.prefixes.find(session, [*session.state.tokens, *request.prompt])
+        job.boundary_at = manager.prefixes.boundary_for(session)
         session.job = job
         manager.touch(session)
         manager.engine.submit(job)
@@ -164,6 +165,8 @@ class Conversations:
                         usage.tokens_evaluated += item.usage.evaluated_tokens
                         usage.tokens_generated += item.usage.generated_tokens
                     session.keep_snapshot(job.snapshot)
+                    if job.boundary is not None:
+                        session.boundary = job.boundary
                     if session.persistent:
                         await manager.persistence.save_head(session)
                 put(item)

@@ -116,6 +116,11 @@ class Job:
         # A cached state of the history's first positions (the prefix cache), loaded into the
         # slot at the start when it covers more than the slot holds.
         self.prefix: kvstate.SeqKv | None = None
+        # Where the prefix cache wants the sliding-window and recurrent sections kept (the
+        # last block boundary of the system prompt, for models that have them; 0: nowhere),
+        # and what they were there.
+        self.boundary_at = 0
+        self.boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None
         self._utf8 = Utf8Stream()
         self._stop = StopMatcher(request.stop)
         self._pending_ids: list[int] = []

@@ -123,6 +123,12 @@ class StateLayout:
     def recurrent(self) -> RecurrentLayout | None:
         return next((s for s in self.sections if isinstance(s, RecurrentLayout)), None)
 
+    @property
+    def partial(self) -> tuple[SectionLayout, ...]:
+        """The sections a partial export writes (sliding windows, recurrent states); empty
+        when the model has none (a partial export of a plain cache writes all of it)."""
+        return tuple(s for s in self.sections if isinstance(s, RecurrentLayout) or s.window)
+
     def max_bytes(self, n: int) -> int:
         """The most bytes the state of n positions takes."""
         total = 0

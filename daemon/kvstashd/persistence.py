@@ -58,7 +58,13 @@ class Persistence:
         kv = await self.residency.state_of(session)
         snap = session.snapshot("", self.settings.block_tokens)
         row, stored = await store_write(
-            self.durable.save, snap, kv, kind="head", now=self.clock(), head_of=session.session_id
+            self.durable.save,
+            snap,
+            kv,
+            kind="head",
+            now=self.clock(),
+            head_of=session.session_id,
+            boundary=session.boundary,
         )
         session.head_checkpoint_id = row.checkpoint_id
         session.dirty = False
@@ -71,7 +77,10 @@ class Persistence:
             await self.check_disk()
         kv = await self.residency.state_of(session)
         snap = session.snapshot(label, self.settings.block_tokens)
-        row, _ = await store_write(self.store_of(session).save, snap, kv, kind="explicit", now=self.clock())
+        store = self.store_of(session)
+        row, _ = await store_write(
+            store.save, snap, kv, kind="explicit", now=self.clock(), boundary=session.boundary
+        )
         return row
 
     async def find(self, checkpoint_id: str, tenant: Tenant) -> CheckpointStore:

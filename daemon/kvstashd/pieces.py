@@ -111,6 +111,21 @@ def head(kv: SeqKv, m: int, recurrent: RecurrentCells | None = None) -> SeqKv | 
     return SeqKv(kv.layout, m, tuple(out))
 
 
+def at_boundary(kv: SeqKv, n: int, partial: Sequence[Section]) -> SeqKv:
+    """The state after n positions: the first n cells of kv's full-attention section, and
+    sliding-window and recurrent sections taken at n (a snapshot made there)."""
+    if kv.n < n:
+        raise ValueError(f"cannot take {n} positions of a state of {kv.n}")
+    given = iter(partial)
+    sections: list[Section] = []
+    for s in kv.sections:
+        if isinstance(s, KvCells) and not s.layout.window:
+            sections.append(_slice(s, 0, n))
+        else:
+            sections.append(next(given))
+    return build(kv.layout, n, sections)
+
+
 def can_cut(layout: StateLayout, window_from: int, m: int) -> bool:
     """Whether KV-only state whose window cells are real from `window_from` on can be cut
     to its first m positions in place."""

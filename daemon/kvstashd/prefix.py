@@ -11,8 +11,9 @@ checkpoints on disk, which outlive restarts, and ephemeral checkpoints in RAM).
 Every source holds the cells the session would compute itself (exact mode: a token's cells
 do not depend on how it was batched), so a session that attached a prefix continues exactly
 as one that evaluated it. At least the last token of the history is always evaluated, for
-its logits. Sliding-window and recurrent models attach only where a store holds the whole
-state at a block boundary (window pieces and the recurrent snapshot there).
+its logits. Sliding-window and recurrent models attach only where the whole state at a block
+boundary exists: sessions keep it at their system prompt's last block boundary (see
+`boundary_for`), and their saves store it beside their blocks.
 """
 
 from __future__ import annotations
@@ -68,20 +69,39 @@ class PrefixCache:
             return await self._from_store(best_store, history, best_n, salt)
         return None
 
-    def _live(self, session: Session, history: list[int], limit: int) -> tuple[int, Session | None]:
-        """The live session whose state shares the longest block-aligned prefix with history."""
+    def boundary_for(self, session: Session) -> int:
+        """Where a generation should keep its sliding-window and recurrent sections for the
+        cache: the system prompt's last block boundary, once (0: nowhere)."""
+        layout = self.m.model.layout
         block = self.m.settings.block_tokens
+        if not self.m.settings.prefix_cache or layout is None or not layout.partial:
+            return 0
+        if session.boundary is not None or session.system_end < block:
+            return 0
+        return session.system_end - session.system_end % block
+
+    def _live(self, session: Session, history: list[int], limit: int) -> tuple[int, Session | None]:
+        """The live session whose state shares the longest block-aligned prefix with history.
+
+        Where the state has sliding windows or a recurrent part, only a source's boundary
+        snapshot can be cut to: the prefix is that boundary, if history reaches it."""
+        block = self.m.settings.block_tokens
+        cut_anywhere = not self.m.model.layout or not self.m.model.layout.partial
         want = np.asarray(history[:limit], dtype=np.int64)
         best, source = 0, None
         for other in self.m.sessions.values():
             if other is session or other.closed or other.busy or other.salt != session.salt:
                 continue
             n = min(other.state.n_kv, limit)
+            if not cut_anywhere:
+                n = other.boundary[0] if other.boundary is not None and other.boundary[0] <= n else 0
             if n - n % block <= best:
                 continue
             theirs = np.asarray(other.state.tokens[:n], dtype=np.int64)
             differ = np.flatnonzero(theirs != want[:n])
             common = int(differ[0]) if differ.size else n
+            if not cut_anywhere and common < n:
+                continue
             common -= common % block
             if common > best:
                 best, source = common, other
@@ -94,6 +114,7 @@ class PrefixCache:
         and the engine runs its commands in order, so a later move of the source comes after.
         """
         where = self.m.residency.where(source)
+        boundary = source.boundary
         if isinstance(where, InSlot):
             slot, state = where.slot, source.state
             kv = await asyncio.wrap_future(self.m.engine.call(lambda e: e.export(slot, state)))
@@ -101,7 +122,11 @@ class PrefixCache:
             kv = where.kv
         else:
             return None
-        return pieces.head(kv, n) if kv.n >= n else None
+        if kv.n < n:
+            return None
+        if boundary is not None and boundary[0] == n and kv.layout.partial:
+            return pieces.at_boundary(kv, n, boundary[1])
+        return pieces.head(kv, n)
 
     async def _from_store(
         self, store: CheckpointStore, history: list[int], n: int, salt: str

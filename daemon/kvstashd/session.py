@@ -33,6 +33,10 @@ class Session:
     messages: list[ChatMessage] = field(default_factory=list)
     # Recurrent states at earlier positions of this history (see Job.snapshot), oldest first.
     snapshots: list[kvstate.RecurrentCells] = field(default_factory=list)
+    # Tokens of the system prompt, and (models with sliding windows or recurrent state) their
+    # state at its last block boundary: what other sessions with this prompt attach.
+    system_end: int = 0
+    boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None
     head_checkpoint_id: str = ""
     # Changed since its last save (persistent sessions only).
     dirty: bool = False
@@ -52,6 +56,8 @@ class Session:
     def forget_snapshots_after(self, n_tokens: int) -> None:
         """Drop snapshots of positions the history no longer has."""
         self.snapshots = [s for s in self.snapshots if s.pos + 1 <= n_tokens]
+        if self.boundary is not None and self.boundary[0] > n_tokens:
+            self.boundary = None
 
     def snapshot(self, label: str, block_tokens: int) -> Snapshot:
         """The session as a manifest would record it (its state pieces filled in on save)."""
@@ -88,6 +94,7 @@ class Session:
         self.stop = snap.stop
         self.messages = [replace(m) for m in snap.messages]
         self.snapshots = []
+        self.boundary = None
 
 
 @dataclass(frozen=True)

@@ -232,6 +232,7 @@ class SessionManager:
                     f"{self.model.n_ctx_seq}"
                 )
             session.state.tokens = tokens
+            session.system_end = len(tokens)
             session.messages.append(ChatMessage("system", system_prompt, 0))
         self.residency.add(session)
         if session.persistent:

@@ -219,18 +219,25 @@ def parse(blob: bytes | bytearray | memoryview, layout: StateLayout) -> SeqKv:
     return SeqKv(layout, n, tuple(sections), blob if reusable else None)
 
 
-def parse_partial(blob: bytes | bytearray | memoryview, layout: StateLayout) -> RecurrentCells:
-    """The recurrent section alone, as `llama_state_seq_get_data_ext(..., PARTIAL_ONLY)` of a
-    hybrid or recurrent model writes it."""
-    rec = layout.recurrent
-    if rec is None:
-        raise StateFormatError("this model has no recurrent state")
+def parse_partial(blob: bytes | bytearray | memoryview, layout: StateLayout, n: int) -> tuple[Section, ...]:
+    """The sliding-window and recurrent sections after n positions, as
+    `llama_state_seq_get_data_ext(..., PARTIAL_ONLY)` writes them (models that have one)."""
+    if not layout.partial:
+        raise StateFormatError("this model's state has no partial sections")
     r = Reader(blob)
     read_header(r)
-    cells = _parse_recurrent(r, rec)
+    sections: list[Section] = []
+    for sec in layout.partial:
+        sections.append(_parse_kv(r, sec)[0] if isinstance(sec, KvLayout) else _parse_recurrent(r, sec))
     if r.left:
         raise StateFormatError(f"the state has {r.left} trailing bytes")
-    return cells
+    for s in sections:
+        if isinstance(s, KvCells):
+            if s.n and (s.p0, s.p0 + s.n) != (s.layout.first(n), n):
+                raise StateFormatError(f"a window holds [{s.p0}, {s.p0 + s.n}), not its last positions of {n}")
+        elif s.pos != n - 1:
+            raise StateFormatError(f"the recurrent state is at {s.pos}, not {n - 1}")
+    return tuple(sections)
 
 
 def _parse_kv(r: Reader, lay: KvLayout) -> tuple[KvCells, bool]:
