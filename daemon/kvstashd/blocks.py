@@ -107,7 +107,7 @@ def unframe(data: bytes, expect_len: int) -> bytes | memoryview:
             # Bounded: a forged frame must not make us allocate more than the block's size.
             payload = bytes(lz4.frame.LZ4FrameDecompressor().decompress(body, max_length=length + 1))
         elif code == 2:
-            raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=length)
+            raw = _zstd_bounded(body, length)
             payload = _shuffle(raw, len(raw) // 2) if len(raw) % 2 == 0 and raw else raw
         else:
             payload = body
@@ -116,3 +116,21 @@ def unframe(data: bytes, expect_len: int) -> bytes | memoryview:
     if len(payload) != length or zlib.crc32(payload) != crc:
         raise CorruptCheckpoint("a KV block fails its checksum")
     return payload
+
+
+def _zstd_bounded(body: memoryview, length: int) -> bytes:
+    """At most length + 1 bytes of a zstd frame. `decompress(max_output_size=)` ignores its
+    bound when the frame declares a content size and allocates that size first, so a
+    32-byte frame could ask for exabytes; a frame declaring another size than the block's
+    is refused unread, and the rest is read through a bounded stream."""
+    size = zstandard.get_frame_parameters(body).content_size
+    if size not in (zstandard.CONTENTSIZE_UNKNOWN, length):
+        raise CorruptCheckpoint(f"a KV block declares {size} bytes, expected {length}")
+    out = bytearray()
+    with zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=False) as reader:
+        while len(out) <= length:
+            chunk = reader.read(length + 1 - len(out))
+            if not chunk:
+                break
+            out += chunk
+    return bytes(out)

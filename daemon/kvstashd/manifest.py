@@ -156,6 +156,11 @@ def decode(data: bytes, key: bytes | None, n_vocab: int) -> Snapshot:
         raise CorruptCheckpoint("the manifest has trailing bytes")
     if not isinstance(meta, dict):
         raise CorruptCheckpoint("the manifest metadata is not an object")
+    try:
+        # JSON may escape a lone surrogate; such a string could never be stored or sent.
+        json.dumps(meta, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise CorruptCheckpoint("the manifest metadata holds text that is not UTF-8") from None
     return _snapshot(meta, tokens, logits, n_vocab)
 
 
@@ -218,7 +223,12 @@ def _snapshot(
     salt = meta.get("salt", "")
     if not isinstance(recurrent, str) or (recurrent and not _is_key(recurrent)):
         raise CorruptCheckpoint("the checkpoint's recurrent state key is malformed")
-    if not isinstance(salt, str) or len(salt) > 128 or any(c not in "0123456789abcdef" for c in salt):
+    if (
+        not isinstance(salt, str)
+        or len(salt) > 128
+        or len(salt) % 2
+        or any(c not in "0123456789abcdef" for c in salt)
+    ):
         raise CorruptCheckpoint("the checkpoint's salt is malformed")
     tenant = meta.get("tenant", "")
     if not isinstance(tenant, str) or len(tenant) > 128:
@@ -226,8 +236,8 @@ def _snapshot(
     layout = meta.get("kv_layout")
     if layout is not None and not isinstance(layout, str):
         raise CorruptCheckpoint("the checkpoint's KV layout is malformed")
-    created = float(_get(meta, "created_at", (int, float)))
-    saved = float(_get(meta, "saved_at", (int, float)))
+    created = _timestamp(meta, "created_at")
+    saved = _timestamp(meta, "saved_at")
     if not (math.isfinite(created) and math.isfinite(saved)):
         raise CorruptCheckpoint("the checkpoint's timestamps are not finite")
     block_tokens = _get(meta, "block_tokens", int)
@@ -255,6 +265,13 @@ def _snapshot(
         salt=salt,
         tenant=tenant,
     )
+
+
+def _timestamp(meta: dict[str, Any], name: str) -> float:
+    try:
+        return float(_get(meta, name, (int, float)))
+    except OverflowError:  # a JSON integer beyond float range
+        raise CorruptCheckpoint(f"the manifest field {name!r} is out of range") from None
 
 
 def _is_key(value: object) -> bool:

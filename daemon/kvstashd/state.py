@@ -234,7 +234,8 @@ def parse_partial(blob: bytes | bytearray | memoryview, layout: StateLayout, n: 
     for s in sections:
         if isinstance(s, KvCells):
             if s.n and (s.p0, s.p0 + s.n) != (s.layout.first(n), n):
-                raise StateFormatError(f"a window holds [{s.p0}, {s.p0 + s.n}), not its last positions of {n}")
+                held = f"[{s.p0}, {s.p0 + s.n})"
+                raise StateFormatError(f"a window holds {held}, not its last positions of {n}")
         elif s.pos != n - 1:
             raise StateFormatError(f"the recurrent state is at {s.pos}, not {n - 1}")
     return tuple(sections)
