@@ -56,7 +56,7 @@ def _fail(message: str) -> NoReturn:
 
 
 def _describe(e: KvstashError, address: str) -> str:
-    if e.code == "UNAVAILABLE":
+    if e.code == "UNAVAILABLE" and not e.cause:  # a daemon that answered named its cause
         return f"cannot reach kvstash at {address}: {e.message}"
     return e.message
 
@@ -500,6 +500,4 @@ def serve(ctx: click.Context) -> None:
     except ImportError as e:
         click.echo(f"kvstash serve needs the daemon: pip install 'kvstash[daemon]' ({e})", err=True)
         ctx.exit(1)
-    daemon_cli.serve.main(
-        args=ctx.args, prog_name="kvstash serve", auto_envvar_prefix="KVSTASH", standalone_mode=True
-    )
+    daemon_cli.main(ctx.args, prog_name="kvstash serve")
