@@ -79,6 +79,7 @@ def serve(config_file: Path | None, print_config: bool, ready_file: Path | None,
         return
     settings = resolved.settings
     from kvstashd import logs
+    from kvstashd.errors import KvstashError
     from kvstashd.server import serve as run_server
     from kvstashd.statedir import StateDirError
     from kvstashd.tenants import AuthFileError
@@ -86,7 +87,7 @@ def serve(config_file: Path | None, print_config: bool, ready_file: Path | None,
     logs.configure(settings.log_level, settings.log_json)
     try:
         asyncio.run(run_server(settings, ready_file))
-    except (OSError, AuthFileError, StateDirError) as e:
+    except (OSError, AuthFileError, StateDirError, KvstashError) as e:
         raise click.ClickException(str(e)) from None
 
 

@@ -62,12 +62,16 @@ class LocalBlockStore:
             return 0
         tmp = self.tmp / f"{key}.{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        private_dir(path.parent)  # fsyncs the root when the directory is new
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            private_dir(path.parent)  # fsyncs the root when the directory is new
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(path.parent)
         self._bytes += len(data)
         return len(data)
