@@ -426,6 +426,8 @@ class Option:
             return value
         if not isinstance(raw, str):
             raise ValueError(f"not a string: {raw!r}")
+        if self.kind is Path and not raw:
+            raise ValueError("must not be empty")
         return Path(raw) if self.kind is Path else raw
 
     def check(self, value: object) -> str:
