@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import json
 import math
 import os
 import re
@@ -397,33 +398,11 @@ class Option:
         if self.optional and raw == "":
             return None
         if self.kind is bool:
-            if isinstance(raw, bool):
-                return raw
-            if isinstance(raw, str) and raw.strip().lower() in _TRUE + _FALSE:
-                return raw.strip().lower() in _TRUE
-            raise ValueError(f"not a boolean (true or false): {raw!r}")
+            return _parse_bool(raw)
         if self.kind is int:
-            if isinstance(raw, int) and not isinstance(raw, bool):
-                return raw
-            if isinstance(raw, str):
-                if self.spec.unit == "bytes" and (m := _BYTES.match(raw)):
-                    return int(m[1]) * _BYTE_UNITS[(m[2] or "").lower()]
-                if re.fullmatch(r"\s*[-+]?\d+\s*", raw):
-                    return int(raw)
-            suffix = " (or with a KiB, MiB, GiB or TiB suffix)" if self.spec.unit == "bytes" else ""
-            raise ValueError(f"not an integer{suffix}: {raw!r}")
+            return _parse_int(raw, self.spec.unit == "bytes")
         if self.kind is float:
-            value: float | None = None
-            if isinstance(raw, int | float) and not isinstance(raw, bool):
-                value = float(raw)
-            elif isinstance(raw, str):
-                try:
-                    value = float(raw)
-                except ValueError:
-                    value = None
-            if value is None or not math.isfinite(value):
-                raise ValueError(f"not a number: {raw!r}")
-            return value
+            return _parse_float(raw)
         if not isinstance(raw, str):
             raise ValueError(f"not a string: {raw!r}")
         if self.kind is Path and not raw:
@@ -452,7 +431,42 @@ class Option:
             return "true" if value else "false"
         if isinstance(value, int | float):
             return _number(value)
-        return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return json.dumps(str(value), ensure_ascii=False)  # a JSON string is a TOML basic string
+
+
+def _parse_bool(raw: object) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.strip().lower() in _TRUE + _FALSE:
+        return raw.strip().lower() in _TRUE
+    raise ValueError(f"not a boolean (true or false): {raw!r}")
+
+
+def _parse_int(raw: object, size: bool) -> int:
+    """An integer; a size may carry a binary suffix (`512MiB`)."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str):
+        if size and (m := _BYTES.match(raw)):
+            return int(m[1]) * _BYTE_UNITS[(m[2] or "").lower()]
+        if re.fullmatch(r"\s*[-+]?\d+\s*", raw):
+            return int(raw)
+    suffix = " (or with a KiB, MiB, GiB or TiB suffix)" if size else ""
+    raise ValueError(f"not an integer{suffix}: {raw!r}")
+
+
+def _parse_float(raw: object) -> float:
+    value: float | None = None
+    if isinstance(raw, int | float) and not isinstance(raw, bool):
+        value = float(raw)
+    elif isinstance(raw, str):
+        try:
+            value = float(raw)
+        except ValueError:
+            value = None
+    if value is None or not math.isfinite(value):
+        raise ValueError(f"not a number: {raw!r}")
+    return value
 
 
 def _number(value: float) -> str:
