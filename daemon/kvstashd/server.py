@@ -32,7 +32,7 @@ from kvstashd.model import fingerprint
 from kvstashd.persistence import Stores
 from kvstashd.service import KvStashService
 from kvstashd.sessions import SessionManager
-from kvstashd.statedir import StateDir
+from kvstashd.statedir import StateDir, fsync_dir
 from kvstashd.store import BlockStore
 from kvstashd.store.local import LocalBlockStore
 from kvstashd.store.memory import MemoryBlockStore
@@ -88,6 +88,7 @@ def store_key(state_dir: Path) -> bytes:
         f.write(key)
         f.flush()
         os.fsync(f.fileno())
+    fsync_dir(state_dir)
     return key
 
 
