@@ -61,13 +61,21 @@ class LocalBlockStore:
         if path.is_file():
             return 0
         tmp = self.tmp / f"{key}.{secrets.token_hex(4)}"
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        path.parent.mkdir(exist_ok=True)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        try:
+            with tmp.open("wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            path.parent.mkdir(exist_ok=True)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
+            raise
+        try:
+            _fsync_dir(path.parent)
+        except BaseException:
+            path.unlink(missing_ok=True)  # not known to be durable: not there at all
+            raise
         self._bytes += len(data)
         return len(data)
 
