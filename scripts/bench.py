@@ -63,7 +63,7 @@ def daemon(*flags: str, state: Path | None = None) -> Iterator[tuple[str, Path]]
         stderr=log,
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # model load and start-up probes, on a busy machine
         while not (ready.exists() and ready.read_text().strip()):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the daemon did not start: {(state / 'daemon.log').read_text()}")

@@ -145,12 +145,13 @@ def test_without_persistent_ttl_checkpoints_are_never_expired(
         assert [c.label for c in s.checkpoints()] == ["forever"]
 
 
-def test_disk_budget_drops_unreferenced_blocks_and_refuses_new_persistent_state(
+def test_disk_budget_drops_unreferenced_blocks_and_refuses_what_would_not_fit(
     start_daemon: Callable[..., InProcessDaemon],
 ) -> None:
     # One ~375-token session is ~8.6 MB of f16 KV; the budget holds one of them, not two.
     d = start_daemon(disk_budget=12_000_000, sweep_interval=3600.0, ctx_per_session=1024)
     blocks = d.settings.state_dir / "blocks"
+    other = "A different story: " + STORY * 25
     with kvstash.Client(d.address) as client:
         s = client.create_session(persistent=True, sampling=SamplingParams(temperature=0.0))
         s.complete(STORY * 25, max_tokens=1)
@@ -158,18 +159,18 @@ def test_disk_budget_drops_unreferenced_blocks_and_refuses_new_persistent_state(
         stored = sum(p.stat().st_size for p in files_under(blocks))
         assert stored > 4_000_000
         t = client.create_session(persistent=True, sampling=SamplingParams(temperature=0.0))
-        t.complete("A different story: " + STORY * 25, max_tokens=1)  # its autosave overshoots
-        with pytest.raises(kvstash.BusyError):
-            t.checkpoint("over budget")
-        with pytest.raises(kvstash.BusyError):
-            client.create_session(persistent=True)
+        with pytest.raises(kvstash.BusyError, match="disk budget"):
+            t.complete(other, max_tokens=1)  # its autosave would not fit: the turn is undone
+        assert t.info().n_tokens == 0
+        assert sum(p.stat().st_size for p in files_under(blocks)) == stored
         client.create_session().close()  # ephemeral sessions are not refused
         t.close()
         client.delete_checkpoint(ck.checkpoint_id)
         s.close()
         sweep(d)
         assert sum(p.stat().st_size for p in files_under(blocks)) <= 12_000_000
-        client.create_session(persistent=True).close()
+        u = client.create_session(persistent=True, sampling=SamplingParams(temperature=0.0))
+        assert u.complete(other, max_tokens=1).token_ids  # room again: the old blocks were dropped
 
 
 def test_a_full_queue_answers_resource_exhausted_at_once(

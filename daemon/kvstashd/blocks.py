@@ -29,6 +29,7 @@ FORMAT = 1
 MAGIC = b"KVB1"
 CODECS = {"none": 0, "lz4": 1, "zstd": 2}
 _HEADER = struct.Struct("<4sBII")
+FRAME_HEADER = _HEADER.size
 _MIN_SAVING = 0.05
 # zstd runs on byte-shuffled 16-bit elements (all low bytes, then all high bytes): f16 KV
 # compresses ~18% that way, and not at all unshuffled.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator
@@ -76,8 +77,9 @@ class Catalog:
     """Thread-safe access to one catalog database (a file, or ':memory:')."""
 
     def __init__(self, path: Path | str) -> None:
-        if str(path) != ":memory:":
-            private_file(Path(path))
+        self.path = None if str(path) == ":memory:" else Path(path)
+        if self.path is not None:
+            private_file(self.path)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
         with self._lock:
@@ -91,6 +93,23 @@ class Catalog:
                 if "tenant" not in columns:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN tenant TEXT NOT NULL DEFAULT ''")
             self._db.execute("CREATE INDEX IF NOT EXISTS checkpoints_tenant ON checkpoints (tenant)")
+            found = self._db.execute("SELECT COALESCE(SUM(LENGTH(manifest)), 0) FROM checkpoints").fetchone()
+            self._manifest_bytes = int(found[0])
+
+    @property
+    def manifest_bytes(self) -> int:
+        """Bytes of the manifests held (what a catalog in RAM takes, near enough)."""
+        return self._manifest_bytes
+
+    def file_bytes(self) -> int:
+        """Bytes of the database on disk, its write-ahead log included (0 in RAM)."""
+        if self.path is None:
+            return 0
+        total = 0
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(f"{self.path}{suffix}").st_size
+        return total
 
     def close(self) -> None:
         with self._lock:
@@ -106,6 +125,22 @@ class Catalog:
                 log.error("cannot read the catalog: %s", e)
                 raise StoreReadFailed("the state store cannot be read (see the daemon's log)") from None
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One write transaction; the manifest count is taken again if it rolls back."""
+        with self._lock:
+            try:
+                with self._db:
+                    self._db.execute("BEGIN IMMEDIATE")
+                    yield
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    found = self._db.execute(
+                        "SELECT COALESCE(SUM(LENGTH(manifest)), 0) FROM checkpoints"
+                    ).fetchone()
+                    self._manifest_bytes = int(found[0])
+                raise
+
     def add_checkpoint(
         self,
         row: CheckpointRow,
@@ -116,8 +151,7 @@ class Catalog:
     ) -> str | None:
         """Commit a checkpoint and its references. With head_of, it becomes that session's
         head and the previous head is deleted; its id is returned."""
-        with self._lock, self._db:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._transaction():
             self._db.execute(
                 f"INSERT INTO checkpoints ({_COLUMNS}, manifest) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (
@@ -133,6 +167,7 @@ class Catalog:
                     manifest,
                 ),
             )
+            self._manifest_bytes += len(manifest)
             for key, size in blocks:
                 self._db.execute(
                     "INSERT INTO blocks (block, size, last_used) VALUES (?,?,?) "
@@ -158,7 +193,14 @@ class Catalog:
                     self._delete(old)
             return old
 
+    def _forget_manifests(self, where: str, arg: str) -> None:
+        found = self._db.execute(
+            f"SELECT COALESCE(SUM(LENGTH(manifest)), 0) FROM checkpoints WHERE {where} = ?", (arg,)
+        ).fetchone()
+        self._manifest_bytes -= int(found[0])
+
     def _delete(self, checkpoint_id: str) -> None:
+        self._forget_manifests("checkpoint_id", checkpoint_id)
         self._db.execute("DELETE FROM refs WHERE checkpoint_id = ?", (checkpoint_id,))
         self._db.execute("DELETE FROM checkpoints WHERE checkpoint_id = ?", (checkpoint_id,))
 
@@ -203,8 +245,7 @@ class Catalog:
         return int(found[0])
 
     def delete(self, checkpoint_id: str) -> bool:
-        with self._lock, self._db:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._transaction():
             found = self._db.execute(
                 "SELECT 1 FROM checkpoints WHERE checkpoint_id = ?", (checkpoint_id,)
             ).fetchone()
@@ -214,13 +255,13 @@ class Catalog:
 
     def delete_session(self, session_id: str) -> None:
         """Forget a session, its head (if persistent) and all its checkpoints."""
-        with self._lock, self._db:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._transaction():
             self._db.execute(
                 "DELETE FROM refs WHERE checkpoint_id IN "
                 "(SELECT checkpoint_id FROM checkpoints WHERE session_id = ?)",
                 (session_id,),
             )
+            self._forget_manifests("session_id", session_id)
             self._db.execute("DELETE FROM checkpoints WHERE session_id = ?", (session_id,))
             self._db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
 

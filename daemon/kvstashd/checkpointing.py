@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
+import tempfile
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
+from kvstashd import ops as opsmod
 from kvstashd import state as kvstate
 from kvstashd.catalog import CheckpointRow
-from kvstashd.errors import CheckpointInUse, InvalidRequest
-from kvstashd.limits import MAX_LABEL
+from kvstashd.errors import Busy, CheckpointInUse, InvalidRequest
+from kvstashd.limits import IMPORTS_CHECKED, MAX_IMPORTS, MAX_LABEL
 from kvstashd.manifest import Snapshot
 from kvstashd.placement import store_write
 from kvstashd.session import Session
@@ -33,6 +36,9 @@ class Checkpointing:
 
     def __init__(self, manager: SessionManager) -> None:
         self.m = manager
+        self._imports = 0
+        # Each import being checked holds a whole state in memory.
+        self._checking = asyncio.Semaphore(IMPORTS_CHECKED)
 
     async def checkpoint(self, session_id: str, tenant: Tenant, label: str) -> CheckpointRow:
         """An immutable, labelled checkpoint of the session as it is now."""
@@ -148,22 +154,48 @@ class Checkpointing:
         await store_write(store.delete, checkpoint_id)
 
     async def export_checkpoint(self, checkpoint_id: str, tenant: Tenant) -> AsyncIterator[bytes]:
+        """The checkpoint's export, read from the store one chunk (1 MiB) at a time as the
+        client takes them."""
         self._check_checkpoint_id(checkpoint_id)
         store = await self.m.persistence.find(checkpoint_id, tenant)
-        chunks = await asyncio.to_thread(lambda: list(store.export(checkpoint_id)))
-        for chunk in chunks:
+        chunks = store.export(checkpoint_id)
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
             yield chunk
 
     async def import_checkpoint(self, chunks: AsyncIterator[bytes], tenant: Tenant) -> CheckpointRow:
-        """Store an exported checkpoint as one of the tenant's own (see CheckpointStore.import_)."""
+        """Store an exported checkpoint as one of the tenant's own (CheckpointStore.import_file).
+
+        The stream goes to an unnamed temporary file as it arrives (nothing of it outlives
+        the request, even a crash), so memory holds one chunk of it; at most MAX_IMPORTS
+        are received at once (Busy beyond) and IMPORTS_CHECKED checked at once."""
         layout = self.m.model.layout
         state_bytes = layout.max_bytes(self.m.model.n_ctx_seq) if layout is not None else 0
         limit = 2 * state_bytes + (64 << 20)
-        received: list[bytes] = []
-        size = 0
-        async for chunk in chunks:
-            size += len(chunk)
-            if size > limit:
-                raise InvalidRequest(f"the import exceeds {limit} bytes")
-            received.append(chunk)
-        return await self.m.ops.run(self.m.persistence.import_checkpoint(received, limit, tenant))
+        if self._imports >= MAX_IMPORTS:
+            raise Busy(f"{MAX_IMPORTS} imports are under way; try again later")
+        self._imports += 1
+        try:
+            with await asyncio.to_thread(_spool, self.m.settings.state_dir) as spool:
+                size = 0
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > limit:
+                        raise InvalidRequest(f"the import exceeds {limit} bytes")
+                    await asyncio.to_thread(spool.write, chunk)
+                await asyncio.to_thread(spool.flush)
+                return await self.m.ops.run(self._import(spool, tenant))
+        finally:
+            self._imports -= 1
+
+    async def _import(self, spool: BinaryIO, tenant: Tenant) -> CheckpointRow:
+        async with opsmod.current().waiting():
+            await self._checking.acquire()
+        try:
+            return await self.m.persistence.import_checkpoint(spool, tenant)
+        finally:
+            self._checking.release()
+
+
+def _spool(directory: Path) -> BinaryIO:
+    """An unnamed temporary file in `directory` (gone when closed, or when the process dies)."""
+    return tempfile.TemporaryFile("w+b", dir=directory)

@@ -13,6 +13,7 @@ BLAKE2b-256 of every byte before that record.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -20,16 +21,19 @@ import logging
 import os
 import secrets
 import struct
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import BinaryIO
 
 from kvstashd import blocks as blk
 from kvstashd import layout as kvlayout
 from kvstashd import manifest as mf
 from kvstashd import pieces
 from kvstashd import state as kvstate
+from kvstashd.budget import DiskBudget
 from kvstashd.catalog import Catalog, CheckpointRow
 from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint, InvalidRequest, NotFound
 from kvstashd.manifest import Snapshot
@@ -41,6 +45,11 @@ _READERS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_na
 EXPORT_MAGIC = b"KVSTEXP1"
 EXPORT_CHUNK = 1 << 20
 _REC = struct.Struct("<BI")
+# A manifest holds tokens, logits and messages: at most 4 bytes a token, 4 a logit and the
+# messages' text, within the RPC limits (manifest.check_limits).
+MAX_MANIFEST_BYTES = 256 << 20
+# More pieces than any state of a context of 2**20 tokens has.
+MAX_IMPORT_PIECES = 1 << 16
 CHECKPOINT_ID_PREFIX = "c_"
 
 
@@ -96,6 +105,8 @@ class CheckpointStore:
         self.block_tokens = block_tokens
         self.codec = codec
         self.n_vocab = n_vocab
+        # The disk budget this store's writes count against (none: a store in RAM).
+        self.budget: DiskBudget | None = None
         # Saves of different sessions may run at once; each block is written once.
         self._lock = threading.Lock()
 
@@ -126,44 +137,60 @@ class CheckpointStore:
             _, window_at, rec_at = self._plan(snap.tokens, at, snap.block_tokens, snap.salt)
             boundary_kv = kvstate.SeqKv(kv.layout, at, partial)
             extra = list(self._payloads(boundary_kv, [], window_at, rec_at))
-        written = referenced = 0
-        sizes: list[tuple[str, int]] = []
-        seen: set[str] = set()
-        with self._lock:
-            for piece, payload in [*self._payloads(kv, full, window, rec), *extra]:
-                if piece.key in seen:
-                    continue
-                seen.add(piece.key)
-                size = self.catalog.block_size(piece.key)
-                if size is None or not self.store.has(piece.key):
-                    data = blk.frame(payload(), self.codec)
-                    written += self.store.put(piece.key, data)
-                    size = len(data)
-                sizes.append((piece.key, size))
-                referenced += size
-            snap = replace(
-                snap,
-                n_kv=n_kv,
-                blocks=[p.key for p in full],
-                window=[(p.key, p.start) for p in window],
-                recurrent=rec.key if rec else "",
-                kv_layout=self.layout_desc if n_kv else foreign_layout,
-                saved_at=now,
-                fingerprint=self.fingerprint,
-            )
-            data = mf.encode(snap, self.key)
-            row = CheckpointRow(
-                checkpoint_id=CHECKPOINT_ID_PREFIX + secrets.token_hex(12),
-                session_id=snap.session_id,
-                label=snap.label,
-                kind=kind,
-                n_tokens=len(snap.tokens),
-                bytes_written=written + len(data),
-                bytes_referenced=referenced + len(data),
-                created_at=now,
-                tenant=snap.tenant,
-            )
-            self.catalog.add_checkpoint(row, data, sizes, now, head_of=head_of)
+        unique: dict[str, tuple[_Piece, Callable[[], bytes]]] = {}
+        for piece, payload in [*self._payloads(kv, full, window, rec), *extra]:
+            unique.setdefault(piece.key, (piece, payload))
+        snap = replace(
+            snap,
+            n_kv=n_kv,
+            blocks=[p.key for p in full],
+            window=[(p.key, p.start) for p in window],
+            recurrent=rec.key if rec else "",
+            kv_layout=self.layout_desc if n_kv else foreign_layout,
+            saved_at=now,
+            fingerprint=self.fingerprint,
+        )
+        data = mf.encode(snap, self.key)
+        # At most: the pieces the store lacks, raw and framed, and the manifest (twice: the
+        # catalog's write-ahead log holds it until its next checkpoint).
+        lacking = [p for p, _ in unique.values() if not self.store.has(p.key)]
+        bound = sum(p.size + blk.FRAME_HEADER for p in lacking) + 2 * len(data) + 4096
+        with self.budget.reserve(bound) if self.budget else contextlib.nullcontext(), self._lock:
+            written = referenced = 0
+            sizes: list[tuple[str, int]] = []
+            new_keys: list[str] = []
+            try:
+                for piece, payload in unique.values():
+                    size = self.catalog.block_size(piece.key)
+                    if size is None or not self.store.has(piece.key):
+                        block = blk.frame(payload(), self.codec)
+                        if self.store.put(piece.key, block):
+                            new_keys.append(piece.key)
+                            written += len(block)
+                        size = len(block)
+                    sizes.append((piece.key, size))
+                    referenced += size
+                row = CheckpointRow(
+                    checkpoint_id=CHECKPOINT_ID_PREFIX + secrets.token_hex(12),
+                    session_id=snap.session_id,
+                    label=snap.label,
+                    kind=kind,
+                    n_tokens=len(snap.tokens),
+                    bytes_written=written + len(data),
+                    bytes_referenced=referenced + len(data),
+                    created_at=now,
+                    tenant=snap.tenant,
+                )
+                self.catalog.add_checkpoint(row, data, sizes, now, head_of=head_of)
+            except BaseException:
+                # Blocks this save wrote that no committed checkpoint knows: reclaimed now,
+                # not at the next start.
+                known = self.catalog.present(new_keys) if new_keys else set()
+                for key in new_keys:
+                    if key not in known:
+                        with contextlib.suppress(OSError):
+                            self.store.delete(key)
+                raise
         return row, snap
 
     def _payloads(
@@ -357,14 +384,15 @@ class CheckpointStore:
         if not self.catalog.delete(checkpoint_id):
             raise NotFound(f"no checkpoint {checkpoint_id}")
 
-    def sweep(self, budget_bytes: int) -> int:
-        """Drop unreferenced blocks, least recently used first, until the store fits the
-        budget. Returns the bytes freed."""
+    def sweep(self, budget_bytes: int, used: Callable[[], int] | None = None) -> int:
+        """Drop unreferenced blocks, least recently used first, until the store (or what
+        `used` counts) fits the budget. Returns the bytes freed."""
+        used = used or self.store.total_bytes
         freed = 0
         with self._lock:
             dropped = []
             for key, size in self.catalog.unreferenced():
-                if self.store.total_bytes() <= budget_bytes:
+                if used() <= budget_bytes:
                     break
                 self.store.delete(key)
                 dropped.append(key)
@@ -415,45 +443,65 @@ class CheckpointStore:
     def import_(
         self, chunks: Iterable[bytes], limit: int, now: float, *, tenant: str, n_ctx: int
     ) -> CheckpointRow:
-        """Check an exported stream completely, then store it as an imported checkpoint of
-        `tenant`.
+        """Import an exported stream given as chunks (spooled to a temporary file first):
+        see `import_file`. InvalidRequest beyond `limit` bytes."""
+        with tempfile.TemporaryFile() as spool:
+            size = 0
+            for chunk in chunks:
+                size += len(chunk)
+                if size > limit:
+                    raise InvalidRequest(f"the import exceeds {limit} bytes")
+                spool.write(chunk)
+            spool.flush()
+            return self.import_file(spool, now, tenant=tenant, n_ctx=n_ctx)
+
+    def import_file(self, spool: BinaryIO, now: float, *, tenant: str, n_ctx: int) -> CheckpointRow:
+        """Check an exported stream (in a file) completely, then store it as an imported
+        checkpoint of `tenant`. The file is read in pieces: what this holds in memory is the
+        manifest and one state, never the whole stream.
 
         Its pieces are stored under a salt of their own: bytes from elsewhere never stand
         for blocks this daemon computed, even when their tokens are the same. Every field of
         its manifest is held to the RPCs' limits (`n_ctx`: this daemon's context).
         """
-        buf = bytearray()
-        for c in chunks:
-            buf += c
-            if len(buf) > limit:
-                raise InvalidRequest(f"the import exceeds {limit} bytes")
-        data = bytes(buf)
-        if not data.startswith(EXPORT_MAGIC):
+        fd = spool.fileno()
+        digest = hashlib.blake2b(digest_size=32)
+        at = 0
+
+        def take(n: int, hashed: bool = True) -> bytes:
+            nonlocal at
+            data = os.pread(fd, n, at)
+            if len(data) != n:
+                raise CorruptCheckpoint("the checkpoint export is truncated")
+            if hashed:
+                digest.update(data)
+            at += n
+            return data
+
+        if take(len(EXPORT_MAGIC)) != EXPORT_MAGIC:
             raise CorruptCheckpoint("the data is not a kvstash checkpoint export")
-        at = len(EXPORT_MAGIC)
         manifest: bytes | None = None
-        found: dict[str, bytes] = {}
+        found: dict[str, tuple[int, int]] = {}
         while True:
-            if at + _REC.size > len(data):
-                raise CorruptCheckpoint("the checkpoint export is truncated")
-            kind, length = _REC.unpack_from(data, at)
-            start = at + _REC.size
-            body = data[start : start + length]
-            if len(body) != length:
-                raise CorruptCheckpoint("the checkpoint export is truncated")
+            header = take(_REC.size, hashed=False)
+            kind, length = _REC.unpack(header)
             if kind == 0:
-                if length != 32 or hashlib.blake2b(data[:at], digest_size=32).digest() != body:
+                if length != 32 or take(32, hashed=False) != digest.digest():
                     raise CorruptCheckpoint("the checkpoint export fails its checksum")
-                if start + length != len(data):
+                if os.pread(fd, 1, at):
                     raise CorruptCheckpoint("the checkpoint export has trailing bytes")
                 break
-            if kind == 1 and manifest is None:
-                manifest = body
-            elif kind == 2 and length > 64:
-                found[body[:64].decode("ascii", "replace")] = body[64:]
+            digest.update(header)
+            if kind == 1 and manifest is None and length <= MAX_MANIFEST_BYTES:
+                manifest = take(length)
+            elif kind == 2 and length > 64 and len(found) < MAX_IMPORT_PIECES:
+                key = take(64).decode("ascii", "replace")
+                found[key] = (at, length - 64)
+                left = length - 64
+                while left:  # hashed in pieces, kept in the file
+                    left -= len(take(min(left, EXPORT_CHUNK)))
             else:
                 raise CorruptCheckpoint("the checkpoint export has an unexpected record")
-            at = start + length
         if manifest is None:
             raise CorruptCheckpoint("the checkpoint export has no manifest")
         # The exporting daemon's key is not ours: check structure and content instead.
@@ -461,7 +509,12 @@ class CheckpointStore:
         mf.check_limits(snap, n_ctx)
         if snap.kv_layout == self.layout_desc and set(found) != set(_keys(snap)):
             raise CorruptCheckpoint("the checkpoint export's blocks do not match its manifest")
-        kv, reprefill = self._cells(snap, found.__getitem__)
+
+        def read(key: str) -> bytes:
+            offset, n = found[key]
+            return os.pread(fd, n, offset)  # thread-safe: pieces are read in parallel
+
+        kv, reprefill = self._cells(snap, read)
         snap = replace(snap, session_id="", persistent=True, salt=secrets.token_hex(16), tenant=tenant)
         # The state of another layout is not kept; its layout is, so that a restore says it
         # evaluates the tokens again.

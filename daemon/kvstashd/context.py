@@ -77,6 +77,9 @@ class ModelInfo:
     layout_note: str
     # Logits do not depend on how a session's tokens were batched (see probe_exact).
     exact: bool
+    # The longest text of one token, in bytes: a prompt of more than prompt_limit times this
+    # many bytes has too many tokens, whatever they are (checked before tokenizing).
+    max_token_bytes: int = 1
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,7 @@ class LlamaContext:
             layout=layout,
             layout_note=note,
             exact=self.probe_exact(),
+            max_token_bytes=max(1, *(len(self.piece(t, True)) for t in range(self.n_vocab))),
         )
 
     def _meta(self, key: str) -> str:

@@ -57,6 +57,10 @@ class Engine:
         self.layout: kvlayout.StateLayout | None = None
         self.stats_evaluated = 0
         self.stats_generated = 0
+        # Calls that read the vocabulary from other threads (tokenize, detokenize): the
+        # context is not freed while one runs.
+        self._readers = 0
+        self._readers_done = threading.Condition()
 
     @property
     def ctx(self) -> LlamaContext:
@@ -91,6 +95,21 @@ class Engine:
         self._inbox.put(_Call(fn, future))
         return future
 
+    def read_vocab(self, fn: Callable[[LlamaContext], T]) -> T:
+        """Run `fn(ctx)` on the calling thread: for tokenizing and detokenizing only, which
+        read the vocabulary, immutable once loaded, and so run beside decoding (as
+        llama-server's request threads do). A long prompt never delays other sessions' steps."""
+        with self._readers_done:
+            if self._ctx is None or self._stopping:
+                raise Unavailable("the engine is not running")
+            self._readers += 1
+        try:
+            return fn(self._ctx)
+        finally:
+            with self._readers_done:
+                self._readers -= 1
+                self._readers_done.notify_all()
+
     def submit(self, job: Job) -> None:
         """Queue a generation; its chunks and final result go to `job.emit`."""
         if self._thread is None or self._stopping:
@@ -112,7 +131,12 @@ class Engine:
         try:
             self._loop()
         finally:
-            self.ctx.close()
+            with self._readers_done:
+                self._stopping = True
+                self._readers_done.wait_for(lambda: self._readers == 0)
+                ctx, self._ctx = self._ctx, None
+            assert ctx is not None
+            ctx.close()
 
     def _loop(self) -> None:
         while True:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 from kvstashd import ops
 from kvstashd.chat import ChatMessage, Message, Segment, after_prefix, text_of
-from kvstashd.engine import Engine
-from kvstashd.errors import ContextFull, InvalidRequest
+from kvstashd.context import LlamaContext
+from kvstashd.errors import ContextFull, InvalidRequest, KvstashError
 from kvstashd.job import Chunk, GenerationRequest, Job
 from kvstashd.limits import MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from kvstashd.session import SamplingOverrides, Session
@@ -64,6 +64,7 @@ class Conversations:
         bad = next((t for t in prompt_token_ids if not 0 <= t < n_vocab), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
+        self.check_bytes(prompt, "prompt")
         request = self._request(session, turn)
         async with self.manager.use(session):
             # The slot first: waiting for it may be cut short, and nothing has changed yet.
@@ -84,6 +85,7 @@ class Conversations:
         assert template is not None
         if not message:
             raise InvalidRequest("the message is empty")
+        self.check_bytes(message, "message")
         request = self._request(session, turn)
         async with self.manager.use(session):
             slot = await self.manager.residency.into_slot(session)
@@ -93,7 +95,7 @@ class Conversations:
             conversation.append(Message("user", message))
             segments = template.render(conversation, add_generation_prompt=True)
             history = list(state.tokens)
-            history_text = await self._engine(lambda e: e.ctx.detokenize(history, True))
+            history_text = await self._vocab(lambda c: c.detokenize(history, True))
             delta = after_prefix(segments, history_text)
             if delta is not None:
                 tokens = await self.tokenize_segments(delta, first=not state.tokens)
@@ -134,6 +136,7 @@ class Conversations:
         def emit(item: Chunk | BaseException) -> None:
             loop.call_soon_threadsafe(items.put_nowait, item)
 
+        n_before = len(session.state.tokens)
         job = Job(session.state, slot, request, emit)
         job.prefix = await manager.prefixes.find(session, [*session.state.tokens, *request.prompt])
         job.boundary_at = manager.prefixes.boundary_for(session)
@@ -168,12 +171,22 @@ class Conversations:
                     if job.boundary is not None:
                         session.boundary = job.boundary
                     if session.persistent:
-                        await manager.persistence.save_head(session)
+                        await self._save_turn(session, n_before)
                 put(item)
                 if item.finish_reason is not None:
                     return
         finally:
             session.job = None
+
+    async def _save_turn(self, session: Session, n_before: int) -> None:
+        """Autosave a persistent session's turn, or undo the turn: a client told that its
+        request failed may send it again without finding the first reply in the history."""
+        try:
+            await self.manager.persistence.save_head(session)
+        except KvstashError as e:
+            await self.manager.residency.truncate(session, n_before)
+            undone = "the reply was not kept: the session is as it was before this request"
+            raise type(e)(f"{e}; {undone}") from None
 
     def _request(self, session: Session, turn: Turn) -> GenerationRequest:
         if turn.max_tokens is not None and turn.max_tokens <= 0:
@@ -206,6 +219,7 @@ class Conversations:
     # ---- tokens ------------------------------------------------------------------------------
 
     async def system_tokens(self, system_prompt: str) -> list[int]:
+        self.check_bytes(system_prompt, "system prompt")
         template = self.manager.template
         if template is not None:
             segments = template.render([Message("system", system_prompt)], False)
@@ -214,16 +228,13 @@ class Conversations:
 
     async def tokenize(self, text: str, *, first: bool, parse_special: bool) -> list[int]:
         add = first and self.manager.model.add_bos
-        return await self._engine(
-            lambda e: e.ctx.tokenize(text, add_special=add, parse_special=parse_special)
-        )
+        return await self._vocab(lambda c: c.tokenize(text, add_special=add, parse_special=parse_special))
 
     async def tokenize_segments(self, segments: Sequence[Segment], *, first: bool) -> list[int]:
         """Template text with control tokens parsed; message content never."""
         model = self.manager.model
 
-        def run(e: Engine) -> list[int]:
-            c = e.ctx
+        def run(c: LlamaContext) -> list[int]:
             bos_text = c.detokenize([model.bos_token], True)
             add_bos = first and model.add_bos and not text_of(segments).startswith(bos_text)
             out: list[int] = [model.bos_token] if add_bos else []
@@ -231,10 +242,21 @@ class Conversations:
                 out += c.tokenize(seg.text, add_special=False, parse_special=not seg.content)
             return out
 
-        return await self._engine(run)
+        return await self._vocab(run)
 
-    async def _engine(self, fn: Callable[[Engine], T]) -> T:
-        return await asyncio.wrap_future(self.manager.engine.call(fn))
+    def check_bytes(self, text: str, what: str) -> None:
+        """InvalidRequest, before any tokenizing, for text too long to be within the prompt
+        limit whatever its tokens (each takes at most `max_token_bytes` of it)."""
+        limit = self.manager.settings.prompt_limit * self.manager.model.max_token_bytes
+        if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
+            raise InvalidRequest(
+                f"the {what} is longer than {limit} bytes: more tokens than the prompt limit of "
+                f"{self.manager.settings.prompt_limit}"
+            )
+
+    async def _vocab(self, fn: Callable[[LlamaContext], T]) -> T:
+        """Tokenizing in a worker thread, beside the engine's steps (Engine.read_vocab)."""
+        return await asyncio.to_thread(self.manager.engine.read_vocab, fn)
 
 
 def _merge(a: Chunk, b: Chunk) -> Chunk:

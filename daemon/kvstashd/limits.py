@@ -12,3 +12,10 @@ MAX_MESSAGE_CHARS = 1 << 24
 MAX_MESSAGES = 1 << 16
 MIN_BLOCK_TOKENS = 16
 MAX_BLOCK_TOKENS = 128
+# Imports received at once (each spooled to a temporary file), and checked at once (each
+# holding one state in memory while it is parsed).
+MAX_IMPORTS = 4
+IMPORTS_CHECKED = 1
+# RPCs served at once, and streams on one connection; beyond, RESOURCE_EXHAUSTED.
+MAX_CONCURRENT_RPCS = 1024
+MAX_STREAMS_PER_CONNECTION = 128

@@ -14,7 +14,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import BinaryIO
 
+from kvstashd.budget import DiskBudget
 from kvstashd.catalog import CheckpointRow
 from kvstashd.checkpoints import CheckpointStore, Loaded
 from kvstashd.config import Settings
@@ -31,11 +33,12 @@ log = logging.getLogger(__name__)
 class Stores:
     """durable: persistent sessions and imports (disk); volatile: ephemeral sessions'
     checkpoints (RAM); spill: ephemeral sessions' state under memory pressure (disk, wiped
-    at start)."""
+    at start); disk: the budget durable and spill writes share."""
 
     durable: CheckpointStore
     volatile: CheckpointStore
     spill: CheckpointStore
+    disk: DiskBudget
 
 
 class Persistence:
@@ -78,6 +81,10 @@ class Persistence:
         kv = await self.residency.state_of(session)
         snap = session.snapshot(label, self.settings.block_tokens)
         store = self.store_of(session)
+        if not session.persistent:  # its blocks and manifest stay in RAM
+            kv_bytes = kv.nbytes if kv is not None else 0
+            bound = kv_bytes + 8 * len(snap.tokens) + 4 * store.n_vocab + (1 << 16)
+            await self.residency.reserve_ram(bound, session, "this checkpoint")
         row, _ = await store_write(
             store.save, snap, kv, kind="explicit", now=self.clock(), boundary=session.boundary
         )
@@ -121,16 +128,15 @@ class Persistence:
             )
 
     async def check_disk(self) -> None:
-        """Refuse new persistent state when the disk budget cannot be kept."""
-        budget = self.settings.disk_budget
-        if self.durable.store.total_bytes() <= budget:
-            return
-        await asyncio.to_thread(self.durable.sweep, budget)
-        if self.durable.store.total_bytes() > budget:
-            raise Busy(
-                f"the state store holds {self.durable.store.total_bytes()} bytes, over its budget "
-                f"of {budget}: delete checkpoints or close persistent sessions"
-            )
+        """Refuse new persistent state when the disk budget is used up (Busy). Each write
+        also reserves its own room (budget.py)."""
+        disk = self.stores.disk
+
+        def check() -> None:
+            with disk.reserve(0):
+                pass
+
+        await asyncio.to_thread(check)
 
     async def delete_session(self, session: Session) -> None:
         """Forget a session's head and checkpoints, in one transaction: the commit point of
@@ -140,13 +146,13 @@ class Persistence:
         if not session.persistent:
             await asyncio.to_thread(self.volatile.sweep, 0)
 
-    async def import_checkpoint(self, chunks: list[bytes], limit: int, tenant: Tenant) -> CheckpointRow:
+    async def import_checkpoint(self, spool: BinaryIO, tenant: Tenant) -> CheckpointRow:
+        """Store an export (received into `spool`) as one of the tenant's checkpoints."""
         await self.check_disk()
         await self.check_stored(tenant)
         n_ctx = self.settings.ctx_per_session
-        return await store_write(
-            self.durable.import_, chunks, limit, self.clock(), tenant=tenant.name, n_ctx=n_ctx
-        )
+        now = self.clock()
+        return await store_write(self.durable.import_file, spool, now, tenant=tenant.name, n_ctx=n_ctx)
 
     def load_persistent(
         self, new_session: Callable[[Snapshot, str], Session]

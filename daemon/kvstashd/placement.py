@@ -28,6 +28,7 @@ from typing import TypeVar
 
 from kvstashd import ops, pieces
 from kvstashd import state as kvstate
+from kvstashd.budget import DiskBudget
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
 from kvstashd.engine import Engine
@@ -80,12 +81,18 @@ class Residency:
         durable: CheckpointStore,
         spill: CheckpointStore,
         save_head: SaveHead,
+        *,
+        volatile: CheckpointStore | None = None,
+        disk: DiskBudget | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
         self.durable = durable
         self.spill_store = spill
         self.save_head = save_head
+        # Ephemeral sessions' checkpoints: in RAM, so under --ram-cache too.
+        self.volatile = volatile
+        self.disk = disk
         self._where: dict[str, tuple[Session, Placement]] = {}
         self._slots: list[Session | None] = [None] * settings.slots
         self._slot_freed = asyncio.Event()
@@ -120,6 +127,14 @@ class Residency:
                 total += where.kv.nbytes
         return total
 
+    def ram_bytes(self) -> int:
+        """Bytes in RAM that --ram-cache bounds: parked states, recurrent snapshots, ephemeral
+        sessions' checkpoints (blocks and manifests) and the spill area's manifests."""
+        total = self.parked_bytes() + self.spill_store.catalog.manifest_bytes
+        if self.volatile is not None:
+            total += self.volatile.store.total_bytes() + self.volatile.catalog.manifest_bytes
+        return total
+
     # ---- placing new sessions -------------------------------------------------------------------
 
     def add(self, session: Session, where: Placement | None = None) -> None:
@@ -140,25 +155,30 @@ class Residency:
 
     async def into_slot(self, session: Session) -> int:
         """Give the session a slot and load its state there (a free slot, or the one of the
-        least recently used idle session, which is parked first)."""
+        least recently used idle session, which is parked first). A stored state is read
+        only once the slot is the session's, so it never waits in RAM."""
         where = self.where(session)
         if isinstance(where, InSlot):
             return where.slot
-        if isinstance(where, Stored):
-            await self._warm(session)
         slot = await self._free_slot(session)
-        where = self.where(session)
-        kv = where.kv if isinstance(where, Parked) else None
         state = session.state
-        self._slots[slot] = session  # reserved while its state loads
+        self._slots[slot] = session  # reserved while its state is read and loaded
         started = time.perf_counter()
+        kv: kvstate.SeqKv | None = None
         try:
+            where = self.where(session)
+            if isinstance(where, Stored):
+                kv = await self._read_stored(session)
+            elif isinstance(where, Parked):
+                kv = where.kv
             await self._engine(lambda e: e.load(slot, state, kv))
         except BaseException as e:
             self._slots[slot] = None
             self._slot_freed.set()
+            await self._drop_spill(session)
             self._set(session, HistoryOnly(str(e)))
             raise
+        await self._drop_spill(session)  # a spilled state is the slot's now
         self._set(session, InSlot(slot))
         if kv is not None:
             took = time.perf_counter() - started
@@ -170,13 +190,16 @@ class Residency:
         return slot
 
     async def release(self, session: Session, *, park: bool = True) -> None:
-        """Take the session out of its slot; with park, its state moves to RAM first."""
+        """Take the session out of its slot; with park, its state moves to RAM (room made
+        first), or straight to disk when the RAM budget cannot take it."""
         where = self._where.get(session.session_id, (session, None))[1]
         if not isinstance(where, InSlot):
             return
         slot = where.slot
-        keep = park and self.engine.layout is not None
+        layout = self.engine.layout
+        keep = park and layout is not None
         state = session.state
+        room = keep and layout is not None and await self.make_room(layout.max_bytes(state.n_kv), session)
         kv: kvstate.SeqKv | None = None
         try:
             kv = await self._engine(lambda e: e.unload(slot, state, keep))
@@ -184,6 +207,8 @@ class Residency:
             self._slots[slot] = None
             self._slot_freed.set()
             self._set(session, Parked(kv) if kv is not None else HistoryOnly())
+        if kv is not None and not room:
+            await self._spill(session)
 
     async def forget(self, session: Session) -> None:
         """Free whatever the session's state holds (a slot, RAM, a spill) and stop tracking it."""
@@ -192,18 +217,30 @@ class Residency:
         self._where.pop(session.session_id, None)
 
     async def replace(self, session: Session, snap: Snapshot, kv: kvstate.SeqKv | None) -> None:
-        """The session's history and state become a checkpoint's (restore, fork)."""
+        """The session's history and state become a checkpoint's (restore, fork). The state
+        is parked if the RAM budget can make room for it, else stored on disk; Busy, before
+        anything changes, if neither has room."""
+        to_disk = False
+        if kv is not None and not await self.make_room(kv.nbytes, session):
+            bound = kv.nbytes + 8 * len(snap.tokens) + 4 * self.durable.n_vocab + (1 << 16)
+            if self.disk is not None and not await asyncio.to_thread(self.disk.fits, bound):
+                raise Busy(
+                    "neither the RAM cache nor the disk budget has room for this state: close "
+                    "sessions or delete checkpoints"
+                )
+            to_disk = True
         await self.release(session, park=False)
         await self._drop_spill(session)
         session.apply(snap, kv.n if kv is not None else 0)
         self._set(session, Parked(kv) if kv is not None else HistoryOnly())
+        if to_disk:
+            await self._spill(session)
 
     async def state_of(self, session: Session) -> kvstate.SeqKv | None:
         """The session's state as it is now (exported from its slot if hot), for a save."""
         where = self.where(session)
         if isinstance(where, Stored):
-            await self._warm(session)
-            where = self.where(session)
+            return await self._read_stored(session)  # read for a save; it stays where it is
         state = session.state
         if isinstance(where, InSlot):
             if self.engine.layout is None or not state.n_kv:
@@ -277,54 +314,79 @@ class Residency:
         for tenant in {s.tenant for s, _ in self._where.values()}:
             limit = self.parked_quota(tenant)
             if limit:
-                await self._spill_while(limit, keep, tenant)
-        await self._spill_while(self.settings.ram_cache, keep, None)
+                while self.parked_bytes(tenant) > limit:
+                    if not await self._spill_one(keep, tenant):
+                        break
+        await self.make_room(0, keep)
 
-    async def _spill_while(self, budget: int, keep: Session | None, tenant: str | None) -> None:
-        """Spill the least recently used idle parked sessions (of `tenant`, or any) while
-        their bytes exceed `budget`."""
-        while self.parked_bytes(tenant) > budget:
-            idle = [
-                s
-                for s, where in self._where.values()
-                if isinstance(where, Parked)
-                and not s.busy
-                and s is not keep
-                and (tenant is None or s.tenant == tenant)
-            ]
-            if not idle:
-                return
-            victim = min(idle, key=lambda s: s.last_used_at)
-            async with victim.lock:
-                try:
-                    await self._spill(victim)
-                except KvstashError as e:
-                    log.error("could not spill session %s: %s", victim.session_id, e)
-                    return
+    async def make_room(self, n: int, keep: Session | None = None) -> bool:
+        """Spill idle parked state, least recently used first, until `n` more bytes fit
+        under the RAM budget; False if they cannot (nothing idle is left to spill)."""
+        budget = self.settings.ram_cache
+        if n > budget:
+            return False
+        while self.ram_bytes() + n > budget:
+            if not await self._spill_one(keep, None):
+                return False
+        return True
+
+    async def reserve_ram(self, n: int, keep: Session, what: str) -> None:
+        """Make room for `n` bytes of RAM, or Busy naming `what` would not fit."""
+        if not await self.make_room(n, keep):
+            raise Busy(
+                f"the RAM cache of {self.settings.ram_cache} bytes has no room for {what} "
+                f"({n} bytes): delete checkpoints or close sessions"
+            )
+
+    async def _spill_one(self, keep: Session | None, tenant: str | None) -> bool:
+        """Spill the least recently used idle parked session (of `tenant`, or any); False if
+        there is none."""
+        idle = [
+            s
+            for s, where in self._where.values()
+            if isinstance(where, Parked)
+            and not s.busy
+            and s is not keep
+            and (tenant is None or s.tenant == tenant)
+        ]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda s: s.last_used_at)
+        async with victim.lock:
+            if not victim.closed:
+                await self._spill(victim)
+        return True
 
     async def _spill(self, session: Session) -> None:
-        """Parked state to disk: a persistent session's head, or the spill area."""
+        """Parked state to disk: a persistent session's head, or the spill area. Where the
+        disk has no room either (or fails), the state is dropped: the history stays, and
+        the next generation evaluates it again."""
         where = self.where(session)
         if not isinstance(where, Parked):
             return
         session.snapshots = []
-        if session.persistent:
-            checkpoint_id, stored = await self.save_head(session)
-            ref = Stored(self.durable, checkpoint_id, stored)
-        else:
-            snap = session.snapshot("", self.settings.block_tokens)
-            row, stored = await store_write(
-                self.spill_store.save, snap, where.kv, kind="spill", now=time.time()
-            )
-            ref = Stored(self.spill_store, row.checkpoint_id, stored)
+        try:
+            if session.persistent:
+                checkpoint_id, stored = await self.save_head(session)
+                ref = Stored(self.durable, checkpoint_id, stored)
+            else:
+                snap = session.snapshot("", self.settings.block_tokens)
+                row, stored = await store_write(
+                    self.spill_store.save, snap, where.kv, kind="spill", now=time.time()
+                )
+                ref = Stored(self.spill_store, row.checkpoint_id, stored)
+        except KvstashError as e:
+            log.warning("session %s: its state is dropped, not spilled: %s", session.session_id, e)
+            self._set(session, HistoryOnly(str(e)))
+            return
         self._set(session, ref if ref.snapshot.n_kv == session.state.n_kv else HistoryOnly())
 
-    async def _warm(self, session: Session) -> None:
-        """A stored state back into RAM (Parked), or history-only if it cannot be used.
-        A damaged block fails the request with DATA_LOSS; the next one evaluates again."""
+    async def _read_stored(self, session: Session) -> kvstate.SeqKv | None:
+        """A stored state read back (its placement unchanged), or None if it cannot be used
+        here (then the session is history-only). A damaged block fails the request with
+        DATA_LOSS and leaves the session history-only: the next request evaluates again."""
         ref = self.where(session)
         assert isinstance(ref, Stored)
-        state = session.state
         try:
             kv, _ = await asyncio.to_thread(ref.store.cells, ref.snapshot)
         except CorruptCheckpoint as e:
@@ -334,12 +396,21 @@ class Residency:
         except KvstashError as e:
             kv = None
             log.warning("session %s: its stored state is not used: %s", session.session_id, e)
-        await self._drop_spill(session)
-        if kv is None or kv.n != state.n_kv:
+        if kv is None or kv.n != session.state.n_kv:
+            await self._drop_spill(session)
             self._set(session, HistoryOnly("the stored state does not fit this daemon"))
+            return None
+        return kv
+
+    async def _warm(self, session: Session) -> None:
+        """A stored state back into RAM (Parked), room made first, or history-only if it
+        cannot be used."""
+        kv = await self._read_stored(session)
+        if kv is None:
             return
+        await self.make_room(kv.nbytes, session)
+        await self._drop_spill(session)
         self._set(session, Parked(kv))
-        await self.enforce_ram(keep=session)
 
     async def _drop_spill(self, session: Session) -> None:
         where = self._where.get(session.session_id, (session, HistoryOnly()))[1]

@@ -22,11 +22,13 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
+from kvstashd.budget import DiskBudget
 from kvstashd.catalog import Catalog
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
 from kvstashd.context import ContextConfig, ModelInfo
 from kvstashd.engine import Engine
+from kvstashd.limits import MAX_CONCURRENT_RPCS, MAX_STREAMS_PER_CONNECTION
 from kvstashd.metrics import serve_metrics
 from kvstashd.model import fingerprint
 from kvstashd.persistence import Stores
@@ -111,11 +113,15 @@ def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: 
 
     durable = make(Catalog(state.path / "catalog.db"), LocalBlockStore(state.path / "blocks"))
     state.wipe_spill()
-    return Stores(
-        durable=durable,
-        volatile=make(Catalog(":memory:"), MemoryBlockStore()),
-        spill=make(Catalog(":memory:"), LocalBlockStore(state.spill)),
+    spill = make(Catalog(":memory:"), LocalBlockStore(state.spill))
+    disk = DiskBudget(
+        settings.disk_budget,
+        (durable.store.total_bytes, spill.store.total_bytes, durable.catalog.file_bytes),
+        lambda target: durable.sweep(target, used=disk.used),
     )
+    durable.budget = spill.budget = disk
+    volatile = make(Catalog(":memory:"), MemoryBlockStore())
+    return Stores(durable=durable, volatile=volatile, spill=spill, disk=disk)
 
 
 def load_tenants(settings: Settings) -> Tenants:
@@ -153,7 +159,16 @@ def build_server(
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),
-        ]
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+            # Dead peers are found (a ping every minute, 20 s to answer) and idle connections
+            # closed after 30 minutes; clients may not ping more often than every 10 s.
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.max_connection_idle_ms", 30 * 60_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 3),
+        ],
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
     )
     pb_grpc.add_KvStashServicer_to_server(service, server)
     health_servicer = health_aio.HealthServicer()
@@ -208,7 +223,7 @@ class Daemon:
             orphans = await asyncio.to_thread(stores.durable.remove_orphans)
             if orphans:
                 log.info("removed %d blocks that no checkpoint was committed for", orphans)
-            await asyncio.to_thread(stores.durable.sweep, settings.disk_budget)
+            await asyncio.to_thread(stores.durable.sweep, settings.disk_budget, stores.disk.used)
             manager = SessionManager(self.engine, settings, stores, clock=self.clock)
             await manager.start()
             self.manager = manager

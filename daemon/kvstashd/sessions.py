@@ -72,7 +72,15 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self.ops = opsmod.Ops(on_idle=self._on_idle)
         self.persistence = Persistence(stores, settings, lambda: self.clock())
-        self.residency = Residency(engine, settings, stores.durable, stores.spill, self.persistence.save_head)
+        self.residency = Residency(
+            engine,
+            settings,
+            stores.durable,
+            stores.spill,
+            self.persistence.save_head,
+            volatile=stores.volatile,
+            disk=stores.disk,
+        )
         self.persistence.residency = self.residency
         self.conversations = Conversations(self)
         self.checkpoints = Checkpointing(self)
@@ -348,8 +356,8 @@ class SessionManager:
             tokens_reused=self.conversations.tokens_reused,
             swap_ins=self.residency.swap_ins,
             swap_in_seconds=self.residency.swap_in_seconds,
-            parked_bytes=self.residency.parked_bytes(),
-            store_bytes=self.durable.store.total_bytes(),
+            parked_bytes=self.residency.ram_bytes(),
+            store_bytes=self.stores.disk.used(),
         )
         return self.counters
 
@@ -369,7 +377,7 @@ class SessionManager:
                 )
                 await self._close(session)
         await self.residency.enforce_ram()
-        await asyncio.to_thread(self.durable.sweep, self.settings.disk_budget)
+        await asyncio.to_thread(self.durable.sweep, self.settings.disk_budget, self.stores.disk.used)
 
     async def run_sweeper(self) -> None:
         """Sweep every `sweep_interval` seconds until cancelled."""

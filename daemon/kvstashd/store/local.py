@@ -70,9 +70,13 @@ class LocalBlockStore:
             private_dir(path.parent)  # fsyncs the root when the directory is new
             os.replace(tmp, path)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
             raise
-        fsync_dir(path.parent)
+        try:
+            fsync_dir(path.parent)
+        except BaseException:
+            path.unlink(missing_ok=True)  # not known to be durable: not there at all
+            raise
         self._bytes += len(data)
         return len(data)
 

@@ -1,0 +1,177 @@
+"""Faults injected, nothing lost: a full disk (the state directory on a small tmpfs) and
+fsync failing with EIO, during autosaves, checkpoints, spills and imports.
+
+Each time: the request fails with RESOURCE_EXHAUSTED, the daemon keeps serving, the last
+good checkpoint restores and continues exactly, no temporary file is left, every block file
+belongs to a committed checkpoint (the blocks of a commit that failed are reclaimed at once,
+not at the next start), and once the disk has room again the same requests succeed. A turn
+whose autosave failed is undone, so sending it again does not repeat it in the history.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from checkpoint_helpers import GREEDY, block_files, gen, ids, long_text, own_daemon
+from daemons import InProcessDaemon
+
+import kvstash
+from kvstashd.store import local
+
+DISK = 24 << 20
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB tmpfs: a disk that really fills up."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs", str(mnt)], check=False)
+    if done.returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(disk: Path, keep: int) -> Path:
+    """Take all of the disk's free space but `keep` bytes."""
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    filler = disk / "filler"
+    with filler.open("wb") as f:
+        os.posix_fallocate(f.fileno(), 0, max(free - keep, 1))
+    return filler
+
+
+def orphans(d: InProcessDaemon) -> list[str]:
+    """Block files no catalog row knows, and unfinished writes."""
+    state = d.settings.state_dir
+    db = sqlite3.connect(state / "catalog.db")
+    try:
+        known = {r[0] for r in db.execute("SELECT block FROM blocks")}
+    finally:
+        db.close()
+    tmp = [p.name for p in (state / "blocks" / "tmp").iterdir()]
+    return tmp + [k for k in block_files(state) if k not in known]
+
+
+@pytest.fixture
+def on_small_disk(small_disk: Path) -> Iterator[tuple[InProcessDaemon, kvstash.Client, Path]]:
+    with own_daemon(small_disk / "state") as d, kvstash.Client(d.address, timeout=120) as client:
+        yield d, client, small_disk
+
+
+def test_a_full_disk_fails_autosaves_and_checkpoints_and_loses_nothing(
+    on_small_disk: tuple[InProcessDaemon, kvstash.Client, Path],
+) -> None:
+    d, client, disk = on_small_disk
+    s = client.create_session(persistent=True, sampling=GREEDY)
+    s.complete(long_text(20), max_tokens=1)  # ~370 tokens: 8.5 MB of blocks
+    good = s.checkpoint("good")
+    expected = ids(gen(s.fork(), n=70))
+    n_before = s.info().n_tokens
+    # Room for one new block (1.5 MB), not for the two the next autosave writes.
+    filler = fill(disk, keep=2_000_000)
+
+    with pytest.raises(kvstash.BusyError, match="state store is failing"):
+        gen(s, n=70)  # its autosave needs a new block: no room
+    assert s.info().n_tokens == n_before  # the turn was undone
+    with pytest.raises(kvstash.BusyError, match="state store is failing"):
+        client.create_session(persistent=True, sampling=GREEDY).complete(
+            long_text(20, topic="orchard"), max_tokens=1
+        )
+    assert orphans(d) == []
+    assert client.info().slots >= 1
+
+    filler.unlink()  # room again: no restart needed
+    assert ids(gen(s, n=70)) == expected  # the same turn, sent again, is the same
+    s.restore(good.checkpoint_id)
+    assert ids(gen(s, n=70)) == expected
+    assert orphans(d) == []
+
+
+def test_a_full_disk_fails_an_import_and_leaves_nothing(
+    on_small_disk: tuple[InProcessDaemon, kvstash.Client, Path], tmp_path: Path
+) -> None:
+    d, client, disk = on_small_disk
+    s = client.create_session(persistent=True, sampling=GREEDY)
+    s.complete(long_text(20), max_tokens=1)
+    good = s.checkpoint("good")
+    expected = ids(gen(s.fork(), n=6))
+    export = tmp_path / "good.kvs"
+    client.export_checkpoint(good.checkpoint_id, export)
+    before = set(block_files(d.settings.state_dir))
+    # Room for the export's spool and one block, not for all its blocks under their own salt.
+    filler = fill(disk, keep=export.stat().st_size + 2_000_000)
+    with pytest.raises(kvstash.BusyError):
+        client.import_checkpoint(export)
+    assert set(block_files(d.settings.state_dir)) == before
+    assert orphans(d) == []
+    assert [p for p in d.settings.state_dir.iterdir() if p.name.startswith("tmp")] == []
+    filler.unlink()
+    imported = client.import_checkpoint(export)
+    assert ids(gen(client.fork_session(checkpoint_id=imported.checkpoint_id), n=6)) == expected
+
+
+def test_a_full_disk_drops_a_spill_and_the_session_evaluates_again(small_disk: Path) -> None:
+    with (
+        own_daemon(small_disk / "state", slots=1, ram_cache=1_000_000) as d,
+        kvstash.Client(d.address, timeout=120) as client,
+    ):
+        a = client.create_session(sampling=GREEDY)
+        a.complete(long_text(20), max_tokens=1)
+        expected = ids(gen(a.fork(), n=6))
+        filler = fill(small_disk, keep=256 << 10)
+        b = client.create_session(sampling=GREEDY)
+        b.complete("Another one takes the only slot.", max_tokens=2)  # a is evicted: no room anywhere
+        assert ids(gen(a, n=6)) == expected  # its history is evaluated again, exactly
+        assert [p for p in (d.settings.state_dir / "spill").rglob("*") if p.is_file()] == []
+        filler.unlink()
+
+
+class FailingFsync:
+    """`os` as the block store sees it, with fsync failing (EIO) while `failing` is set."""
+
+    def __init__(self) -> None:
+        self.failing = False
+        self.failed = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def fsync(self, fd: int) -> None:
+        if self.failing:
+            self.failed += 1
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        os.fsync(fd)
+
+
+def test_fsync_failing_with_eio_fails_the_checkpoint_and_loses_nothing(
+    start_daemon: Callable[..., InProcessDaemon], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    faulty = FailingFsync()
+    monkeypatch.setattr(local, "os", faulty)
+    d = start_daemon(ctx_per_session=1024)
+    with kvstash.Client(d.address, timeout=120) as client:
+        s = client.create_session(persistent=True, sampling=GREEDY)
+        s.complete(long_text(10), max_tokens=1)
+        good = s.checkpoint("good")
+        expected = ids(gen(s.fork(), n=70))
+        faulty.failing = True
+        with pytest.raises(kvstash.BusyError, match="state store is failing"):
+            gen(s, n=70)
+        faulty.failing = False
+        assert faulty.failed >= 1
+        assert orphans(d) == []
+        assert ids(gen(s, n=70)) == expected
+        assert s.checkpoint("after").n_tokens == good.n_tokens + 70
+        s.restore(good.checkpoint_id)
+        assert ids(gen(s, n=70)) == expected
