@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -276,22 +278,36 @@ def test_a_block_store_that_cannot_be_read_or_written(
         session.close()
 
 
-def test_a_catalog_that_cannot_be_read(tmp_path: Path) -> None:
-    path = tmp_path / "catalog.db"
-    catalog = Catalog(path)
+def test_a_catalog_that_cannot_be_read_stops_the_start_with_one_line(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    catalog = Catalog(state_dir / "catalog.db")
     row = CheckpointRow("c_" + "0" * 24, "s_" + "0" * 24, "", "explicit", 1, 1, 1, 0.0)
     catalog.add_checkpoint(row, b"manifest", [("ab" * 32, 10)], now=0.0)
     catalog.close()
     # Every page but the first (the schema) overwritten: the tables cannot be read.
     page = 4096
-    data = path.read_bytes()
+    data = (state_dir / "catalog.db").read_bytes()
     assert len(data) > page
-    path.write_bytes(data[:page] + b"\xff" * (len(data) - page))
-    damaged = Catalog(path)
-    try:
-        with pytest.raises(StoreReadFailed, match="cannot be read"):
-            damaged.get(row.checkpoint_id)
-        with pytest.raises(StoreReadFailed):
-            damaged.sessions()
-    finally:
-        damaged.close()
+    (state_dir / "catalog.db").write_bytes(data[:page] + b"\xff" * (len(data) - page))
+    with pytest.raises(StoreReadFailed, match="cannot be read"):
+        Catalog(state_dir / "catalog.db")
+    args = [
+        "--state-dir",
+        str(state_dir),
+        "--address",
+        "127.0.0.1:0",
+        "--threads",
+        "1",
+        "--log-level",
+        "error",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstashd", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "cannot read the catalog: database disk image is malformed" in result.stderr  # the log
+    assert result.stderr.splitlines()[-1] == "error: the state store cannot be read (see the daemon's log)"

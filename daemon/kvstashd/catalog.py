@@ -82,7 +82,7 @@ class Catalog:
             private_file(self.path)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
-        with self._lock:
+        with self._reading():  # a catalog that cannot be read stops the daemon's start
             if str(path) != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
