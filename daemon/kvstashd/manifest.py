@@ -68,6 +68,10 @@ class Snapshot:
     saved_at: float = 0.0
     format: int = FORMAT
 
+    def piece_keys(self) -> list[str]:
+        """Every piece key the manifest references."""
+        return [*self.blocks, *(k for k, _ in self.window), *([self.recurrent] if self.recurrent else [])]
+
 
 def encode(s: Snapshot, key: bytes) -> bytes:
     meta = {
