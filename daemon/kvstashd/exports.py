@@ -105,8 +105,9 @@ def import_file(
         at += n
         return data
 
-    if take(len(EXPORT_MAGIC)) != EXPORT_MAGIC:
+    if os.pread(fd, len(EXPORT_MAGIC), 0) != EXPORT_MAGIC:
         raise CorruptCheckpoint("the data is not a kvstash checkpoint export")
+    take(len(EXPORT_MAGIC))
     manifest: bytes | None = None
     found: dict[str, tuple[int, int]] = {}
     while True:
