@@ -12,3 +12,6 @@ MAX_MESSAGE_CHARS = 1 << 24
 MAX_MESSAGES = 1 << 16
 MIN_BLOCK_TOKENS = 16
 MAX_BLOCK_TOKENS = 128
+# A request's grammar or JSON schema, in characters (its compile time is bounded by the
+# grammar engine's own limits).
+MAX_GRAMMAR_CHARS = 1 << 16
