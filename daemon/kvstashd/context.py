@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,7 +288,10 @@ class LlamaContext:
         produce them unless they name them), every end-of-generation token allowed to end a
         grammar's output. Takes a few hundred milliseconds."""
         eog = [t for t in range(self.n_vocab) if self.is_eog(t)]
-        return lltokenizer_from_vocab(self._vocab, eos_token=eog)
+        # llguidance's adapter reads token attributes through a deprecated alias that warns
+        # once per token.
+        with warnings.catch_warnings(action="ignore", category=DeprecationWarning):
+            return lltokenizer_from_vocab(self._vocab, eos_token=eog)
 
     # ---- evaluation -------------------------------------------------------------------------
 
