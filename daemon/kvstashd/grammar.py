@@ -164,7 +164,7 @@ class Grammars:
             self._cache.move_to_end(key)
             return found
         tokenizer = await self._llg_tokenizer()
-        compiled = await asyncio.to_thread(_compile, tokenizer, spec, self._limits)
+        compiled = await asyncio.to_thread(compile_spec, tokenizer, spec, self._limits)
         self._cache[key] = compiled
         while len(self._cache) > CACHE_ENTRIES:
             self._cache.popitem(last=False)
@@ -177,7 +177,7 @@ class Grammars:
             return self._tokenizer
 
 
-def _compile(
+def compile_spec(
     tokenizer: llguidance.LLTokenizer, spec: GrammarSpec, limits: llguidance.LLParserLimits
 ) -> llguidance.LLMatcher:
     """A fresh matcher for `spec`; InvalidRequest when it does not compile."""
