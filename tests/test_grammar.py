@@ -213,6 +213,21 @@ def test_a_prompt_closes_an_open_constraint(client: kvstash.Client) -> None:
         s.close()
 
 
+def test_a_rewind_before_the_output_began_drops_the_constraint(client: kvstash.Client) -> None:
+    digits = 'root ::= [0-9]+ "!"'
+    s = client.create_session(sampling=kvstash.SamplingParams(temperature=0.0))
+    try:
+        s.complete("Count: ", grammar=digits, max_tokens=3)
+        start = s.info().n_tokens - 3
+        s.rewind(start + 1)  # inside the output: it stays open
+        assert re.fullmatch(r"[0-9]+", s.complete("", max_tokens=3).text)
+        s.rewind(start - 1)  # before it: gone
+        free = s.complete("", max_tokens=12).text
+        assert not re.fullmatch(r"[0-9!]*", free), free
+    finally:
+        s.close()
+
+
 def test_async_client(daemon_address: str) -> None:
     async def run() -> str:
         async with kvstash.AsyncClient(daemon_address, timeout=30) as client:
