@@ -20,7 +20,7 @@ import jsonschema
 import pytest
 from checkpoint_helpers import SPAWN_ARGS
 from click.testing import CliRunner
-from daemons import DaemonProcess
+from daemons import DaemonProcess, InProcessDaemon
 
 import kvstash
 from kvstash.cli import main
@@ -185,6 +185,28 @@ def test_cut_short_output_continues_after_restore_and_in_a_fork(client: kvstash.
         fork.close()
     finally:
         s.close()
+
+
+def test_sessions_swapped_out_mid_output_continue_within_their_grammars(
+    start_daemon: Callable[..., InProcessDaemon],
+) -> None:
+    d = start_daemon(slots=1)
+    with kvstash.Client(d.address, timeout=60) as client:
+        grammars = {"gbnf": {"grammar": ARITHMETIC}, "schema": {"json_schema": PERSON}}
+        refs = {}
+        for name, options in grammars.items():
+            ref = client.create_session(sampling=HOT)
+            refs[name] = ref.complete(ARITHMETIC_PROMPT, max_tokens=LIMIT, **options)
+            ref.close()
+        sessions = {name: client.create_session(sampling=HOT) for name in grammars}
+        parts = {}
+        for name, options in grammars.items():  # each evicts the other from the one slot
+            parts[name] = sessions[name].complete(ARITHMETIC_PROMPT, max_tokens=4, **options)
+        for name in grammars:
+            rest = sessions[name].complete("", max_tokens=LIMIT)
+            assert list(parts[name].token_ids) + list(rest.token_ids) == list(refs[name].token_ids)
+        assert ArithmeticParser.matches(refs["gbnf"].text)
+        jsonschema.validate(json.loads(refs["schema"].text), PERSON)
 
 
 def test_a_cut_short_chat_reply_continues_into_the_same_message(client: kvstash.Client) -> None:
