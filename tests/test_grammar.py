@@ -271,6 +271,17 @@ def test_cli_run_with_a_json_schema(daemon_address: str, tmp_path: Path) -> None
     jsonschema.validate(json.loads(result.output), PERSON)
 
 
+def test_cli_run_with_a_grammar(daemon_address: str, tmp_path: Path) -> None:
+    grammar = tmp_path / "answer.gbnf"
+    grammar.write_text(ARITHMETIC)
+    args = ["run", "Write one sum.", "--seed", "4", "--max-tokens", str(LIMIT), "--grammar", str(grammar)]
+    result = CliRunner().invoke(main, ["--address", daemon_address, *args])
+    assert result.exit_code == 0, result.output
+    assert ArithmeticParser.matches(result.output.rstrip("\n")), result.output
+    both = CliRunner().invoke(main, ["--address", daemon_address, *args, "--json-schema", str(grammar)])
+    assert both.exit_code != 0 and "not both" in both.output
+
+
 def test_persistent_session_continues_within_its_grammar_after_kill_9(
     spawn_daemon: Callable[..., DaemonProcess],
 ) -> None:
