@@ -4,7 +4,8 @@ What is checked: the output parses under its grammar (a parser written here) or 
 under its schema (jsonschema); the same seed gives the same output at temperature > 0; a
 constrained output cut short continues within the grammar, and the same as an uninterrupted
 run, after a checkpoint is restored, in a fork, and after kill -9 of a persistent session;
-bad grammars and schemas get INVALID_ARGUMENT and leave the daemon serving.
+bad grammars and schemas get INVALID_ARGUMENT and leave the daemon serving, and so does a
+constraint from an imported checkpoint that does not compile or does not match its output.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from checkpoint_helpers import SPAWN_ARGS
+from checkpoint_helpers import SPAWN_ARGS, edit_export, export_bytes
 from click.testing import CliRunner
 from daemons import DaemonProcess, InProcessDaemon
 
@@ -207,6 +208,41 @@ def test_sessions_swapped_out_mid_output_continue_within_their_grammars(
             assert list(parts[name].token_ids) + list(rest.token_ids) == list(refs[name].token_ids)
         assert ArithmeticParser.matches(refs["gbnf"].text)
         jsonschema.validate(json.loads(refs["schema"].text), PERSON)
+
+
+def test_exported_mid_output_the_constraint_travels_and_is_checked_on_use(
+    client: kvstash.Client, tmp_path: Path
+) -> None:
+    s = client.create_session(sampling=HOT)
+    try:
+        part = s.complete(ARITHMETIC_PROMPT, grammar=ARITHMETIC, max_tokens=5)
+        assert part.finish_reason == "length"
+        data = export_bytes(client, s.checkpoint().checkpoint_id, tmp_path / "mid.kvs")
+        expected = s.complete("", max_tokens=LIMIT)
+    finally:
+        s.close()
+
+    def imported(edit: Callable[[dict[str, Any]], None] | None) -> kvstash.Session:
+        path = tmp_path / "edited.kvs"
+        path.write_bytes(edit_export(data, edit) if edit is not None else data)
+        return client.fork_session(checkpoint_id=client.import_checkpoint(path).checkpoint_id)
+
+    same = imported(None)
+    assert same.complete("", max_tokens=LIMIT).token_ids == expected.token_ids
+    same.close()
+
+    def other_grammar(meta: dict[str, Any]) -> None:
+        meta["constraint"]["text"] = 'root ::= "zzz"'
+
+    def broken_grammar(meta: dict[str, Any]) -> None:
+        meta["constraint"]["text"] = "root ::= missing"
+
+    for edit, message in ((other_grammar, "does not match its grammar"), (broken_grammar, "invalid")):
+        forged = imported(edit)
+        with pytest.raises(kvstash.InvalidRequestError, match=message):
+            forged.complete("", max_tokens=4)
+        assert forged.complete(" and so on", max_tokens=2).token_ids  # a prompt starts afresh
+        forged.close()
 
 
 def test_a_cut_short_chat_reply_continues_into_the_same_message(client: kvstash.Client) -> None:
