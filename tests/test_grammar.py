@@ -245,6 +245,32 @@ def test_exported_mid_output_the_constraint_travels_and_is_checked_on_use(
         forged.close()
 
 
+def test_a_cancelled_constrained_stream_continues_as_if_uninterrupted(client: kvstash.Client) -> None:
+    # At least 40 lines: the output cannot end before the cancel lands.
+    lines = r'root ::= ("- " [a-z]+ (" " [a-z]+){2,} "." "\n"){40,}'
+    n = 120
+    ref = client.create_session(sampling=HOT)
+    whole = ref.complete("Notes:\n", grammar=lines, max_tokens=n)
+    ref.close()
+    assert whole.finish_reason == "length" and whole.usage is not None
+    s = client.create_session(sampling=HOT)
+    try:
+        seen: list[int] = []
+        stream = s.generate("Notes:\n", grammar=lines, max_tokens=n)
+        for chunk in stream:
+            seen += chunk.token_ids
+            if len(seen) >= 2:
+                break
+        stream.close()  # cancels: the daemon stops within a step
+        rest = s.complete("", max_tokens=n)  # waits for the cancelled job's end
+        generated = s.info().n_tokens - whole.usage.prompt_tokens - len(rest.token_ids)
+        assert len(seen) <= generated < n
+        assert seen == list(whole.token_ids[: len(seen)])
+        assert list(rest.token_ids[: n - generated]) == list(whole.token_ids[generated:])
+    finally:
+        s.close()
+
+
 def test_a_cut_short_chat_reply_continues_into_the_same_message(client: kvstash.Client) -> None:
     s = client.create_session("You describe users of a system as JSON.", sampling=HOT)
     try:
