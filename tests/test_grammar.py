@@ -19,7 +19,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from checkpoint_helpers import SPAWN_ARGS, edit_export, export_bytes
+from checkpoint_helpers import SPAWN_ARGS, edit_export, edit_manifest, export_bytes, remac
 from click.testing import CliRunner
 from daemons import DaemonProcess, InProcessDaemon
 
@@ -427,3 +427,19 @@ def test_manifests_carry_the_open_constraint() -> None:
     ):
         with pytest.raises(CorruptCheckpoint, match="constraint"):
             decode(encode(_snapshot(bad), key), key, 100)
+    good = encode(_snapshot(open_one), key)
+    for value in (
+        5,
+        [],
+        {"kind": "gbnf", "text": "x"},
+        {"kind": "gbnf", "text": "x", "start": True},
+        {"kind": "gbnf", "text": "x", "start": -1},
+        {"kind": "gbnf", "text": 7, "start": 0},
+        {"kind": None, "text": "x", "start": 0},
+    ):
+
+        def edit(meta: dict[str, Any], value: object = value) -> None:
+            meta["constraint"] = value
+
+        with pytest.raises(CorruptCheckpoint, match="constraint"):
+            decode(remac(edit_manifest(good, edit), key), key, 100)

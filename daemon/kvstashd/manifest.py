@@ -284,10 +284,14 @@ def _constraint(value: object, n_tokens: int) -> Constraint | None:
         return None
     if not isinstance(value, dict):
         raise CorruptCheckpoint("the checkpoint's constraint is malformed")
-    kind = _get(value, "kind", str)
-    text = _get(value, "text", str)
-    start = _get(value, "start", int)
-    if kind not in KINDS or not 0 < len(text) <= MAX_GRAMMAR_CHARS or not 0 <= start <= n_tokens:
+    kind, text, start = value.get("kind"), value.get("text"), value.get("start")
+    if (
+        kind not in KINDS
+        or not isinstance(text, str)
+        or not 0 < len(text) <= MAX_GRAMMAR_CHARS
+        or type(start) is not int
+        or not 0 <= start <= n_tokens
+    ):
         raise CorruptCheckpoint("the checkpoint's constraint is malformed")
     return Constraint(GrammarSpec(kind, text), start)
 
