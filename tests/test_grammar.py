@@ -367,6 +367,7 @@ BAD = [
     ({"grammar": "root ::= missing"}, "not found"),
     ({"grammar": 'root ::= "a'}, "grammar is invalid"),
     ({"grammar": 'answer ::= "a"'}, "root"),
+    ({"grammar": 'root ::= start "!"\nstart ::= "go"'}, "may not be named 'start'"),
     ({"grammar": "root ::= " + "(" * 5000 + '"a"' + ")" * 5000}, "grammar is invalid"),
     ({"grammar": "root ::= " + " ".join(["[a-z]{0,50}"] * 200)}, "grammar is invalid"),
     ({"grammar": '"a"' * MAX_GRAMMAR_CHARS}, "limit"),

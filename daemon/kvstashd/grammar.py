@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Literal
 import llguidance
 import numpy as np
 import numpy.typing as npt
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from kvstashd.errors import InvalidRequest, KvstashError
 from kvstashd.limits import MAX_GRAMMAR_CHARS
@@ -42,6 +44,8 @@ JSON_OPTIONS: llguidance._lib.JsonCompileOptions = {
 # Compiled grammars kept for reuse (per tenant: compile times must not tell one tenant
 # which schemas another uses).
 CACHE_ENTRIES = 64
+# A GBNF rule the converter to Lark cannot take: it names root so.
+_GBNF_START = re.compile(r"(?m)^\s*start\s*::=")
 # An error message from the compiler is cut to this many characters.
 MAX_ERROR_CHARS = 600
 
@@ -184,14 +188,18 @@ def compile_spec(
     name = "grammar" if spec.kind == "gbnf" else "JSON schema"
     try:
         if spec.kind == "gbnf":
-            # GBNF is converted to llguidance's Lark syntax (which is also accepted as it is).
-            definition = llguidance.grammar_from("gbnf", spec.text)
+            # GBNF is converted to llguidance's Lark syntax, which is also accepted as it is (it
+            # has no "::="; llguidance's own guess, a rule named "start", mistakes GBNF's).
+            if _GBNF_START.search(spec.text):
+                raise ValueError("a GBNF rule may not be named 'start' (the converter's name for root)")
+            lark = gbnf_to_lark(spec.text) if "::=" in spec.text else spec.text
+            definition = llguidance.LLMatcher.grammar_from_lark(lark)
         else:
             schema = json.loads(spec.text)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be a JSON object")
             definition = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=JSON_OPTIONS)
-    except (ValueError, RecursionError) as e:  # json.JSONDecodeError is a ValueError
+    except Exception as e:  # the GBNF converter raises bare Exceptions and RecursionError
         raise InvalidRequest(f"the {name} is invalid: {_short(e)}") from None
     matcher = llguidance.LLMatcher(tokenizer, definition, log_level=0, limits=limits)
     if not matcher.is_error():
