@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import grpc
 from grpc import aio
@@ -217,6 +217,8 @@ class AsyncSession:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
     ) -> AsyncGenerator[Chunk, None]:
         """Append ``prompt`` to the session and stream what follows; see Session.generate."""
@@ -227,6 +229,8 @@ class AsyncSession:
             stop=stop,
             sampling=sampling,
             logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
             parse_special=parse_special,
         )
         return self.client._stream(self.client._stub.Generate, request, _generate_chunk)
@@ -239,6 +243,8 @@ class AsyncSession:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
     ) -> Completion:
         """Like generate, but waits for the whole continuation."""
@@ -248,6 +254,8 @@ class AsyncSession:
             stop=stop,
             sampling=sampling,
             logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
             parse_special=parse_special,
         )
         return await _join(stream)
@@ -260,6 +268,8 @@ class AsyncSession:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """Send a user message through the chat template and stream the reply."""
         request = chat_request(
@@ -269,6 +279,8 @@ class AsyncSession:
             stop=stop,
             sampling=sampling,
             logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
         )
         return self.client._stream(self.client._stub.Chat, request, _chat_chunk)
 
@@ -280,10 +292,18 @@ class AsyncSession:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
     ) -> Completion:
         """Like chat_stream, but waits for the whole reply."""
         stream = self.chat_stream(
-            message, max_tokens=max_tokens, stop=stop, sampling=sampling, logprobs=logprobs
+            message,
+            max_tokens=max_tokens,
+            stop=stop,
+            sampling=sampling,
+            logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
         )
         return await _join(stream)
 

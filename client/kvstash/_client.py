@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from functools import partial
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -216,6 +216,8 @@ class Session:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
     ) -> Generator[Chunk, None, None]:
         """Append ``prompt`` (text, or token ids) to the session and stream what follows.
@@ -225,6 +227,10 @@ class Session:
         only. ``logprobs`` asks for that many alternatives per token. Control-token markers in
         the text are parsed only with ``parse_special``. The call starts on the first
         ``next()``; stopping the iteration early cancels it.
+
+        Structured output: ``grammar`` (GBNF text) or ``json_schema`` (a dict or JSON text)
+        makes the output match it. Output cut short (``max_tokens``, a stop string) leaves the
+        constraint open: calling generate again with an empty prompt continues within it.
         """
         request = generate_request(
             self.session_id,
@@ -233,6 +239,8 @@ class Session:
             stop=stop,
             sampling=sampling,
             logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
             parse_special=parse_special,
         )
         return self.client._stream(self.client._stub.Generate, request, _generate_chunk)
@@ -245,6 +253,8 @@ class Session:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
     ) -> Completion:
         """Like generate, but waits for the whole continuation."""
@@ -255,6 +265,8 @@ class Session:
                 stop=stop,
                 sampling=sampling,
                 logprobs=logprobs,
+                grammar=grammar,
+                json_schema=json_schema,
                 parse_special=parse_special,
             )
         )
@@ -267,6 +279,8 @@ class Session:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
     ) -> Generator[Chunk, None, None]:
         """Send a user message through the model's chat template and stream the reply.
 
@@ -279,6 +293,8 @@ class Session:
             stop=stop,
             sampling=sampling,
             logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
         )
         return self.client._stream(self.client._stub.Chat, request, _chat_chunk)
 
@@ -290,10 +306,20 @@ class Session:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
     ) -> Completion:
         """Like chat_stream, but waits for the whole reply."""
         return join_chunks(
-            self.chat_stream(message, max_tokens=max_tokens, stop=stop, sampling=sampling, logprobs=logprobs)
+            self.chat_stream(
+                message,
+                max_tokens=max_tokens,
+                stop=stop,
+                sampling=sampling,
+                logprobs=logprobs,
+                grammar=grammar,
+                json_schema=json_schema,
+            )
         )
 
     def info(self) -> SessionInfo:

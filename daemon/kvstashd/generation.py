@@ -18,6 +18,7 @@ from kvstashd import ops
 from kvstashd.chat import ChatMessage, Message, Segment, after_prefix, text_of
 from kvstashd.context import LlamaContext
 from kvstashd.errors import ContextFull, InvalidRequest, KvstashError
+from kvstashd.grammar import Constraint, GrammarSpec, next_constraint
 from kvstashd.job import Chunk, GenerationRequest, Job
 from kvstashd.limits import MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from kvstashd.session import SamplingOverrides, Session
@@ -38,6 +39,9 @@ class Turn:
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
     stop: Sequence[str] = ()
     logprobs: int = 0
+    # Structured output: a GBNF grammar or a JSON schema (text), at most one of them.
+    grammar: str = ""
+    json_schema: str = ""
 
 
 class Conversations:
@@ -66,6 +70,7 @@ class Conversations:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
         self.check_bytes(prompt, "prompt")
         request = self._request(session, turn)
+        spec = await self._grammar(session, turn)
         async with self.manager.use(session):
             # The slot first: waiting for it may be cut short, and nothing has changed yet.
             slot = await self.manager.residency.into_slot(session)
@@ -77,7 +82,14 @@ class Conversations:
                 tokens = list(prompt_token_ids)
             request = replace(request, prompt=tuple(tokens))
             self._check_fits(session, request)
-            await self._run(session, slot, request, put)
+            start = len(session.state.tokens) + len(tokens)
+            constraint = next_constraint(session.constraint, spec, start, continuing=not tokens)
+            reply = None
+            if constraint is not None and constraint is session.constraint and session.messages:
+                last = session.messages[-1]
+                # Continuing a chat reply cut short within its grammar: the text joins that reply.
+                reply = last if last.role == "assistant" and last.start == constraint.start else None
+            await self._run(session, slot, request, put, reply, constraint)
 
     async def chat(self, session: Session, put: Put, *, message: str, turn: Turn) -> None:
         """Add a user message through the chat template and stream the assistant's reply."""
@@ -87,6 +99,7 @@ class Conversations:
             raise InvalidRequest("the message is empty")
         self.check_bytes(message, "message")
         request = self._request(session, turn)
+        spec = await self._grammar(session, turn)
         async with self.manager.use(session):
             slot = await self.manager.residency.into_slot(session)
             state = session.state
@@ -110,9 +123,10 @@ class Conversations:
             request = replace(request, prompt=tuple(tokens))
             self._check_fits(session, request)
             reply = ChatMessage("assistant", "", len(state.tokens) + len(tokens))
+            constraint = next_constraint(None, spec, reply.start, continuing=False)
             session.messages += [user, reply]
             try:
-                await self._run(session, slot, request, put, reply)
+                await self._run(session, slot, request, put, reply, constraint)
             except BaseException:
                 if len(state.tokens) <= user.start:  # nothing was added: neither are messages
                     del session.messages[-2:]
@@ -125,22 +139,31 @@ class Conversations:
         request: GenerationRequest,
         put: Put,
         reply: ChatMessage | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
-        """Run one generation on a session in `slot`, whose lock the caller holds."""
+        """Run one generation on a session in `slot`, whose lock the caller holds, under
+        `constraint` (structured output) when there is one."""
         manager = self.manager
         if session.persistent:  # its autosave would store more: refused before anything changes
             await manager.persistence.check_stored(manager.tenants.get(session.tenant))
+        matcher = None
+        if constraint is not None:
+            output = session.state.tokens[constraint.start :]
+            matcher = await manager.grammars.matcher(session.tenant, constraint, output)
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
 
         def emit(item: Chunk | BaseException) -> None:
             loop.call_soon_threadsafe(items.put_nowait, item)
 
-        n_before = len(session.state.tokens)
         job = Job(session.state, slot, request, emit)
+        job.matcher = matcher
         job.prefix = await manager.prefixes.find(session, [*session.state.tokens, *request.prompt])
         job.boundary_at = manager.prefixes.boundary_for(session)
         session.job = job
+        before, previous = len(session.state.tokens), session.constraint
+        reply_before = reply.content if reply is not None else ""
+        session.constraint = constraint
         manager.touch(session)
         manager.engine.submit(job)
         # A client that leaves stops the job within one step; the job's end is awaited all
@@ -161,6 +184,9 @@ class Conversations:
                     reply.content += item.text
                 if item.finish_reason is not None:
                     session.job = None
+                    if item.finish_reason == "eos":
+                        # Allowed only once a grammar accepts: the constrained output is whole.
+                        session.constraint = None
                     if item.usage is not None:
                         self.tokens_reused += item.usage.reused_tokens
                         usage = manager.residency.usage[session.tenant]
@@ -171,10 +197,16 @@ class Conversations:
                     if job.boundary is not None:
                         session.boundary = job.boundary
                     if session.persistent:
-                        await self._save_turn(session, n_before)
+                        await self._save_turn(session, before)
                 put(item)
                 if item.finish_reason is not None:
                     return
+        except BaseException:
+            if len(session.state.tokens) == before:  # nothing was added (or it was undone)
+                session.constraint = previous
+                if reply is not None:
+                    reply.content = reply_before
+            raise
         finally:
             session.job = None
 
@@ -200,6 +232,13 @@ class Conversations:
             stop=session.stop + check_stop(turn.stop),
             logprobs=turn.logprobs,
         )
+
+    async def _grammar(self, session: Session, turn: Turn) -> GrammarSpec | None:
+        """The request's grammar, compiled (or found compiled): refused before any wait."""
+        spec = GrammarSpec.of(turn.grammar, turn.json_schema)
+        if spec is not None:
+            await self.manager.grammars.check(session.tenant, spec)
+        return spec
 
     def _check_fits(self, session: Session, request: GenerationRequest) -> None:
         settings, model = self.manager.settings, self.manager.model

@@ -284,6 +284,8 @@ def turn_from_pb(r: pb.GenerateRequest | pb.ChatRequest) -> Turn:
         sampling=overrides_from_pb(r.sampling),
         stop=list(r.stop),
         logprobs=r.logprobs,
+        grammar=r.grammar,
+        json_schema=r.json_schema,
     )
 
 

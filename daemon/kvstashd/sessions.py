@@ -26,6 +26,7 @@ from kvstashd.context import ModelInfo
 from kvstashd.engine import Engine
 from kvstashd.errors import Busy, ContextFull, FailedPrecondition, InvalidRequest, KvstashError, NotFound
 from kvstashd.generation import Conversations, Turn, check_stop
+from kvstashd.grammar import Grammars
 from kvstashd.job import Chunk
 from kvstashd.manifest import Snapshot
 from kvstashd.persistence import Persistence, Stores
@@ -85,6 +86,11 @@ class SessionManager:
         self.conversations = Conversations(self)
         self.checkpoints = Checkpointing(self)
         self.prefixes = PrefixCache(self)
+        self.grammars = Grammars(
+            # Reads the vocabulary only: built in a worker thread, beside the engine's steps.
+            lambda: asyncio.to_thread(engine.read_vocab, lambda c: c.grammar_tokenizer()),
+            self.model.n_vocab,
+        )
         # Who may call, and their quotas; replaced as a whole when the auth file is read again.
         self.tenants = Tenants.anonymous()
         self.residency.parked_quota = lambda name: self.tenants.get(name).quota.max_parked_bytes
