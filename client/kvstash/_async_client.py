@@ -24,7 +24,7 @@ from kvstash._convert import (
 )
 from kvstash._errors import from_rpc_error
 from kvstash._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
-from kvstash._types import CheckpointInfo, Chunk, Completion, Info, SamplingParams, SessionInfo
+from kvstash._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo
 from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 
@@ -254,14 +254,16 @@ class AsyncSession:
 
     def chat_stream(
         self,
-        message: str,
+        message: str | Sequence[Message],
         *,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        whole: bool = False,
     ) -> AsyncGenerator[Chunk, None]:
-        """Send a user message through the chat template and stream the reply."""
+        """Send a user message through the chat template and stream the reply; ``message``
+        and ``whole`` work as in Session.chat_stream."""
         request = chat_request(
             self.session_id,
             message,
@@ -269,21 +271,23 @@ class AsyncSession:
             stop=stop,
             sampling=sampling,
             logprobs=logprobs,
+            whole=whole,
         )
         return self.client._stream(self.client._stub.Chat, request, _chat_chunk)
 
     async def chat(
         self,
-        message: str,
+        message: str | Sequence[Message],
         *,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        whole: bool = False,
     ) -> Completion:
         """Like chat_stream, but waits for the whole reply."""
         stream = self.chat_stream(
-            message, max_tokens=max_tokens, stop=stop, sampling=sampling, logprobs=logprobs
+            message, max_tokens=max_tokens, stop=stop, sampling=sampling, logprobs=logprobs, whole=whole
         )
         return await _join(stream)
 
