@@ -362,12 +362,16 @@ def test_auth_tenants_and_quotas_over_http(tenants: InProcessDaemon) -> None:
         # Another tenant's session is not found, as an unknown one is.
         with pytest.raises(openai.NotFoundError, match="no session"):
             chat(alice, hello, max_tokens=1, extra_body={"session_id": bobs})
-        # The door's kept sessions make room when the tenant's quota of 2 is reached.
-        mine = grpc.create_session()
+        # At the tenant's quota of 2 (and no kept session to close), a new conversation is 429.
+        mine = [grpc.create_session() for _ in range(2)]
+        with pytest.raises(openai.RateLimitError, match="quota"):
+            chat(alice, hello, max_tokens=1)
+        mine.pop().close()
+        # The door's kept sessions make room when the quota is reached.
         for i in range(3):
             chat(alice, [{"role": "user", "content": f"Say {i}."}], max_tokens=1)
         assert len(grpc.list_sessions()) == 2
-        mine.close()
+        mine[0].close()
 
 
 def free_port() -> int:
