@@ -292,6 +292,17 @@ def test_bad_input_gets_a_4xx_and_the_daemon_goes_on(
     # A streamed request that fails before its first chunk gets its status, not a broken stream.
     assert raw(door, "/chat/completions", {**ok, "stream": True, "max_tokens": 5000}).status_code == 400
 
+    # A session made for a request that failed is closed: the client never learnt its id.
+    before = len(grpc_client.list_sessions())
+    assert raw(door, "/chat/completions", {**ok, "session_id": "new", "max_tokens": 5000}).status_code == 400
+    assert (
+        raw(
+            door, "/completions", {"model": MODEL, "prompt": "x", "session_id": "new", "max_tokens": 5000}
+        ).status_code
+        == 400
+    )
+    assert len(grpc_client.list_sessions()) == before
+
     check_serving(grpc_client)
     assert raw(door, "/chat/completions", ok).status_code == 200
 

@@ -103,6 +103,7 @@ def test_streaming_stop_and_asyncio(daemon_address: str, client: kvstash.Client)
         first = await models[0].ainvoke(ask)
         turn = [*ask, first, HumanMessage("Again.")]
         streamed = "".join([str(c.content) async for c in models[0].astream(turn)])
+        await models[0].aclose()
         return str(first.content), streamed
 
     first, streamed = asyncio.run(run())

@@ -104,7 +104,8 @@ class ChatKvstash(BaseChatModel):
     serialised, and the session should not be used by anyone else meanwhile (its history
     would no longer be the one this object knows; the next call would rewind to what
     matches, or append to a history it does not know). Streaming, stop strings and asyncio
-    (through ``kvstash.AsyncClient``) are supported; tool calls are not.
+    (through ``kvstash.AsyncClient``) are supported; tool calls are not. ``close()`` and
+    ``aclose()`` close its connections; the session stays on the daemon.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -135,6 +136,18 @@ class ChatKvstash(BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "kvstash"
+
+    def close(self) -> None:
+        """Close the blocking connection; the session stays on the daemon."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    async def aclose(self) -> None:
+        """Close the asyncio connection; the session stays on the daemon."""
+        if self._aclient is not None:
+            await self._aclient.close()
+            self._aclient = None
 
     @property
     def _identifying_params(self) -> dict[str, Any]:

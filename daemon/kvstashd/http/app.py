@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -84,6 +84,8 @@ class OpenAiDoor:
                 return JSONResponse(body, status)
             except ValidationError as e:
                 return JSONResponse(error("invalid_request_error", _describe(e)), 400)
+            except ClientDisconnect:
+                return Response(status_code=400)  # nobody reads it
             except BodyTooLarge:
                 message = f"the request body is larger than the limit of {self.body_limit} bytes"
                 return JSONResponse(error("request_too_large", message), 413)
@@ -269,10 +271,10 @@ class OpenAiDoor:
                 if include_usage and chunk.usage is not None:
                     yield sse(reply.usage_chunk(chunk.usage))
                 yield sse("[DONE]")
-            except KvstashError as e:
-                if type(e) is KvstashError:
+            except Exception as e:
+                if not isinstance(e, KvstashError) or type(e) is KvstashError:
                     log.error("internal error", exc_info=e)
-                yield sse(domain_error(e)[1])
+                yield sse(domain_error(e if isinstance(e, KvstashError) else KvstashError())[1])
             finally:
                 # A client that left stops the generation (within one engine step).
                 if isinstance(it, AsyncGenerator):

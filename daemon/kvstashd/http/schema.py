@@ -14,8 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvstashd.chat import Message
 from kvstashd.errors import InvalidRequest
-from kvstashd.generation import Turn
+from kvstashd.generation import Turn, check_stop
 from kvstashd.limits import MAX_LOGPROBS
+from kvstashd.sampling import SamplingParams
 from kvstashd.session import SamplingOverrides
 
 # The extension value of `session_id` that starts a new session for the caller.
@@ -94,6 +95,14 @@ class GenerationBody(_Body):
     def sampling(self) -> SamplingOverrides:
         return SamplingOverrides(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
 
+    def checked(self, turn: Turn) -> Turn:
+        """The turn, its sampling values and stop strings checked now: before a session is
+        made for it."""
+        self.refuse_unsupported()
+        turn.sampling.apply(SamplingParams())
+        check_stop(turn.stop)
+        return turn
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -125,13 +134,14 @@ class ChatCompletionRequest(GenerationBody):
         return [m.message() for m in self.messages]
 
     def turn(self) -> Turn:
-        self.refuse_unsupported()
-        return Turn(
-            max_tokens=self.max_completion_tokens or self.max_tokens,
-            sampling=self.sampling(),
-            stop=self.stops(),
-            # The engine reports the sampled token's logprob along with the alternatives.
-            logprobs=max(1, self.top_logprobs or 0) if self.logprobs else 0,
+        return self.checked(
+            Turn(
+                max_tokens=self.max_completion_tokens or self.max_tokens,
+                sampling=self.sampling(),
+                stop=self.stops(),
+                # The engine reports the sampled token's logprob along with the alternatives.
+                logprobs=max(1, self.top_logprobs or 0) if self.logprobs else 0,
+            )
         )
 
 
@@ -163,10 +173,11 @@ class CompletionRequest(GenerationBody):
         return "", [int(t) for t in p]
 
     def turn(self) -> Turn:
-        self.refuse_unsupported()
-        return Turn(
-            max_tokens=self.max_tokens or COMPLETION_MAX_TOKENS,
-            sampling=self.sampling(),
-            stop=self.stops(),
-            logprobs=self.logprobs or 0,
+        return self.checked(
+            Turn(
+                max_tokens=self.max_tokens or COMPLETION_MAX_TOKENS,
+                sampling=self.sampling(),
+                stop=self.stops(),
+                logprobs=self.logprobs or 0,
+            )
         )
