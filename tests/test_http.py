@@ -211,9 +211,10 @@ def test_a_new_session_over_http(oai: openai.OpenAI, grpc_client: kvstash.Client
         oai,
         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fruit."}],
         max_tokens=6,
-        extra_body={"session_id": "new"},
+        extra_body={"session_id": "new", "persistent": True},
     )
     session_id = start.model_extra["session_id"]
+    assert grpc_client.session(session_id).info().persistent
     more = chat(
         oai, [{"role": "user", "content": "Another."}], max_tokens=6, extra_body={"session_id": session_id}
     )
@@ -263,6 +264,7 @@ def test_bad_input_gets_a_4xx_and_the_daemon_goes_on(
         ({**ok, "messages": [{"role": "system", "content": "Only a system prompt."}]}, 400, "no message"),
         ({**ok, "max_tokens": 5000}, 400, "context"),
         ({**ok, "session_id": "nope"}, 400, "malformed session id"),
+        ({**ok, "persistent": True}, 400, "persistent goes with"),
         ({**ok, "session_id": "s_" + "0" * 24}, 404, "no session"),
         ({**ok, "model": "gpt-4o"}, 404, "this daemon serves"),
         (b"x" * (BODY_LIMIT + 1), 413, "larger than the limit"),
@@ -319,6 +321,10 @@ def test_without_an_auth_file_the_http_door_stays_local(tmp_path: Path) -> None:
     settings(http_address="0.0.0.0:8080", auth_file=write_auth(tmp_path / "auth.toml", TOKENS)).validate()
 
 
+#: The CA that signed each TLS daemon's certificate.
+CA: dict[InProcessDaemon, Path] = {}
+
+
 @pytest.fixture(scope="module")
 def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessDaemon]:
     """Two tenants over HTTP and TLS; alice may hold two sessions."""
@@ -332,13 +338,13 @@ def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessDaemo
         tls_key=certs.server.key,
         slots=2,
     )
-    d.ca = certs.ca  # type: ignore[attr-defined]
+    CA[d] = certs.ca
     yield d
     d.stop()
 
 
 def ssl_context(d: InProcessDaemon) -> ssl.SSLContext:
-    return ssl.create_default_context(cafile=str(d.ca))  # type: ignore[attr-defined]
+    return ssl.create_default_context(cafile=str(CA[d]))
 
 
 def tenant_client(d: InProcessDaemon, token: str) -> openai.OpenAI:
@@ -368,7 +374,7 @@ def test_auth_tenants_and_quotas_over_http(tenants: InProcessDaemon) -> None:
 
     with (
         tenant_client(tenants, TOKENS["alice"]) as alice,
-        kvstash.Client(tenants.address, token=TOKENS["alice"], tls=kvstash.Tls(ca_file=tenants.ca)) as grpc,  # type: ignore[attr-defined]
+        kvstash.Client(tenants.address, token=TOKENS["alice"], tls=kvstash.Tls(ca_file=CA[tenants])) as grpc,
     ):
         # Another tenant's session is not found, as an unknown one is.
         with pytest.raises(openai.NotFoundError, match="no session"):

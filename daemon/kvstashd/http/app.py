@@ -155,11 +155,11 @@ class OpenAiDoor:
                 # the flow keeps what still matches.
                 stream = m.converse(found[0].session_id, tenant, messages=messages, whole=True, turn=turn)
             else:
-                session, rest = await self._new_chat_session(tenant, messages)
+                session, rest = await self._new_chat_session(tenant, messages, persistent=False)
                 self.keep.add(tenant, session)
                 stream = m.converse(session.session_id, tenant, messages=rest, whole=False, turn=turn)
         elif req.session_id == NEW_SESSION:
-            session, rest = await self._new_chat_session(tenant, messages)
+            session, rest = await self._new_chat_session(tenant, messages, persistent=req.persistent)
             on_fail = self._closer(session, tenant)
             stream = m.converse(session.session_id, tenant, messages=rest, whole=False, turn=turn)
             req.session_id = session.session_id
@@ -175,7 +175,7 @@ class OpenAiDoor:
         return JSONResponse(reply.chat("".join(c.text for c in chunks), chunks, top))
 
     async def _new_chat_session(
-        self, tenant: Tenant, messages: Sequence[Message]
+        self, tenant: Tenant, messages: Sequence[Message], *, persistent: bool
     ) -> tuple[Session, list[Message]]:
         """A new session whose system prompt is the conversation's leading system message,
         and the messages that follow it."""
@@ -184,7 +184,7 @@ class OpenAiDoor:
         if not rest:
             raise InvalidRequest("the conversation has no message after its system prompt")
         await self.keep.make_room(tenant)
-        session = await self.manager.create(tenant, system, SamplingOverrides(), (), persistent=False)
+        session = await self.manager.create(tenant, system, SamplingOverrides(), (), persistent=persistent)
         return session, rest
 
     # ---- legacy completions ------------------------------------------------------------------
@@ -199,7 +199,9 @@ class OpenAiDoor:
             if not prompt and not token_ids:
                 raise InvalidRequest("the prompt is empty")
             await self.keep.make_room(tenant)
-            session = await self.manager.create(tenant, "", SamplingOverrides(), (), persistent=False)
+            session = await self.manager.create(
+                tenant, "", SamplingOverrides(), (), persistent=req.persistent
+            )
             if req.session_id is None:
                 self.keep.add(tenant, session)  # a source for the prefix cache
             else:

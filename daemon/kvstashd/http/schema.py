@@ -76,8 +76,10 @@ class GenerationBody(_Body):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
-    # Extension: continue this kvstash session (or "new": start one) instead of a whole prompt.
+    # Extensions: continue this kvstash session (or "new": start one) instead of a whole
+    # prompt; a session started so may be persistent.
     session_id: str | None = None
+    persistent: bool = False
 
     def refuse_unsupported(self) -> None:
         if self.n not in (None, 1):
@@ -86,6 +88,8 @@ class GenerationBody(_Body):
             raise InvalidRequest("frequency_penalty and presence_penalty are not supported")
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported")
+        if self.persistent and self.session_id != NEW_SESSION:
+            raise InvalidRequest(f"persistent goes with session_id {NEW_SESSION!r}: it starts a session")
 
     def stops(self) -> list[str]:
         if self.stop is None:
