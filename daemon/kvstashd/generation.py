@@ -96,8 +96,8 @@ class Conversations:
         template = self.manager.template
         assert template is not None
         check_messages(messages)
-        for m in messages:
-            self.check_bytes(m.content, "message")
+        for given in messages:
+            self.check_bytes(given.content, "message")
         request = self._request(session, turn)
         async with self.manager.use(session):
             slot = await self.manager.residency.into_slot(session)

@@ -14,6 +14,7 @@ import uvicorn
 
 from kvstashd.config import Settings
 from kvstashd.http.app import OpenAiDoor
+from kvstashd.limits import MAX_CONCURRENT_RPCS
 from kvstashd.sessions import SessionManager
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class HttpDoor:
             access_log=False,
             server_header=False,
             timeout_graceful_shutdown=max(1, round(s.grace_seconds)),
+            # The bound gRPC has on requests served at once; beyond it, 503.
+            limit_concurrency=MAX_CONCURRENT_RPCS,
             ssl_certfile=str(s.tls_cert) if s.tls_cert else None,
             ssl_keyfile=str(s.tls_key) if s.tls_key else None,
             ssl_ca_certs=str(s.tls_client_ca) if s.tls_client_ca else None,
