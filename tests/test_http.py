@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import socket
 import ssl
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -404,5 +405,27 @@ def test_serve_http_flag_and_sigterm(spawn_daemon: Any) -> None:
         assert c.models.list().data[0].id == MODEL
         stream = chat(c, [{"role": "user", "content": "Hi"}], max_tokens=4, stream=True)
         assert list(stream)[-1].choices[0].finish_reason in ("stop", "length")
-    assert d.terminate() == 0
+    # SIGTERM while a stream is in flight: the door drains (within the grace period) before
+    # the session manager shuts down, and the daemon exits cleanly; the client never hangs.
+    started, ended = threading.Event(), threading.Event()
+
+    def consume() -> None:
+        try:
+            with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0) as c:
+                stream = chat(
+                    c, [{"role": "user", "content": "Count to one hundred."}], max_tokens=300, stream=True
+                )
+                for _ in stream:
+                    started.set()
+        except openai.APIError:
+            pass
+        finally:
+            started.set()
+            ended.set()
+
+    threading.Thread(target=consume, daemon=True).start()
+    assert started.wait(120)
+    assert d.terminate(timeout=60) == 0
+    assert ended.wait(30)
     assert "serving the OpenAI-compatible HTTP API" in d.log()
+    assert "Traceback" not in d.log()

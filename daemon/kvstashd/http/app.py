@@ -9,6 +9,7 @@ first chunk exists, so errors before it (a full queue, a full context) get their
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from kvstashd.chat import Message
 from kvstashd.errors import FailedPrecondition, InvalidRequest, KvstashError, NotFound, Unavailable
@@ -48,7 +50,7 @@ async def _nothing() -> None:
 
 
 class OpenAiDoor:
-    """The door's handlers over a SessionManager; `app` is the ASGI application."""
+    """The door's handlers over a SessionManager; `asgi` is the ASGI application."""
 
     def __init__(self, manager: SessionManager, model_id: str, body_limit: int) -> None:
         self.manager = manager
@@ -57,7 +59,7 @@ class OpenAiDoor:
         self.keep = SessionKeep(manager)
         self.accepting = True
         self.created = int(time.time())
-        self.app = Starlette(
+        self._app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self._endpoint(self.chat_completions), methods=["POST"]),
                 Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
@@ -66,6 +68,18 @@ class OpenAiDoor:
             ],
             exception_handlers={HTTPException: self._http_error},
         )
+
+    async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI application."""
+        try:
+            await self._app(scope, receive, send)
+        except asyncio.CancelledError:
+            # NOTE: once the daemon stops, uvicorn cancels the requests that outlive the grace
+            # period. The cancellation has passed through the request (its generation was
+            # told to stop on the way) and ends the task here, where uvicorn would log it as
+            # an application error.
+            if self.accepting:
+                raise
 
     # ---- plumbing ----------------------------------------------------------------------------
 

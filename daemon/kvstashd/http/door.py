@@ -60,7 +60,9 @@ class HttpDoor:
         sock = listen(s.http_address)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.door.app,
+            self.door.asgi,
+            interface="asgi3",
+            proxy_headers=False,
             lifespan="off",
             log_config=None,
             access_log=False,
