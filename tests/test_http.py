@@ -24,11 +24,12 @@ import numpy as np
 import openai
 import pytest
 import tlscerts
-from daemons import GREEDY, DaemonProcess, InProcessDaemon, check_serving, model_path
+from daemons import GREEDY, DaemonProcess, InProcessDaemon, check_serving, model_path, wait_until
 from test_tenants import TOKENS, write_auth
 
 import kvstash
 from kvstashd.config import ConfigError, Settings
+from kvstashd.http.keep import PER_TENANT
 
 MODEL = model_path().stem
 SYSTEM = (
@@ -231,6 +232,13 @@ def test_a_new_session_over_http(oai: openai.OpenAI, grpc_client: kvstash.Client
     assert streamed[0].model_extra["session_id"] == session_id
     assert grpc_client.session(session_id).info().n_tokens > info.n_tokens
     grpc_client.session(session_id).close()
+
+
+def test_the_door_keeps_a_bounded_number_of_sessions(oai: openai.OpenAI, grpc_client: kvstash.Client) -> None:
+    for i in range(PER_TENANT + 2):
+        chat(oai, [{"role": "user", "content": f"Say {i}."}], max_tokens=1)
+    # The oldest are closed (in the background) beyond the bound.
+    wait_until(lambda: len(grpc_client.list_sessions()) == PER_TENANT, 30, "the keep's bound")
 
 
 def raw(d: InProcessDaemon, path: str, body: bytes | str | dict[str, Any], **headers: str) -> httpx.Response:
