@@ -2,11 +2,13 @@
 
 - Chat and legacy completions, streamed and not, and the model list.
 - A resent conversation continues the session the door kept for it (cached_tokens counts the
-  history); another conversation with the same system prompt attaches its cached blocks.
+  history); another conversation with the same system prompt attaches its cached blocks; the
+  door keeps a bounded number of sessions per tenant.
 - `session_id` continues a kvstash session: the same tokens and logprobs as the gRPC path.
 - Auth as over gRPC (401), another tenant's session 404, the tenant's session quota.
 - Bad input (malformed JSON, wrong types, oversized bodies, unsupported fields) gets a 4xx
   with an OpenAI error body; the daemon goes on serving.
+- `kvstash serve --http`, and SIGTERM with a stream in flight.
 """
 
 from __future__ import annotations
