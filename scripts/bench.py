@@ -10,6 +10,8 @@ compared with, and reported as a ratio: this machine is shared and noisy.
     scripts/bench grammar      structured output: tokens/s with a JSON schema and a GBNF
                                grammar vs unconstrained; the mask per token, llguidance vs
                                llama.cpp's grammar sampler on the same output
+    scripts/bench http         a conversation through the OpenAI-compatible door: resent
+                               whole, continued by session_id, and evaluated from scratch
 """
 
 from __future__ import annotations
@@ -624,6 +626,79 @@ def bench_grammar(args: argparse.Namespace) -> None:
             ("GBNF mask computed and applied", f"{masked * 1e6:.0f} us", f"{masked / plain:.2f}x"),
         ]
     )
+# ---- http ---------------------------------------------------------------------------------------
+
+
+def bench_http(args: argparse.Namespace) -> None:
+    import socket
+
+    import openai
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    system = " ".join(
+        f"Note {i}: the ledger of pier {i * 7 % 101} lists {i * 13 % 37} crates of salt."
+        for i in range(args.prompt_tokens // 20)
+    )
+    flags = ("--slots", "4", "--ctx-per-session", "2048", "--threads", str(args.threads))
+    rows = [("turn", "prompt tokens", "from scratch", "resent whole", "by session_id", "cached (resent)")]
+    with daemon(*flags, "--http", f"127.0.0.1:{port}"):
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", timeout=600, max_retries=0)
+        model = c.models.list().data[0].id
+
+        def turn(messages: list[dict[str, str]], **extra: str) -> tuple[float, str, int, int, str]:
+            """Time to first token, the reply, prompt and cached tokens, the session id."""
+            started, first, text = time.perf_counter(), 0.0, ""
+            prompt = cached = 0
+            stream = c.chat.completions.create(
+                model=model,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=args.reply_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+            )
+            session_id = ""
+            for chunk in stream:
+                session_id = (chunk.model_extra or {}).get("session_id", session_id)
+                if chunk.choices:
+                    first = first or time.perf_counter() - started
+                    text += chunk.choices[0].delta.content or ""
+                if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+                    prompt, cached = (
+                        chunk.usage.prompt_tokens,
+                        chunk.usage.prompt_tokens_details.cached_tokens or 0,
+                    )
+            return first, text, prompt, cached, session_id
+
+        conversation = [{"role": "system", "content": system}]
+        session_id = "new"
+        for i in range(args.turns):
+            question = {"role": "user", "content": f"What does the ledger of pier {i * 7 % 101} list?"}
+            conversation.append(question)
+            # Another system prompt (a different first token): nothing of it is cached.
+            other = [{"role": "system", "content": f"({i}) {system}"}, *conversation[1:]]
+            scratch = turn(other)
+            resent = turn(conversation)
+            sent = conversation if session_id == "new" else [question]
+            continued = turn(sent, session_id=session_id)
+            session_id = continued[4]
+            assert continued[1] == resent[1], "the two paths gave different replies"
+            conversation.append({"role": "assistant", "content": resent[1]})
+            rows.append(
+                (
+                    str(i + 1),
+                    f"{resent[2]:,}",
+                    f"{scratch[0] * 1e3:.0f} ms",
+                    f"{resent[0] * 1e3:.0f} ms ({scratch[0] / resent[0]:.1f}x)",
+                    f"{continued[0] * 1e3:.0f} ms ({scratch[0] / continued[0]:.1f}x)",
+                    f"{resent[3]:,}",
+                )
+            )
+            print(f"turn {i + 1}: done", file=sys.stderr)
+    table(rows)
 
 
 def main() -> None:
@@ -651,6 +726,10 @@ def main() -> None:
     r = sub.add_parser("grammar")
     r.add_argument("--tokens", type=int, default=128)
     r.add_argument("--repeat", type=int, default=3)
+    h = sub.add_parser("http")
+    h.add_argument("--turns", type=int, default=5)
+    h.add_argument("--prompt-tokens", type=int, default=1000)
+    h.add_argument("--reply-tokens", type=int, default=16)
     args = parser.parse_args()
     benches = {
         "generate": bench_generate,
@@ -658,6 +737,7 @@ def main() -> None:
         "sessions": bench_sessions,
         "prefix": bench_prefix,
         "grammar": bench_grammar,
+        "http": bench_http,
     }
     benches[args.what](args)
 

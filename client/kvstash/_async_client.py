@@ -24,7 +24,7 @@ from kvstash._convert import (
 )
 from kvstash._errors import from_rpc_error
 from kvstash._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
-from kvstash._types import CheckpointInfo, Chunk, Completion, Info, SamplingParams, SessionInfo
+from kvstash._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo
 from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 
@@ -262,7 +262,7 @@ class AsyncSession:
 
     def chat_stream(
         self,
-        message: str,
+        message: str | Sequence[Message],
         *,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
@@ -270,8 +270,10 @@ class AsyncSession:
         logprobs: int = 0,
         grammar: str | None = None,
         json_schema: str | Mapping[str, Any] | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[Chunk, None]:
-        """Send a user message through the chat template and stream the reply."""
+        """Send a user message through the chat template and stream the reply; ``message``
+        and ``whole`` work as in Session.chat_stream."""
         request = chat_request(
             self.session_id,
             message,
@@ -281,12 +283,13 @@ class AsyncSession:
             logprobs=logprobs,
             grammar=grammar,
             json_schema=json_schema,
+            whole=whole,
         )
         return self.client._stream(self.client._stub.Chat, request, _chat_chunk)
 
     async def chat(
         self,
-        message: str,
+        message: str | Sequence[Message],
         *,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
@@ -294,6 +297,7 @@ class AsyncSession:
         logprobs: int = 0,
         grammar: str | None = None,
         json_schema: str | Mapping[str, Any] | None = None,
+        whole: bool = False,
     ) -> Completion:
         """Like chat_stream, but waits for the whole reply."""
         stream = self.chat_stream(
@@ -304,6 +308,7 @@ class AsyncSession:
             logprobs=logprobs,
             grammar=grammar,
             json_schema=json_schema,
+            whole=whole,
         )
         return await _join(stream)
 

@@ -22,7 +22,7 @@ from kvstash._convert import (
 )
 from kvstash._errors import from_rpc_error
 from kvstash._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
-from kvstash._types import CheckpointInfo, Chunk, Completion, Info, SamplingParams, SessionInfo
+from kvstash._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo
 from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 
@@ -273,7 +273,7 @@ class Session:
 
     def chat_stream(
         self,
-        message: str,
+        message: str | Sequence[Message],
         *,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
@@ -281,10 +281,15 @@ class Session:
         logprobs: int = 0,
         grammar: str | None = None,
         json_schema: str | Mapping[str, Any] | None = None,
+        whole: bool = False,
     ) -> Generator[Chunk, None, None]:
         """Send a user message through the model's chat template and stream the reply.
 
-        The arguments work as in generate.
+        ``message`` may instead be a sequence of Message of any roles, added in order before
+        the reply. With ``whole``, that sequence is the whole conversation: the session keeps
+        the part of its history that matches it, token for token, and evaluates only the
+        rest (an edited or shortened conversation rewinds the session). The other arguments
+        work as in generate.
         """
         request = chat_request(
             self.session_id,
@@ -295,12 +300,13 @@ class Session:
             logprobs=logprobs,
             grammar=grammar,
             json_schema=json_schema,
+            whole=whole,
         )
         return self.client._stream(self.client._stub.Chat, request, _chat_chunk)
 
     def chat(
         self,
-        message: str,
+        message: str | Sequence[Message],
         *,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
@@ -308,6 +314,7 @@ class Session:
         logprobs: int = 0,
         grammar: str | None = None,
         json_schema: str | Mapping[str, Any] | None = None,
+        whole: bool = False,
     ) -> Completion:
         """Like chat_stream, but waits for the whole reply."""
         return join_chunks(
@@ -319,6 +326,7 @@ class Session:
                 logprobs=logprobs,
                 grammar=grammar,
                 json_schema=json_schema,
+                whole=whole,
             )
         )
 

@@ -316,7 +316,7 @@ def generate_request(
 
 def chat_request(
     session_id: str,
-    message: str,
+    message: str | Sequence[Message],
     *,
     max_tokens: int | None,
     stop: Sequence[str],
@@ -324,11 +324,20 @@ def chat_request(
     logprobs: int,
     grammar: str | None = None,
     json_schema: str | Mapping[str, Any] | None = None,
+    whole: bool = False,
 ) -> pb.ChatRequest:
-    """The request for one chat turn."""
+    """The request for one chat turn: a user message, or messages of any roles."""
+    if isinstance(message, str):
+        if whole:
+            raise ValueError("whole=True takes the whole conversation as messages, not one string")
+        text, messages = message, []
+    else:
+        text, messages = "", [message_to_pb(m) for m in message]
     return pb.ChatRequest(
         session_id=session_id,
-        message=message,
+        message=text,
+        messages=messages,
+        whole=whole,
         max_tokens=max_tokens,
         sampling=sampling_to_pb(sampling),
         stop=_strings(stop),

@@ -163,6 +163,13 @@ def _default_state_dir() -> Path:
     "--metrics-address", default="", help="host:port to serve Prometheus metrics on (/metrics); empty: off."
 )
 @click.option(
+    "--http",
+    "http_address",
+    default="",
+    help="host:port to also serve the OpenAI-compatible HTTP API on (/v1/chat/completions, "
+    "/v1/completions, /v1/models; needs kvstash[http]); empty: off.",
+)
+@click.option(
     "--auth-file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,

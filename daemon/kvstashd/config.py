@@ -68,6 +68,7 @@ class Settings:
     persistent_ttl: float = 0.0
     sweep_interval: float = 10.0
     metrics_address: str = ""  # host:port of the Prometheus endpoint; "" = off
+    http_address: str = ""  # host:port of the OpenAI-compatible HTTP API; "" = off
     check_invariants: bool = False
     auth_file: Path | None = None
     tls_cert: Path | None = None
@@ -125,6 +126,12 @@ class Settings:
             raise ConfigError("sweep-interval must be in [0.05, 3600] seconds")
         if self.metrics_address and not self.metrics_address.rpartition(":")[2].isdigit():
             raise ConfigError(f"metrics-address must be host:port, got {self.metrics_address!r}")
+        if self.http_address and not self.http_address.rpartition(":")[2].isdigit():
+            raise ConfigError(f"http must be host:port, got {self.http_address!r}")
+        if self.http_address and self.auth_file is None and not is_local(self.http_address):
+            raise ConfigError(
+                f"without --auth-file the HTTP API listens on loopback only, not {self.http_address}"
+            )
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log-level must be one of {', '.join(LOG_LEVELS)}")
         if self.auth_file is None and not is_local(self.address):

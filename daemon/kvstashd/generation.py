@@ -15,12 +15,12 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
 from kvstashd import ops
-from kvstashd.chat import ChatMessage, Message, Segment, after_prefix, text_of
+from kvstashd.chat import ROLES, ChatMessage, Message, Segment, after_prefix, text_of
 from kvstashd.context import LlamaContext
 from kvstashd.errors import ContextFull, InvalidRequest, KvstashError
 from kvstashd.grammar import Constraint, GrammarSpec, next_constraint
 from kvstashd.job import Chunk, GenerationRequest, Job
-from kvstashd.limits import MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from kvstashd.limits import MAX_LOGPROBS, MAX_MESSAGES, MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from kvstashd.session import SamplingOverrides, Session
 
 if TYPE_CHECKING:
@@ -93,43 +93,66 @@ class Conversations:
 
     async def chat(self, session: Session, put: Put, *, message: str, turn: Turn) -> None:
         """Add a user message through the chat template and stream the assistant's reply."""
-        template = self.manager.template
-        assert template is not None
         if not message:
             raise InvalidRequest("the message is empty")
-        self.check_bytes(message, "message")
+        await self.converse(session, put, messages=[Message("user", message)], whole=False, turn=turn)
+
+    async def converse(
+        self, session: Session, put: Put, *, messages: Sequence[Message], whole: bool, turn: Turn
+    ) -> None:
+        """Add messages (any roles) through the chat template and stream the assistant's reply.
+
+        With `whole`, `messages` is the whole conversation: the session keeps the part of
+        its history that matches it (token by token) and evaluates only the rest.
+        """
+        template = self.manager.template
+        assert template is not None
+        check_messages(messages)
+        for given in messages:
+            self.check_bytes(given.content, "message")
         request = self._request(session, turn)
         spec = await self._grammar(session, turn)
         async with self.manager.use(session):
             slot = await self.manager.residency.into_slot(session)
             state = session.state
-            user = ChatMessage("user", message, len(state.tokens))
-            conversation = [Message(m.role, m.content) for m in session.messages]
-            conversation.append(Message("user", message))
+            held = [Message(m.role, m.content) for m in session.messages]
+            # The session's messages that the conversation keeps, and those it adds.
+            if whole:
+                n_same = _common_prefix(held, messages)
+                conversation, added = list(messages), list(messages[n_same:])
+            else:
+                n_same = len(held)
+                conversation, added = [*held, *messages], list(messages)
+            if not added:
+                raise InvalidRequest("the conversation adds no message to what the session holds")
             segments = template.render(conversation, add_generation_prompt=True)
             history = list(state.tokens)
             history_text = await self._vocab(lambda c: c.detokenize(history, True))
-            delta = after_prefix(segments, history_text)
+            delta = after_prefix(segments, history_text) if n_same == len(held) else None
             if delta is not None:
                 tokens = await self.tokenize_segments(delta, first=not state.tokens)
+                start = len(state.tokens)
             else:
-                # The history is not a prefix of the rendered conversation (raw generation or
-                # a stop string left text the template does not have): keep what matches.
+                # The history is not a prefix of the rendered conversation (raw generation, a
+                # stop string left text the template does not have, or another conversation):
+                # keep what matches.
                 full = await self.tokenize_segments(segments, first=True)
-                keep = _common_prefix(full, state.tokens)
-                await self.manager.residency.truncate(session, keep)
-                tokens = full[keep:]
-                user.start = keep
+                start = _common_prefix(full, state.tokens)
+                await self.manager.residency.truncate(session, start)
+                tokens = full[start:]
             request = replace(request, prompt=tuple(tokens))
             self._check_fits(session, request)
+            kept = session.messages[:n_same]
+            for m in kept:
+                m.start = min(m.start, start)
             reply = ChatMessage("assistant", "", len(state.tokens) + len(tokens))
             constraint = next_constraint(None, spec, reply.start, continuing=False)
-            session.messages += [user, reply]
+            session.messages = [*kept, *(ChatMessage(m.role, m.content, start) for m in added), reply]
             try:
                 await self._run(session, slot, request, put, reply, constraint)
             except BaseException:
-                if len(state.tokens) <= user.start:  # nothing was added: neither are messages
-                    del session.messages[-2:]
+                if len(state.tokens) <= start:  # nothing was added: neither are messages
+                    session.messages = kept
                 raise
 
     async def _run(
@@ -318,7 +341,16 @@ def check_stop(stop: Sequence[str]) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def check_messages(messages: Sequence[Message]) -> None:
+    """InvalidRequest unless there are not too many messages, each of a known role."""
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} messages, got {len(messages)}")
+    for m in messages:
+        if m.role not in ROLES:
+            raise InvalidRequest(f"a message's role must be one of {', '.join(ROLES)}, not {m.role[:40]!r}")
+
+
+def _common_prefix(a: Sequence[T], b: Sequence[T]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

@@ -47,6 +47,8 @@ class Usage:
     generated_tokens: int = 0
     reused_tokens: int = 0
     evaluated_tokens: int = 0
+    # The history the generation followed (earlier turns and this prompt), in tokens.
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ class Job:
             generated_tokens=len(self.generated),
             reused_tokens=self.reused,
             evaluated_tokens=self.evaluated,
+            context_tokens=len(self.state.tokens) - len(self.generated),
         )
 
     def sample(self, row: Logits, vocab: Vocab, ctx_limit: int) -> bool:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvstashd import ops as opsmod
-from kvstashd.chat import ChatMessage, ChatTemplate
+from kvstashd.chat import ChatMessage, ChatTemplate, Message
 from kvstashd.checkpointing import Checkpointing
 from kvstashd.config import Settings
 from kvstashd.context import ModelInfo
@@ -327,6 +327,19 @@ class SessionManager:
         if self.template is None:
             raise FailedPrecondition("the model has no chat template; use Generate")
         return self.ops.stream(lambda put: self.conversations.chat(session, put, message=message, turn=turn))
+
+    def converse(
+        self, session_id: str, tenant: Tenant, *, messages: Sequence[Message], whole: bool, turn: Turn
+    ) -> AsyncIterator[Chunk]:
+        """Add messages of any roles through the chat template and stream the assistant's
+        reply; with `whole`, the messages are the whole conversation and the session keeps
+        what of its history matches them."""
+        session = self.get(session_id, tenant)
+        if self.template is None:
+            raise FailedPrecondition("the model has no chat template; use Generate")
+        return self.ops.stream(
+            lambda put: self.conversations.converse(session, put, messages=messages, whole=whole, turn=turn)
+        )
 
     # ---- counters, expiry, invariants ----------------------------------------------------------
 
