@@ -626,6 +626,8 @@ def bench_grammar(args: argparse.Namespace) -> None:
             ("GBNF mask computed and applied", f"{masked * 1e6:.0f} us", f"{masked / plain:.2f}x"),
         ]
     )
+
+
 # ---- http ---------------------------------------------------------------------------------------
 
 

@@ -149,6 +149,23 @@ def test_stop_max_tokens_seed_and_logprobs(oai: openai.OpenAI) -> None:
     assert all(len(t) <= 2 for t in legacy.choices[0].logprobs.top_logprobs)
 
 
+def test_response_format_constrains_the_reply(oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Describe a cat."}]
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "legs": {"type": "integer"}},
+        "required": ["name", "legs"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "cat", "schema": schema}}
+    reply = chat(oai, messages, max_tokens=60, response_format=fmt).choices[0]
+    assert reply.finish_reason == "stop"
+    value = json.loads(reply.message.content or "")
+    assert set(value) == {"name", "legs"} and isinstance(value["legs"], int)
+    obj = chat(oai, messages, max_tokens=60, response_format={"type": "json_object"}).choices[0]
+    assert obj.finish_reason == "stop" and isinstance(json.loads(obj.message.content or ""), dict)
+
+
 def test_a_resent_conversation_is_not_evaluated_again(
     oai: openai.OpenAI, grpc_client: kvstash.Client
 ) -> None:
@@ -270,7 +287,8 @@ def test_bad_input_gets_a_4xx_and_the_daemon_goes_on(
         ({**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, ""),
         ({**ok, "n": 2}, 400, "n must be 1"),
         ({**ok, "tools": [{"type": "function"}]}, 400, "tools"),
-        ({**ok, "response_format": {"type": "json_object"}}, 400, "not supported by the HTTP door yet"),
+        ({**ok, "response_format": {"type": "xml"}}, 400, "not supported"),
+        ({**ok, "response_format": {"type": "json_schema", "json_schema": {}}}, 400, "json_schema.schema"),
         ({**ok, "top_logprobs": 99, "logprobs": True}, 400, "top_logprobs"),
         ({**ok, "messages": [{"role": "system", "content": "Only a system prompt."}]}, 400, "no message"),
         ({**ok, "max_tokens": 5000}, 400, "context"),

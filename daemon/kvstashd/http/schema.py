@@ -8,6 +8,7 @@ Fields that change nothing here (`user`, `metadata`, `store`...) are ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -126,16 +127,31 @@ class ChatCompletionRequest(GenerationBody):
         super().refuse_unsupported()
         if self.tools or self.functions or self.tool_choice not in (None, "none"):
             raise InvalidRequest("tools and functions are not supported")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            kind = str(self.response_format.get("type"))[:40]
-            raise InvalidRequest(
-                f"response_format {kind!r} is not supported by the HTTP door yet; only 'text' is"
-            )
+        self.json_schema()  # a response_format it cannot take is refused here
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true")
 
     def chat_messages(self) -> list[Message]:
         return [m.message() for m in self.messages]
+
+    def json_schema(self) -> str:
+        """The JSON schema `response_format` asks for ("" for text): OpenAI's `json_schema`
+        (its `schema`), or any JSON object for `json_object`."""
+        fmt = self.response_format
+        kind = fmt.get("type") if fmt is not None else "text"
+        if kind == "text":
+            return ""
+        if kind == "json_object":
+            return '{"type": "object"}'
+        if kind == "json_schema":
+            spec = fmt.get("json_schema") if fmt is not None else None
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidRequest("response_format json_schema needs json_schema.schema, an object")
+            return json.dumps(schema)
+        raise InvalidRequest(
+            f"response_format {str(kind)[:40]!r} is not supported: text, json_object or json_schema"
+        )
 
     def turn(self) -> Turn:
         return self.checked(
@@ -145,6 +161,7 @@ class ChatCompletionRequest(GenerationBody):
                 stop=self.stops(),
                 # The engine reports the sampled token's logprob along with the alternatives.
                 logprobs=max(1, self.top_logprobs or 0) if self.logprobs else 0,
+                json_schema=self.json_schema(),
             )
         )
 
