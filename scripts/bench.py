@@ -7,6 +7,11 @@ compared with, and reported as a ratio: this machine is shared and noisy.
     scripts/bench sessions     batching speed-up vs raw llama_decode; swapping 32 sessions
     scripts/bench prefix       16 sessions sharing a 1,000-token system prompt: the prefix
                                cache on and off, and on again after a restart
+    scripts/bench grammar      structured output: tokens/s with a JSON schema and a GBNF
+                               grammar vs unconstrained; the mask per token, llguidance vs
+                               llama.cpp's grammar sampler on the same output
+    scripts/bench http         a conversation through the OpenAI-compatible door: resent
+                               whole, continued by session_id, and evaluated from scratch
 """
 
 from __future__ import annotations
@@ -479,6 +484,225 @@ def bench_prefix(args: argparse.Namespace) -> None:
     table(rows)
 
 
+# ---- grammar ----------------------------------------------------------------------------------
+
+# Outputs that need not end early, so every run generates its full count of tokens.
+BENCH_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "note": {"type": "string"}},
+        "required": ["name", "age", "note"],
+        "additionalProperties": False,
+    },
+}
+BENCH_GBNF = r"""
+root ::= line+
+line ::= "- " word (" " word)* "." "\n"
+word ::= [a-zA-Z]+ | [0-9]+
+"""
+
+
+def constrained_rates(client: kvstash.Client, n: int, repeat: int) -> dict[str, list[float]]:
+    """Tokens/s of one streamed session, unconstrained and under each grammar, interleaved."""
+    kinds: dict[str, dict[str, Any]] = {
+        "unconstrained": {},
+        "JSON schema": {"json_schema": BENCH_SCHEMA},
+        "GBNF grammar": {"grammar": BENCH_GBNF},
+    }
+    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    for i in range(repeat):
+        for kind, options in kinds.items():
+            s = client.create_session(sampling=SamplingParams(temperature=0.8, seed=i))
+            # Prefill, compile and the first token outside the timing; the rest continues
+            # within the open constraint.
+            s.complete("A list of the guests and what they said:\n", max_tokens=1, **options)
+            started = time.perf_counter()
+            got = 0
+            for chunk in s.generate("", max_tokens=n):
+                got += len(chunk.token_ids)
+            rates[kind].append(got / (time.perf_counter() - started))
+            s.close()
+    return rates
+
+
+def mask_costs(tokens: list[int], gbnf: str) -> dict[str, list[float]]:
+    """Seconds per token along `tokens`: the allowed set by llguidance (as the daemon runs
+    it) and by llama.cpp's grammar sampler over the whole vocabulary; the daemon's sampler
+    on one logits row without and with the mask (its computation included)."""
+    import ctypes
+
+    import llama_cpp as lc
+    import llguidance
+    import numpy as np
+    from llguidance.llamacpp import lltokenizer_from_vocab
+
+    import kvstashd.sampling
+    from kvstashd.grammar import GrammarSpec, Matcher, compile_spec
+
+    params = lc.llama_model_default_params()
+    params.vocab_only = True
+    model = lc.llama_model_load_from_file(str(default_model_path()).encode(), params)
+    vocab = lc.llama_model_get_vocab(model)
+    n_vocab = lc.llama_vocab_n_tokens(vocab)
+    eog = [t for t in range(n_vocab) if lc.llama_vocab_is_eog(vocab, t)]
+    tokenizer = lltokenizer_from_vocab(vocab, eos_token=eog)
+    matcher = Matcher(
+        compile_spec(tokenizer, GrammarSpec("gbnf", gbnf), llguidance.LLParserLimits()), n_vocab
+    )
+    row = (np.random.default_rng(0).standard_normal(n_vocab) * 3).astype(np.float32)
+    params = kvstashd.sampling.SamplingParams(seed=1)
+    ours, plain, masked = [], [], []
+    for i, t in enumerate(tokens):
+        started = time.perf_counter()
+        allowed = matcher.allowed()
+        ours.append(time.perf_counter() - started)
+        assert allowed[t]
+        started = time.perf_counter()
+        kvstashd.sampling.sample(row, tokens[:i], params, i, allowed)
+        masked.append(time.perf_counter() - started + ours[-1])
+        started = time.perf_counter()
+        kvstashd.sampling.sample(row, tokens[:i], params, i)
+        plain.append(time.perf_counter() - started)
+        matcher.consume(t)
+    sampler = lc.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
+    data = (lc.llama_token_data * n_vocab)()
+    theirs = []
+    for t in tokens:
+        for j in range(n_vocab):
+            data[j].id, data[j].logit, data[j].p = j, 0.0, 0.0
+        array = lc.llama_token_data_array(data=data, size=n_vocab, selected=-1, sorted=False)
+        started = time.perf_counter()
+        lc.llama_sampler_apply(sampler, ctypes.byref(array))
+        theirs.append(time.perf_counter() - started)
+        if not np.isfinite(data[t].logit):  # the two engines disagree: stop comparing here
+            break
+        lc.llama_sampler_accept(sampler, t)
+    lc.llama_sampler_free(sampler)
+    lc.llama_model_free(model)
+    return {"llguidance": ours, "llama.cpp": theirs, "plain": plain, "masked": masked}
+
+
+def bench_grammar(args: argparse.Namespace) -> None:
+    n = args.tokens
+    with connected("--slots", "1", "--threads", str(args.threads)) as (client, _):
+        rates = constrained_rates(client, n, args.repeat)
+        s = client.create_session(sampling=SamplingParams(temperature=0.8, seed=1))
+        sample = s.complete("A list of the guests and what they said:\n", grammar=BENCH_GBNF, max_tokens=n)
+        s.close()
+    base = statistics.median(rates["unconstrained"])
+    rows = [("generation", f"tokens/s (median of {args.repeat})", "ms/token", "vs unconstrained")]
+    for kind, values in rates.items():
+        rate = statistics.median(values)
+        rows.append((kind, f"{rate:.1f}", f"{1000 / rate:.2f}", f"{rate / base:.2f}x"))
+    table(rows)
+    print()
+    costs = mask_costs(list(sample.token_ids), BENCH_GBNF)
+    ours, theirs = costs["llguidance"], costs["llama.cpp"]
+    mine, other = statistics.median(ours), statistics.median(theirs)
+    table(
+        [
+            ("allowed set per token (GBNF above)", "median", "max", "tokens"),
+            (
+                "llguidance (the daemon's)",
+                f"{mine * 1e6:.0f} us",
+                f"{max(ours) * 1e6:.0f} us",
+                str(len(ours)),
+            ),
+            (
+                "llama.cpp grammar sampler, whole vocabulary",
+                f"{other * 1e6:.0f} us ({other / mine:.0f}x)",
+                f"{max(theirs) * 1e6:.0f} us",
+                str(len(theirs)),
+            ),
+        ]
+    )
+    print()
+    plain, masked = statistics.median(costs["plain"]), statistics.median(costs["masked"])
+    table(
+        [
+            ("sampler, one logits row", "median per token", "vs unconstrained"),
+            ("unconstrained", f"{plain * 1e6:.0f} us", "1.00x"),
+            ("GBNF mask computed and applied", f"{masked * 1e6:.0f} us", f"{masked / plain:.2f}x"),
+        ]
+    )
+
+
+# ---- http ---------------------------------------------------------------------------------------
+
+
+def bench_http(args: argparse.Namespace) -> None:
+    import socket
+
+    import openai
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    system = " ".join(
+        f"Note {i}: the ledger of pier {i * 7 % 101} lists {i * 13 % 37} crates of salt."
+        for i in range(args.prompt_tokens // 20)
+    )
+    flags = ("--slots", "4", "--ctx-per-session", "2048", "--threads", str(args.threads))
+    rows = [("turn", "prompt tokens", "from scratch", "resent whole", "by session_id", "cached (resent)")]
+    with daemon(*flags, "--http", f"127.0.0.1:{port}"):
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", timeout=600, max_retries=0)
+        model = c.models.list().data[0].id
+
+        def turn(messages: list[dict[str, str]], **extra: str) -> tuple[float, str, int, int, str]:
+            """Time to first token, the reply, prompt and cached tokens, the session id."""
+            started, first, text = time.perf_counter(), 0.0, ""
+            prompt = cached = 0
+            stream = c.chat.completions.create(
+                model=model,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=args.reply_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+            )
+            session_id = ""
+            for chunk in stream:
+                session_id = (chunk.model_extra or {}).get("session_id", session_id)
+                if chunk.choices:
+                    first = first or time.perf_counter() - started
+                    text += chunk.choices[0].delta.content or ""
+                if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+                    prompt, cached = (
+                        chunk.usage.prompt_tokens,
+                        chunk.usage.prompt_tokens_details.cached_tokens or 0,
+                    )
+            return first, text, prompt, cached, session_id
+
+        conversation = [{"role": "system", "content": system}]
+        session_id = "new"
+        for i in range(args.turns):
+            question = {"role": "user", "content": f"What does the ledger of pier {i * 7 % 101} list?"}
+            conversation.append(question)
+            # Another system prompt (a different first token): nothing of it is cached.
+            other = [{"role": "system", "content": f"({i}) {system}"}, *conversation[1:]]
+            scratch = turn(other)
+            resent = turn(conversation)
+            sent = conversation if session_id == "new" else [question]
+            continued = turn(sent, session_id=session_id)
+            session_id = continued[4]
+            assert continued[1] == resent[1], "the two paths gave different replies"
+            conversation.append({"role": "assistant", "content": resent[1]})
+            rows.append(
+                (
+                    str(i + 1),
+                    f"{resent[2]:,}",
+                    f"{scratch[0] * 1e3:.0f} ms",
+                    f"{resent[0] * 1e3:.0f} ms ({scratch[0] / resent[0]:.1f}x)",
+                    f"{continued[0] * 1e3:.0f} ms ({scratch[0] / continued[0]:.1f}x)",
+                    f"{resent[3]:,}",
+                )
+            )
+            print(f"turn {i + 1}: done", file=sys.stderr)
+    table(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -501,12 +725,21 @@ def main() -> None:
     p = sub.add_parser("prefix")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=1000)
+    r = sub.add_parser("grammar")
+    r.add_argument("--tokens", type=int, default=128)
+    r.add_argument("--repeat", type=int, default=3)
+    h = sub.add_parser("http")
+    h.add_argument("--turns", type=int, default=5)
+    h.add_argument("--prompt-tokens", type=int, default=1000)
+    h.add_argument("--reply-tokens", type=int, default=16)
     args = parser.parse_args()
     benches = {
         "generate": bench_generate,
         "checkpoint": bench_checkpoint,
         "sessions": bench_sessions,
         "prefix": bench_prefix,
+        "grammar": bench_grammar,
+        "http": bench_http,
     }
     benches[args.what](args)
 

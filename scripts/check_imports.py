@@ -13,6 +13,14 @@ RULES = {
     "grpc": {"daemon/kvstashd/service.py", "daemon/kvstashd/server.py"},
     "grpc_health": {"daemon/kvstashd/server.py"},
     "grpc_reflection": {"daemon/kvstashd/server.py"},
+    # The HTTP door's stack (an optional extra) stays inside its package.
+    "starlette": {"daemon/kvstashd/http/app.py"},
+    "uvicorn": {"daemon/kvstashd/http/door.py"},
+    "pydantic": {"daemon/kvstashd/http/app.py", "daemon/kvstashd/http/schema.py"},
+}
+# The same for the SDK: LangChain (an optional extra) only in its integration.
+CLIENT_RULES = {
+    "langchain_core": {"client/kvstash/integrations/langchain.py"},
 }
 
 
@@ -38,8 +46,13 @@ def main() -> int:
                 errors.append(f"{rel}: imports {name}")
     for path in sorted((ROOT / "client").rglob("*.py")):
         rel = str(path.relative_to(ROOT))
-        if any(n.split(".")[0] == "kvstashd" for n in imports(path)) and rel != "client/kvstash/cli.py":
+        names = imports(path)
+        if any(n.split(".")[0] == "kvstashd" for n in names) and rel != "client/kvstash/cli.py":
             errors.append(f"{rel}: the client imports the daemon")
+        for name in names:
+            allowed = CLIENT_RULES.get(name.split(".")[0])
+            if allowed is not None and rel not in allowed:
+                errors.append(f"{rel}: imports {name}")
     for e in errors:
         print(f"import boundary: {e}", file=sys.stderr)
     return 1 if errors else 0

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from checkpoint_helpers import own_daemon
 from daemons import InProcessDaemon, check_serving, model_path
@@ -208,7 +209,7 @@ def without_chat_template(dst: Path) -> Path:
 def test_chat_without_a_template_is_its_own_error(tmp_path: Path) -> None:
     model = without_chat_template(tmp_path / "no-template.gguf")
     with (
-        own_daemon(tmp_path / "state", model=model, slots=1) as d,
+        own_daemon(tmp_path / "state", model=model, slots=1, http_address="127.0.0.1:0") as d,
         kvstash.Client(d.address, timeout=60) as client,
     ):
         assert not client.info().has_chat_template
@@ -221,6 +222,14 @@ def test_chat_without_a_template_is_its_own_error(tmp_path: Path) -> None:
         assert "chat template" in e.value.message
         assert session.complete("Hello", max_tokens=2).usage.generated_tokens >= 1
         session.close()
+        # The HTTP door says the same: 409, and the cause as the error's code.
+        assert d.daemon is not None
+        door = f"http://127.0.0.1:{d.daemon.http_port}/v1"
+        model_id = httpx.get(f"{door}/models", timeout=60).json()["data"][0]["id"]
+        body = {"model": model_id, "messages": [{"role": "user", "content": "Hello"}]}
+        reply = httpx.post(f"{door}/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 409
+        assert reply.json()["error"]["code"] == "no-chat-template"
 
 
 def test_deleting_a_live_sessions_head_is_its_own_error(client: kvstash.Client) -> None:

@@ -59,6 +59,7 @@ from kvstashd.catalog import Catalog
 from kvstashd.chat import ChatMessage
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint, KvstashError
+from kvstashd.exports import EXPORT_MAGIC
 from kvstashd.layout import (
     MAX_ROW,
     SEQ_MAGIC,
@@ -1260,7 +1261,7 @@ _REC = struct.Struct("<BI")
 def records(export: bytes) -> list[tuple[int, bytes]]:
     """An export's records before the final digest: (type, payload)."""
     out: list[tuple[int, bytes]] = []
-    at = len(ckpt.EXPORT_MAGIC)
+    at = len(EXPORT_MAGIC)
     while True:
         kind, length = _REC.unpack_from(export, at)
         if kind == 0:
@@ -1274,7 +1275,7 @@ def seal(body: bytes) -> bytes:
     return body + _REC.pack(0, 32) + hashlib.blake2b(body, digest_size=32).digest()
 
 
-def pack(recs: Sequence[tuple[int, bytes]], magic: bytes = ckpt.EXPORT_MAGIC) -> bytes:
+def pack(recs: Sequence[tuple[int, bytes]], magic: bytes = EXPORT_MAGIC) -> bytes:
     return seal(magic + b"".join(_REC.pack(kind, len(body)) + body for kind, body in recs))
 
 
@@ -1291,7 +1292,7 @@ def edit_export(data: st.DataObject, export: Export) -> bytes:
     if op == "bytes":  # anywhere before the digest, records' headers included
         body = export.data[: -(_REC.size + 32)]
         fields_at: list[Field] = []
-        at = len(ckpt.EXPORT_MAGIC)
+        at = len(EXPORT_MAGIC)
         for _, payload in recs:
             fields_at += [(at, 1), (at + 1, 4)]
             at += _REC.size + len(payload)

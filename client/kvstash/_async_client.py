@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import grpc
 from grpc import aio
@@ -24,7 +24,7 @@ from kvstash._convert import (
 )
 from kvstash._errors import from_rpc_error
 from kvstash._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
-from kvstash._types import CheckpointInfo, Chunk, Completion, Info, SamplingParams, SessionInfo
+from kvstash._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo
 from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 
@@ -217,6 +217,8 @@ class AsyncSession:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
     ) -> AsyncGenerator[Chunk, None]:
         """Append ``prompt`` to the session and stream what follows; see Session.generate."""
@@ -227,6 +229,8 @@ class AsyncSession:
             stop=stop,
             sampling=sampling,
             logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
             parse_special=parse_special,
         )
         return self.client._stream(self.client._stub.Generate, request, _generate_chunk)
@@ -239,6 +243,8 @@ class AsyncSession:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
     ) -> Completion:
         """Like generate, but waits for the whole continuation."""
@@ -248,20 +254,26 @@ class AsyncSession:
             stop=stop,
             sampling=sampling,
             logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
             parse_special=parse_special,
         )
         return await _join(stream)
 
     def chat_stream(
         self,
-        message: str,
+        message: str | Sequence[Message],
         *,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[Chunk, None]:
-        """Send a user message through the chat template and stream the reply."""
+        """Send a user message through the chat template and stream the reply; ``message``
+        and ``whole`` work as in Session.chat_stream."""
         request = chat_request(
             self.session_id,
             message,
@@ -269,21 +281,34 @@ class AsyncSession:
             stop=stop,
             sampling=sampling,
             logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
+            whole=whole,
         )
         return self.client._stream(self.client._stub.Chat, request, _chat_chunk)
 
     async def chat(
         self,
-        message: str,
+        message: str | Sequence[Message],
         *,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
+        whole: bool = False,
     ) -> Completion:
         """Like chat_stream, but waits for the whole reply."""
         stream = self.chat_stream(
-            message, max_tokens=max_tokens, stop=stop, sampling=sampling, logprobs=logprobs
+            message,
+            max_tokens=max_tokens,
+            stop=stop,
+            sampling=sampling,
+            logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
+            whole=whole,
         )
         return await _join(stream)
 

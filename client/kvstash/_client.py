@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from functools import partial
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -22,7 +22,7 @@ from kvstash._convert import (
 )
 from kvstash._errors import from_rpc_error
 from kvstash._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
-from kvstash._types import CheckpointInfo, Chunk, Completion, Info, SamplingParams, SessionInfo
+from kvstash._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo
 from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 
@@ -216,6 +216,8 @@ class Session:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
     ) -> Generator[Chunk, None, None]:
         """Append ``prompt`` (text, or token ids) to the session and stream what follows.
@@ -225,6 +227,10 @@ class Session:
         only. ``logprobs`` asks for that many alternatives per token. Control-token markers in
         the text are parsed only with ``parse_special``. The call starts on the first
         ``next()``; stopping the iteration early cancels it.
+
+        Structured output: ``grammar`` (GBNF text) or ``json_schema`` (a dict or JSON text)
+        makes the output match it. Output cut short (``max_tokens``, a stop string) leaves the
+        constraint open: calling generate again with an empty prompt continues within it.
         """
         request = generate_request(
             self.session_id,
@@ -233,6 +239,8 @@ class Session:
             stop=stop,
             sampling=sampling,
             logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
             parse_special=parse_special,
         )
         return self.client._stream(self.client._stub.Generate, request, _generate_chunk)
@@ -245,6 +253,8 @@ class Session:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
     ) -> Completion:
         """Like generate, but waits for the whole continuation."""
@@ -255,22 +265,31 @@ class Session:
                 stop=stop,
                 sampling=sampling,
                 logprobs=logprobs,
+                grammar=grammar,
+                json_schema=json_schema,
                 parse_special=parse_special,
             )
         )
 
     def chat_stream(
         self,
-        message: str,
+        message: str | Sequence[Message],
         *,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
+        whole: bool = False,
     ) -> Generator[Chunk, None, None]:
         """Send a user message through the model's chat template and stream the reply.
 
-        The arguments work as in generate.
+        ``message`` may instead be a sequence of Message of any roles, added in order before
+        the reply. With ``whole``, that sequence is the whole conversation: the session keeps
+        the part of its history that matches it, token for token, and evaluates only the
+        rest (an edited or shortened conversation rewinds the session). The other arguments
+        work as in generate.
         """
         request = chat_request(
             self.session_id,
@@ -279,21 +298,36 @@ class Session:
             stop=stop,
             sampling=sampling,
             logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
+            whole=whole,
         )
         return self.client._stream(self.client._stub.Chat, request, _chat_chunk)
 
     def chat(
         self,
-        message: str,
+        message: str | Sequence[Message],
         *,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
+        whole: bool = False,
     ) -> Completion:
         """Like chat_stream, but waits for the whole reply."""
         return join_chunks(
-            self.chat_stream(message, max_tokens=max_tokens, stop=stop, sampling=sampling, logprobs=logprobs)
+            self.chat_stream(
+                message,
+                max_tokens=max_tokens,
+                stop=stop,
+                sampling=sampling,
+                logprobs=logprobs,
+                grammar=grammar,
+                json_schema=json_schema,
+                whole=whole,
+            )
         )
 
     def info(self) -> SessionInfo:

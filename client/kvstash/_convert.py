@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
+from typing import Any
 
 from kvstash._errors import InternalError
 from kvstash._types import (
@@ -291,6 +293,8 @@ def generate_request(
     sampling: SamplingParams | None,
     logprobs: int,
     parse_special: bool,
+    grammar: str | None = None,
+    json_schema: str | Mapping[str, Any] | None = None,
 ) -> pb.GenerateRequest:
     """The request for a raw continuation; a sequence of ints is a prompt of token ids."""
     request = pb.GenerateRequest(
@@ -300,6 +304,8 @@ def generate_request(
         sampling=sampling_to_pb(sampling),
         stop=_strings(stop),
         logprobs=logprobs,
+        grammar=grammar or "",
+        json_schema=schema_text(json_schema),
     )
     if isinstance(prompt, str):
         request.prompt = prompt
@@ -310,19 +316,43 @@ def generate_request(
 
 def chat_request(
     session_id: str,
-    message: str,
+    message: str | Sequence[Message],
     *,
     max_tokens: int | None,
     stop: Sequence[str],
     sampling: SamplingParams | None,
     logprobs: int,
+    grammar: str | None = None,
+    json_schema: str | Mapping[str, Any] | None = None,
+    whole: bool = False,
 ) -> pb.ChatRequest:
-    """The request for one chat turn."""
+    """The request for one chat turn: a user message, or messages of any roles."""
+    if isinstance(message, str):
+        if whole:
+            raise ValueError("whole=True takes the whole conversation as messages, not one string")
+        text, messages = message, []
+    else:
+        text, messages = "", [message_to_pb(m) for m in message]
     return pb.ChatRequest(
         session_id=session_id,
-        message=message,
+        message=text,
+        messages=messages,
+        whole=whole,
         max_tokens=max_tokens,
         sampling=sampling_to_pb(sampling),
         stop=_strings(stop),
         logprobs=logprobs,
+        grammar=grammar or "",
+        json_schema=schema_text(json_schema),
     )
+
+
+def schema_text(schema: str | Mapping[str, Any] | None) -> str:
+    """A JSON schema as the request carries it: JSON text (a dict is serialized)."""
+    if schema is None:
+        return ""
+    if isinstance(schema, str):
+        return schema
+    if not isinstance(schema, Mapping):
+        raise TypeError(f"json_schema must be a dict or a JSON string, not {type(schema).__name__}")
+    return json.dumps(schema)

@@ -10,7 +10,7 @@ import importlib
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TextIO, TypeVar
 
 import click
 
@@ -154,12 +154,16 @@ def _reply(
     max_tokens: int | None,
     stop: Sequence[str] = (),
     sampling: SamplingParams | None = None,
+    grammar: str | None = None,
+    json_schema: str | None = None,
 ) -> None:
     """Send one chat turn: streamed as text, or printed whole as JSON."""
+    stream = session.chat_stream(
+        message, max_tokens=max_tokens, stop=stop, sampling=sampling, grammar=grammar, json_schema=json_schema
+    )
     if state.as_json:
-        _echo_json(session.chat(message, max_tokens=max_tokens, stop=stop, sampling=sampling))
+        _echo_json(join_chunks(stream))
         return
-    stream = session.chat_stream(message, max_tokens=max_tokens, stop=stop, sampling=sampling)
     with contextlib.closing(stream):
         _print_stream(stream)
 
@@ -222,6 +226,15 @@ def info(state: _State) -> None:
 @_max_tokens_option
 @_sampling_options
 @click.option("--stop", multiple=True, help="Stop the reply at this string; repeatable.")
+@click.option(
+    "--grammar", "grammar_file", type=click.File(), help="The reply matches this GBNF grammar (a file)."
+)
+@click.option(
+    "--json-schema",
+    "schema_file",
+    type=click.File(),
+    help="The reply is JSON valid under this schema (a file).",
+)
 @click.pass_obj
 def run(
     state: _State,
@@ -231,13 +244,21 @@ def run(
     temperature: float | None,
     seed: int | None,
     stop: tuple[str, ...],
+    grammar_file: TextIO | None,
+    schema_file: TextIO | None,
 ) -> None:
     """Answer PROMPT (- reads it from stdin) in a new session, closed afterwards."""
     if prompt == "-":
         prompt = sys.stdin.read()
+    if grammar_file is not None and schema_file is not None:
+        raise click.UsageError("give --grammar or --json-schema, not both")
+    grammar = grammar_file.read() if grammar_file is not None else None
+    json_schema = schema_file.read() if schema_file is not None else None
     session = state.client().create_session(system, sampling=_sampling(temperature, seed))
     try:
-        _reply(state, session, prompt, max_tokens=max_tokens, stop=stop)
+        _reply(
+            state, session, prompt, max_tokens=max_tokens, stop=stop, grammar=grammar, json_schema=json_schema
+        )
     finally:
         session.close()
 

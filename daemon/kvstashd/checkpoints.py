@@ -5,23 +5,16 @@ commits the manifest. A load checks everything before llama.cpp can see it: the 
 MAC and fields, the model fingerprint and KV layout, that the block keys follow from the
 tokens, and each block's checksum and size. Methods block (file I/O, hashing); the
 session manager runs them in worker threads.
-
-Export format, one self-contained stream: b"KVSTEXP1", then records (u8 type, u32 length,
-payload): 1 = manifest, 2 = block or piece (64-char key + framed block), and last 0 = the
-BLAKE2b-256 of every byte before that record.
+Exports and imports are exports.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import io
 import logging
 import os
 import secrets
-import struct
-import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,27 +22,19 @@ from dataclasses import dataclass, replace
 from typing import BinaryIO
 
 from kvstashd import blocks as blk
+from kvstashd import exports, pieces
 from kvstashd import layout as kvlayout
 from kvstashd import manifest as mf
-from kvstashd import pieces
 from kvstashd import state as kvstate
 from kvstashd.budget import DiskBudget
 from kvstashd.catalog import Catalog, CheckpointRow
-from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint, InvalidRequest, NotFound
+from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint, NotFound
 from kvstashd.manifest import Snapshot
 from kvstashd.store import BlockStore
 
 log = logging.getLogger(__name__)
 
 _READERS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kvstash-read")
-EXPORT_MAGIC = b"KVSTEXP1"
-EXPORT_CHUNK = 1 << 20
-_REC = struct.Struct("<BI")
-# A manifest holds tokens, logits and messages: at most 4 bytes a token, 4 a logit and the
-# messages' text, within the RPC limits (manifest.check_limits).
-MAX_MANIFEST_BYTES = 256 << 20
-# More pieces than any state of a context of 2**20 tokens has.
-MAX_IMPORT_PIECES = 1 << 16
 CHECKPOINT_ID_PREFIX = "c_"
 
 
@@ -130,11 +115,11 @@ class CheckpointStore:
         same history (the system prompt's), stored and referenced too, so that the prefix
         cache finds the whole state there (see prefix.py)."""
         n_kv = kv.n if kv is not None else 0
-        full, window, rec = self._plan(snap.tokens, n_kv, snap.block_tokens, snap.salt)
+        full, window, rec = self.plan(snap.tokens, n_kv, snap.block_tokens, snap.salt)
         extra: list[tuple[_Piece, Callable[[], bytes]]] = []
         if boundary is not None and kv is not None and 0 < boundary[0] <= len(snap.tokens):
             at, partial = boundary
-            _, window_at, rec_at = self._plan(snap.tokens, at, snap.block_tokens, snap.salt)
+            _, window_at, rec_at = self.plan(snap.tokens, at, snap.block_tokens, snap.salt)
             boundary_kv = kvstate.SeqKv(kv.layout, at, partial)
             extra = list(self._payloads(boundary_kv, [], window_at, rec_at))
         unique: dict[str, tuple[_Piece, Callable[[], bytes]]] = {}
@@ -208,7 +193,7 @@ class CheckpointStore:
             for p in window if section.layout.window else full:
                 yield p, functools.partial(pieces.cut, section, p.start, p.end)
 
-    def _plan(
+    def plan(
         self, tokens: list[int], n: int, block_tokens: int, salt: str
     ) -> tuple[list[_Piece], list[_Piece], _Piece | None]:
         """The pieces that hold the state after tokens[:n]: full-attention blocks,
@@ -258,18 +243,20 @@ class CheckpointStore:
 
     def cells(self, snap: Snapshot) -> tuple[kvstate.SeqKv | None, bool]:
         """The state of a checked snapshot from this store: (state, must re-prefill)."""
-        return self._cells(snap, self.store.get)
+        return self.checked_cells(snap, self.store.get)
 
     def load(self, checkpoint_id: str, now: float) -> Loaded:
         row, data = self.row(checkpoint_id)
         snap = mf.decode(data, self.key, self.n_vocab)
-        kv, reprefill = self._cells(snap, self.store.get)
-        keys = _keys(snap)
+        kv, reprefill = self.checked_cells(snap, self.store.get)
+        keys = snap.piece_keys()
         if keys:
             self.catalog.touch(keys, now)
         return Loaded(row, snap, kv, reprefill)
 
-    def _cells(self, snap: Snapshot, read: Callable[[str], bytes]) -> tuple[kvstate.SeqKv | None, bool]:
+    def checked_cells(
+        self, snap: Snapshot, read: Callable[[str], bytes]
+    ) -> tuple[kvstate.SeqKv | None, bool]:
         """Check the snapshot fits this daemon; read its pieces. (state, must re-prefill)."""
         if snap.fingerprint != self.fingerprint:
             raise IncompatibleCheckpoint(
@@ -290,7 +277,7 @@ class CheckpointStore:
             return None, False
         lay = self.layout
         assert lay is not None
-        full, window, rec = self._plan(snap.tokens, snap.n_kv, snap.block_tokens, snap.salt)
+        full, window, rec = self.plan(snap.tokens, snap.n_kv, snap.block_tokens, snap.salt)
         if (
             [p.key for p in full] != snap.blocks
             or [(p.key, p.start) for p in window] != snap.window
@@ -315,7 +302,7 @@ class CheckpointStore:
         payloads = dict(
             zip(
                 (p.key for p in wanted),
-                _READERS.map(lambda p: self._block(p.key, p.size, read)[1], wanted),
+                _READERS.map(lambda p: self.read_block(p.key, p.size, read)[1], wanted),
                 strict=True,
             )
         )
@@ -338,7 +325,7 @@ class CheckpointStore:
         if self.layout is None or limit < block_tokens:
             return 0
         limit -= limit % block_tokens
-        full, window, rec = self._plan(tokens, limit, block_tokens, salt)
+        full, window, rec = self.plan(tokens, limit, block_tokens, salt)
         present = self.catalog.present([p.key for p in full])
         n = 0 if full else limit  # a recurrent model has no full-attention blocks
         for p in full:
@@ -348,7 +335,7 @@ class CheckpointStore:
         if self.layout.windowed is None and self.layout.recurrent is None:
             return n
         while n >= block_tokens:  # window pieces and the recurrent state exist at few points
-            _, window, rec = self._plan(tokens, n, block_tokens, salt)
+            _, window, rec = self.plan(tokens, n, block_tokens, salt)
             extra = [p.key for p in [*window, *([rec] if rec else [])]]
             have = self.catalog.present(extra)
             if all(k in have and self.store.has(k) for k in extra):
@@ -358,10 +345,12 @@ class CheckpointStore:
 
     def prefix_state(self, tokens: list[int], n: int, block_tokens: int, salt: str) -> kvstate.SeqKv:
         """The state after tokens[:n] from this store's pieces (see longest_prefix)."""
-        full, window, rec = self._plan(tokens, n, block_tokens, salt)
+        full, window, rec = self.plan(tokens, n, block_tokens, salt)
         return self._read(n, full, window, rec, self.store.get)
 
-    def _block(self, key: str, size: int, read: Callable[[str], bytes]) -> tuple[bytes, bytes | memoryview]:
+    def read_block(
+        self, key: str, size: int, read: Callable[[str], bytes]
+    ) -> tuple[bytes, bytes | memoryview]:
         """One block, read once and checked: (its frame, its payload). A damaged block of
         this store is removed, so that the next checkpoint holding those tokens writes it
         again instead of reusing it."""
@@ -410,118 +399,18 @@ class CheckpointStore:
                 self.store.delete(key)
         return len(orphans)
 
-    # ---- export and import -------------------------------------------------------------------
+    # ---- export and import (the format is exports.py's) ----------------------------------
 
     def export(self, checkpoint_id: str) -> Iterator[bytes]:
         """The checkpoint as a self-contained stream of chunks of at most 1 MiB."""
-        _, data = self.row(checkpoint_id)
-        snap = mf.decode(data, self.key, self.n_vocab)
-        digest = hashlib.blake2b(digest_size=32)
-        out = io.BytesIO()
-
-        def emit(b: bytes) -> Iterator[bytes]:
-            digest.update(b)
-            out.write(b)
-            while out.tell() >= EXPORT_CHUNK:
-                buf = out.getvalue()
-                yield buf[:EXPORT_CHUNK]
-                out.seek(0)
-                out.truncate()
-                out.write(buf[EXPORT_CHUNK:])
-
-        yield from emit(EXPORT_MAGIC)
-        yield from emit(_REC.pack(1, len(data)) + data)
-        if snap.kv_layout == self.layout_desc:
-            full, window, rec = self._plan(snap.tokens, snap.n_kv, snap.block_tokens, snap.salt)
-            for piece in [*full, *window, *([rec] if rec else [])]:
-                block, _ = self._block(piece.key, piece.size, self.store.get)  # never ship damage
-                yield from emit(_REC.pack(2, 64 + len(block)) + piece.key.encode() + block)
-        final = out.getvalue() + _REC.pack(0, 32) + digest.digest()
-        for at in range(0, len(final), EXPORT_CHUNK):
-            yield final[at : at + EXPORT_CHUNK]
+        return exports.export(self, checkpoint_id)
 
     def import_(
         self, chunks: Iterable[bytes], limit: int, now: float, *, tenant: str, n_ctx: int
     ) -> CheckpointRow:
-        """Import an exported stream given as chunks (spooled to a temporary file first):
-        see `import_file`. InvalidRequest beyond `limit` bytes."""
-        with tempfile.TemporaryFile() as spool:
-            size = 0
-            for chunk in chunks:
-                size += len(chunk)
-                if size > limit:
-                    raise InvalidRequest(f"the import exceeds {limit} bytes")
-                spool.write(chunk)
-            spool.flush()
-            return self.import_file(spool, now, tenant=tenant, n_ctx=n_ctx)
+        """Import an exported stream given as chunks: see exports.import_chunks."""
+        return exports.import_chunks(self, chunks, limit, now, tenant=tenant, n_ctx=n_ctx)
 
     def import_file(self, spool: BinaryIO, now: float, *, tenant: str, n_ctx: int) -> CheckpointRow:
-        """Check an exported stream (in a file) completely, then store it as an imported
-        checkpoint of `tenant`. The file is read in pieces: what this holds in memory is the
-        manifest and one state, never the whole stream.
-
-        Its pieces are stored under a salt of their own: bytes from elsewhere never stand
-        for blocks this daemon computed, even when their tokens are the same. Every field of
-        its manifest is held to the RPCs' limits (`n_ctx`: this daemon's context).
-        """
-        fd = spool.fileno()
-        digest = hashlib.blake2b(digest_size=32)
-        at = 0
-
-        def take(n: int, hashed: bool = True) -> bytes:
-            nonlocal at
-            data = os.pread(fd, n, at)
-            if len(data) != n:
-                raise CorruptCheckpoint("the checkpoint export is truncated")
-            if hashed:
-                digest.update(data)
-            at += n
-            return data
-
-        if take(len(EXPORT_MAGIC)) != EXPORT_MAGIC:
-            raise CorruptCheckpoint("the data is not a kvstash checkpoint export")
-        manifest: bytes | None = None
-        found: dict[str, tuple[int, int]] = {}
-        while True:
-            header = take(_REC.size, hashed=False)
-            kind, length = _REC.unpack(header)
-            if kind == 0:
-                if length != 32 or take(32, hashed=False) != digest.digest():
-                    raise CorruptCheckpoint("the checkpoint export fails its checksum")
-                if os.pread(fd, 1, at):
-                    raise CorruptCheckpoint("the checkpoint export has trailing bytes")
-                break
-            digest.update(header)
-            if kind == 1 and manifest is None and length <= MAX_MANIFEST_BYTES:
-                manifest = take(length)
-            elif kind == 2 and length > 64 and len(found) < MAX_IMPORT_PIECES:
-                key = take(64).decode("ascii", "replace")
-                found[key] = (at, length - 64)
-                left = length - 64
-                while left:  # hashed in pieces, kept in the file
-                    left -= len(take(min(left, EXPORT_CHUNK)))
-            else:
-                raise CorruptCheckpoint("the checkpoint export has an unexpected record")
-        if manifest is None:
-            raise CorruptCheckpoint("the checkpoint export has no manifest")
-        # The exporting daemon's key is not ours: check structure and content instead.
-        snap = mf.decode(manifest, None, self.n_vocab)
-        mf.check_limits(snap, n_ctx)
-        if snap.kv_layout == self.layout_desc and set(found) != set(_keys(snap)):
-            raise CorruptCheckpoint("the checkpoint export's blocks do not match its manifest")
-
-        def read(key: str) -> bytes:
-            offset, n = found[key]
-            return os.pread(fd, n, offset)  # thread-safe: pieces are read in parallel
-
-        kv, reprefill = self._cells(snap, read)
-        snap = replace(snap, session_id="", persistent=True, salt=secrets.token_hex(16), tenant=tenant)
-        # The state of another layout is not kept; its layout is, so that a restore says it
-        # evaluates the tokens again.
-        foreign = snap.kv_layout if reprefill else None
-        return self.save(snap, kv, kind="imported", now=now, foreign_layout=foreign)[0]
-
-
-def _keys(snap: Snapshot) -> list[str]:
-    """Every piece key a manifest references."""
-    return [*snap.blocks, *(k for k, _ in snap.window), *([snap.recurrent] if snap.recurrent else [])]
+        """Import an exported stream held in a file: see exports.import_file."""
+        return exports.import_file(self, spool, now, tenant=tenant, n_ctx=n_ctx)

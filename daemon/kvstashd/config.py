@@ -222,6 +222,14 @@ class Settings:
     metrics_address: str = field(
         default="", metadata=spec("host:port to serve Prometheus metrics on (/metrics); empty: off.")
     )
+    http_address: str = field(
+        default="",
+        metadata=spec(
+            "host:port to also serve the OpenAI-compatible HTTP API on (/v1/chat/completions, "
+            "/v1/completions, /v1/models; needs kvstash[http]); empty: off.",
+            key="http",
+        ),
+    )
     check_invariants: bool = field(
         default=False,
         metadata=spec(
@@ -294,6 +302,12 @@ class Settings:
             )
         if self.metrics_address and not self.metrics_address.rpartition(":")[2].isdigit():
             raise ConfigError("metrics-address", f"must be host:port, got {self.metrics_address!r}")
+        if self.http_address and not self.http_address.rpartition(":")[2].isdigit():
+            raise ConfigError("http", f"must be host:port, got {self.http_address!r}")
+        if self.http_address and self.auth_file is None and not is_local(self.http_address):
+            raise ConfigError(
+                "http", f"without auth-file the HTTP API listens on loopback only, not {self.http_address}"
+            )
         if self.auth_file is None and not is_local(self.address):
             raise ConfigError(
                 "address",

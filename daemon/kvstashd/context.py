@@ -13,13 +13,16 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import llama_cpp as llama
+import llguidance
 import numpy as np
+from llguidance.llamacpp import lltokenizer_from_vocab
 
 from kvstashd import layout as kvlayout
 from kvstashd import state as kvstate
@@ -283,6 +286,16 @@ class LlamaContext:
 
     def is_eog(self, token: int) -> bool:
         return bool(llama.llama_vocab_is_eog(self._vocab, token))
+
+    def grammar_tokenizer(self) -> llguidance.LLTokenizer:
+        """The vocabulary as llguidance sees it: control tokens marked (grammars cannot
+        produce them unless they name them), every end-of-generation token allowed to end a
+        grammar's output. Takes a few hundred milliseconds."""
+        eog = [t for t in range(self.n_vocab) if self.is_eog(t)]
+        # llguidance's adapter reads token attributes through a deprecated alias that warns
+        # once per token.
+        with warnings.catch_warnings(action="ignore", category=DeprecationWarning):
+            return lltokenizer_from_vocab(self._vocab, eos_token=eog)
 
     # ---- evaluation -------------------------------------------------------------------------
 

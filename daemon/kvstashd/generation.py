@@ -15,11 +15,12 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
 from kvstashd import ops
-from kvstashd.chat import ChatMessage, Message, Segment, after_prefix, text_of
+from kvstashd.chat import ROLES, ChatMessage, Message, Segment, after_prefix, text_of
 from kvstashd.context import LlamaContext
 from kvstashd.errors import ContextFull, InvalidRequest, KvstashError
+from kvstashd.grammar import Constraint, GrammarSpec, next_constraint
 from kvstashd.job import Chunk, GenerationRequest, Job
-from kvstashd.limits import MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from kvstashd.limits import MAX_LOGPROBS, MAX_MESSAGES, MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from kvstashd.session import SamplingOverrides, Session
 
 if TYPE_CHECKING:
@@ -38,6 +39,9 @@ class Turn:
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
     stop: Sequence[str] = ()
     logprobs: int = 0
+    # Structured output: a GBNF grammar or a JSON schema (text), at most one of them.
+    grammar: str = ""
+    json_schema: str = ""
 
 
 class Conversations:
@@ -66,6 +70,7 @@ class Conversations:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
         self.check_bytes(prompt, "prompt")
         request = self._request(session, turn)
+        spec = await self._grammar(session, turn)
         async with self.manager.use(session):
             # The slot first: waiting for it may be cut short, and nothing has changed yet.
             slot = await self.manager.residency.into_slot(session)
@@ -77,45 +82,77 @@ class Conversations:
                 tokens = list(prompt_token_ids)
             request = replace(request, prompt=tuple(tokens))
             self._check_fits(session, request)
-            await self._run(session, slot, request, put)
+            start = len(session.state.tokens) + len(tokens)
+            constraint = next_constraint(session.constraint, spec, start, continuing=not tokens)
+            reply = None
+            if constraint is not None and constraint is session.constraint and session.messages:
+                last = session.messages[-1]
+                # Continuing a chat reply cut short within its grammar: the text joins that reply.
+                reply = last if last.role == "assistant" and last.start == constraint.start else None
+            await self._run(session, slot, request, put, reply, constraint)
 
     async def chat(self, session: Session, put: Put, *, message: str, turn: Turn) -> None:
         """Add a user message through the chat template and stream the assistant's reply."""
-        template = self.manager.template
-        assert template is not None
         if not message:
             raise InvalidRequest("the message is empty")
-        self.check_bytes(message, "message")
+        await self.converse(session, put, messages=[Message("user", message)], whole=False, turn=turn)
+
+    async def converse(
+        self, session: Session, put: Put, *, messages: Sequence[Message], whole: bool, turn: Turn
+    ) -> None:
+        """Add messages (any roles) through the chat template and stream the assistant's reply.
+
+        With `whole`, `messages` is the whole conversation: the session keeps the part of
+        its history that matches it (token by token) and evaluates only the rest.
+        """
+        template = self.manager.template
+        assert template is not None
+        check_messages(messages)
+        for given in messages:
+            self.check_bytes(given.content, "message")
         request = self._request(session, turn)
+        spec = await self._grammar(session, turn)
         async with self.manager.use(session):
             slot = await self.manager.residency.into_slot(session)
             state = session.state
-            user = ChatMessage("user", message, len(state.tokens))
-            conversation = [Message(m.role, m.content) for m in session.messages]
-            conversation.append(Message("user", message))
+            held = [Message(m.role, m.content) for m in session.messages]
+            # The session's messages that the conversation keeps, and those it adds.
+            if whole:
+                n_same = _common_prefix(held, messages)
+                conversation, added = list(messages), list(messages[n_same:])
+            else:
+                n_same = len(held)
+                conversation, added = [*held, *messages], list(messages)
+            if not added:
+                raise InvalidRequest("the conversation adds no message to what the session holds")
             segments = template.render(conversation, add_generation_prompt=True)
             history = list(state.tokens)
             history_text = await self._vocab(lambda c: c.detokenize(history, True))
-            delta = after_prefix(segments, history_text)
+            delta = after_prefix(segments, history_text) if n_same == len(held) else None
             if delta is not None:
                 tokens = await self.tokenize_segments(delta, first=not state.tokens)
+                start = len(state.tokens)
             else:
-                # The history is not a prefix of the rendered conversation (raw generation or
-                # a stop string left text the template does not have): keep what matches.
+                # The history is not a prefix of the rendered conversation (raw generation, a
+                # stop string left text the template does not have, or another conversation):
+                # keep what matches.
                 full = await self.tokenize_segments(segments, first=True)
-                keep = _common_prefix(full, state.tokens)
-                await self.manager.residency.truncate(session, keep)
-                tokens = full[keep:]
-                user.start = keep
+                start = _common_prefix(full, state.tokens)
+                await self.manager.residency.truncate(session, start)
+                tokens = full[start:]
             request = replace(request, prompt=tuple(tokens))
             self._check_fits(session, request)
+            kept = session.messages[:n_same]
+            for m in kept:
+                m.start = min(m.start, start)
             reply = ChatMessage("assistant", "", len(state.tokens) + len(tokens))
-            session.messages += [user, reply]
+            constraint = next_constraint(None, spec, reply.start, continuing=False)
+            session.messages = [*kept, *(ChatMessage(m.role, m.content, start) for m in added), reply]
             try:
-                await self._run(session, slot, request, put, reply)
+                await self._run(session, slot, request, put, reply, constraint)
             except BaseException:
-                if len(state.tokens) <= user.start:  # nothing was added: neither are messages
-                    del session.messages[-2:]
+                if len(state.tokens) <= start:  # nothing was added: neither are messages
+                    session.messages = kept
                 raise
 
     async def _run(
@@ -125,22 +162,31 @@ class Conversations:
         request: GenerationRequest,
         put: Put,
         reply: ChatMessage | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
-        """Run one generation on a session in `slot`, whose lock the caller holds."""
+        """Run one generation on a session in `slot`, whose lock the caller holds, under
+        `constraint` (structured output) when there is one."""
         manager = self.manager
         if session.persistent:  # its autosave would store more: refused before anything changes
             await manager.persistence.check_stored(manager.tenants.get(session.tenant))
+        matcher = None
+        if constraint is not None:
+            output = session.state.tokens[constraint.start :]
+            matcher = await manager.grammars.matcher(session.tenant, constraint, output)
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
 
         def emit(item: Chunk | BaseException) -> None:
             loop.call_soon_threadsafe(items.put_nowait, item)
 
-        n_before = len(session.state.tokens)
         job = Job(session.state, slot, request, emit)
+        job.matcher = matcher
         job.prefix = await manager.prefixes.find(session, [*session.state.tokens, *request.prompt])
         job.boundary_at = manager.prefixes.boundary_for(session)
         session.job = job
+        before, previous = len(session.state.tokens), session.constraint
+        reply_before = reply.content if reply is not None else ""
+        session.constraint = constraint
         manager.touch(session)
         manager.engine.submit(job)
         # A client that leaves stops the job within one step; the job's end is awaited all
@@ -161,6 +207,9 @@ class Conversations:
                     reply.content += item.text
                 if item.finish_reason is not None:
                     session.job = None
+                    if item.finish_reason == "eos":
+                        # Allowed only once a grammar accepts: the constrained output is whole.
+                        session.constraint = None
                     if item.usage is not None:
                         self.tokens_reused += item.usage.reused_tokens
                         usage = manager.residency.usage[session.tenant]
@@ -171,10 +220,16 @@ class Conversations:
                     if job.boundary is not None:
                         session.boundary = job.boundary
                     if session.persistent:
-                        await self._save_turn(session, n_before)
+                        await self._save_turn(session, before)
                 put(item)
                 if item.finish_reason is not None:
                     return
+        except BaseException:
+            if len(session.state.tokens) == before:  # nothing was added (or it was undone)
+                session.constraint = previous
+                if reply is not None:
+                    reply.content = reply_before
+            raise
         finally:
             session.job = None
 
@@ -200,6 +255,13 @@ class Conversations:
             stop=session.stop + check_stop(turn.stop),
             logprobs=turn.logprobs,
         )
+
+    async def _grammar(self, session: Session, turn: Turn) -> GrammarSpec | None:
+        """The request's grammar, compiled (or found compiled): refused before any wait."""
+        spec = GrammarSpec.of(turn.grammar, turn.json_schema)
+        if spec is not None:
+            await self.manager.grammars.check(session.tenant, spec)
+        return spec
 
     def _check_fits(self, session: Session, request: GenerationRequest) -> None:
         settings, model = self.manager.settings, self.manager.model
@@ -279,7 +341,16 @@ def check_stop(stop: Sequence[str]) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def check_messages(messages: Sequence[Message]) -> None:
+    """InvalidRequest unless there are not too many messages, each of a known role."""
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} messages, got {len(messages)}")
+    for m in messages:
+        if m.role not in ROLES:
+            raise InvalidRequest(f"a message's role must be one of {', '.join(ROLES)}, not {m.role[:40]!r}")
+
+
+def _common_prefix(a: Sequence[T], b: Sequence[T]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvstashd import state as kvstate
+from kvstashd.errors import KvstashError
+from kvstashd.grammar import Matcher
 from kvstashd.sampling import Logits, SamplingParams, sample, top_logprobs
 from kvstashd.text import StopMatcher, Utf8Stream
 
@@ -45,6 +47,8 @@ class Usage:
     generated_tokens: int = 0
     reused_tokens: int = 0
     evaluated_tokens: int = 0
+    # The history the generation followed (earlier turns and this prompt), in tokens.
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,8 @@ class Job:
         self.slot = slot
         self.request = request
         self.emit = emit
+        # The open constraint's state (structured output), advanced by every sampled token.
+        self.matcher: Matcher | None = None
         # Set from the asyncio thread; read by the engine at the start of every step.
         self.cancelled = False
         self.generated: list[int] = []
@@ -132,12 +138,20 @@ class Job:
             generated_tokens=len(self.generated),
             reused_tokens=self.reused,
             evaluated_tokens=self.evaluated,
+            context_tokens=len(self.state.tokens) - len(self.generated),
         )
 
     def sample(self, row: Logits, vocab: Vocab, ctx_limit: int) -> bool:
         """Draw the next token from `row`, record and stream it. True when the job ends."""
         state, req = self.state, self.request
-        token = sample(row, state.tokens, req.params, state.draws)
+        try:
+            allowed = self.matcher.allowed() if self.matcher is not None else None
+            token = sample(row, state.tokens, req.params, state.draws, allowed)
+            if self.matcher is not None:
+                self.matcher.consume(token)
+        except KvstashError as e:  # the grammar met its engine's limits: nothing was added
+            self.emit(e)
+            return True
         state.draws += 1
         state.tokens.append(token)
         self.generated.append(token)

@@ -19,3 +19,6 @@ IMPORTS_CHECKED = 1
 # RPCs served at once, and streams on one connection; beyond, RESOURCE_EXHAUSTED.
 MAX_CONCURRENT_RPCS = 1024
 MAX_STREAMS_PER_CONNECTION = 128
+# A request's grammar or JSON schema, in characters (its compile time is bounded by the
+# grammar engine's own limits).
+MAX_GRAMMAR_CHARS = 1 << 16

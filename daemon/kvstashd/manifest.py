@@ -20,8 +20,10 @@ import numpy as np
 
 from kvstashd.chat import ChatMessage
 from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint
+from kvstashd.grammar import KINDS, Constraint, GrammarSpec
 from kvstashd.limits import (
     MAX_BLOCK_TOKENS,
+    MAX_GRAMMAR_CHARS,
     MAX_LABEL,
     MAX_MESSAGE_CHARS,
     MAX_MESSAGES,
@@ -66,7 +68,13 @@ class Snapshot:
     tenant: str = ""
     label: str = ""
     saved_at: float = 0.0
+    # An open constrained output (structured output cut short), or None.
+    constraint: Constraint | None = None
     format: int = FORMAT
+
+    def piece_keys(self) -> list[str]:
+        """Every piece key the manifest references."""
+        return [*self.blocks, *(k for k, _ in self.window), *([self.recurrent] if self.recurrent else [])]
 
 
 def encode(s: Snapshot, key: bytes) -> bytes:
@@ -98,6 +106,9 @@ def encode(s: Snapshot, key: bytes) -> bytes:
         "recurrent": s.recurrent,
         "salt": s.salt,
         "tenant": s.tenant,
+        "constraint": None
+        if s.constraint is None
+        else {"kind": s.constraint.spec.kind, "text": s.constraint.spec.text, "start": s.constraint.start},
     }
     head = json.dumps(meta, separators=(",", ":")).encode()
     tokens = np.asarray(s.tokens, dtype="<i4").tobytes()
@@ -243,6 +254,7 @@ def _snapshot(
     block_tokens = _get(meta, "block_tokens", int)
     if not 1 <= block_tokens <= 4096:
         raise CorruptCheckpoint("the checkpoint's block size is out of range")
+    constraint = _constraint(meta.get("constraint"), tokens.size)
     return Snapshot(
         session_id=_get(meta, "session_id", str),
         persistent=_get(meta, "persistent", bool),
@@ -264,7 +276,28 @@ def _snapshot(
         recurrent=recurrent,
         salt=salt,
         tenant=tenant,
+        constraint=constraint,
     )
+
+
+def _constraint(value: object, n_tokens: int) -> Constraint | None:
+    """An open constraint's record (absent in manifests older than structured output).
+    Whether its text compiles, and the history since `start` matches it, is checked when a
+    request continues it."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise CorruptCheckpoint("the checkpoint's constraint is malformed")
+    kind, text, start = value.get("kind"), value.get("text"), value.get("start")
+    if (
+        kind not in KINDS
+        or not isinstance(text, str)
+        or not 0 < len(text) <= MAX_GRAMMAR_CHARS
+        or type(start) is not int
+        or not 0 <= start <= n_tokens
+    ):
+        raise CorruptCheckpoint("the checkpoint's constraint is malformed")
+    return Constraint(GrammarSpec(kind, text), start)
 
 
 def _timestamp(meta: dict[str, Any], name: str) -> float:

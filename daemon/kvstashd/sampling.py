@@ -1,8 +1,9 @@
 """Token sampling that is identical whether a session runs fresh or resumed.
 
-The filtering chain runs on a copy of one logits row, in llama.cpp's default order:
-repetition penalty over the last `penalty_last_n` tokens of history (prompt included),
-top-k, top-p, min-p, then temperature. Draw i of a session takes its uniform from
+The filtering chain runs on a copy of one logits row, in llama.cpp's default order, after
+a structured-output mask where there is one (grammar.py): repetition penalty over the last
+`penalty_last_n` tokens of history (prompt included), top-k, top-p, min-p, then
+temperature. Draw i of a session takes its uniform from
 numpy's counter-based Philox generator keyed by (seed, i), so the RNG position is a
 single integer that survives checkpoints and is the same on every platform.
 """
@@ -87,11 +88,20 @@ def apply_penalty(row: Logits, history: Sequence[int], penalty: float, last_n: i
     return row
 
 
-def sample(logits: Logits, history: Sequence[int], params: SamplingParams, draw: int) -> int:
-    """Pick the next token from one logits row. Does not modify `logits`."""
-    row = apply_penalty(
-        logits.astype(np.float32, copy=True), history, params.repeat_penalty, params.penalty_last_n
-    )
+def sample(
+    logits: Logits,
+    history: Sequence[int],
+    params: SamplingParams,
+    draw: int,
+    allowed: npt.NDArray[np.bool_] | None = None,
+) -> int:
+    """Pick the next token from one logits row, among the `allowed` ones (a grammar's mask;
+    None: all). Does not modify `logits`."""
+    row = logits.astype(np.float32, copy=True)
+    if allowed is not None:
+        # -inf before anything else: masked tokens take no part in top-k, top-p or min-p.
+        row[~allowed] = -np.inf
+    row = apply_penalty(row, history, params.repeat_penalty, params.penalty_last_n)
     if params.temperature <= 0.0:
         return int(np.argmax(row))
     n_vocab = row.shape[0]
@@ -105,7 +115,8 @@ def sample(logits: Logits, history: Sequence[int], params: SamplingParams, draw:
     cand_logits = row[candidates].astype(np.float64)
     probs = np.exp(cand_logits - cand_logits[0])
     probs /= probs.sum()
-    keep = len(candidates)
+    # Masked tokens sort last; none of them may be drawn, not even by rounding at the edge.
+    keep = int(np.count_nonzero(np.isfinite(cand_logits))) if allowed is not None else len(candidates)
     if params.top_p < 1.0:
         cumulative = np.cumsum(probs)
         keep = min(keep, int(np.searchsorted(cumulative, params.top_p)) + 1)

@@ -13,7 +13,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,6 +39,9 @@ from kvstashd.store import BlockStore
 from kvstashd.store.local import LocalBlockStore
 from kvstashd.store.memory import MemoryBlockStore
 from kvstashd.tenants import AuthFileError, Quota, Tenants
+
+if TYPE_CHECKING:
+    from kvstashd.http.door import HttpDoor
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +193,17 @@ def build_server(
     return server, health_servicer, port
 
 
+def http_door(settings: Settings, manager: SessionManager) -> HttpDoor:
+    """The OpenAI-compatible HTTP door (imported only when asked for: an optional extra)."""
+    try:
+        from kvstashd.http.door import HttpDoor
+    except ImportError as e:
+        raise OSError(
+            f"--http needs the HTTP extra ({e.name} is missing): pip install 'kvstash[http]'"
+        ) from None
+    return HttpDoor(settings, manager)
+
+
 class Daemon:
     """The whole daemon, startable and stoppable from any event loop (tests use this)."""
 
@@ -206,6 +220,8 @@ class Daemon:
         self._metrics: Any = None
         self.metrics_port = 0
         self._state: StateDir | None = None
+        self._http: HttpDoor | None = None
+        self.http_port = 0
 
     async def start(self) -> int:
         """Load the model, start serving, report SERVING. Returns the bound port."""
@@ -241,7 +257,12 @@ class Daemon:
                 await self._server.start()
             finally:
                 os.umask(old_umask)
+            if settings.http_address:
+                self._http = http_door(settings, manager)
+                self.http_port = await self._http.start()
         except BaseException:
+            if self._server is not None:
+                await self._server.stop(0)
             await asyncio.to_thread(self.engine.stop)
             self._release_state()
             raise
@@ -292,8 +313,15 @@ class Daemon:
             await self._health.enter_graceful_shutdown()
         if self._service is not None:
             self._service.accepting = False
+        if self._http is not None:
+            self._http.refuse()
+        # Both doors drain at once, within one grace period, before the manager shuts down.
+        stopping = []
         if self._server is not None:
-            await self._server.stop(self.settings.grace_seconds)
+            stopping.append(self._server.stop(self.settings.grace_seconds))
+        if self._http is not None:
+            stopping.append(self._http.stop())
+        await asyncio.gather(*stopping)
         if self._metrics is not None:
             self._metrics.shutdown()
         if self._sweeper is not None:

@@ -18,8 +18,8 @@ from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 from kvstashd import __version__
 from kvstashd.catalog import CheckpointRow
-from kvstashd.chat import ChatMessage
-from kvstashd.errors import CAUSE_KEY, KvstashError, Unavailable
+from kvstashd.chat import ChatMessage, Message
+from kvstashd.errors import CAUSE_KEY, InvalidRequest, KvstashError, Unavailable
 from kvstashd.generation import Turn
 from kvstashd.job import Chunk
 from kvstashd.sampling import SamplingParams
@@ -194,9 +194,16 @@ class KvStashService(pb_grpc.KvStashServicer):
     @streaming
     async def Chat(self, request: pb.ChatRequest, context: Any) -> AsyncGenerator[pb.ChatResponse, None]:
         self._check_accepting()
-        stream = self.manager.chat(
-            request.session_id, self.tenant(context), message=request.message, turn=turn_from_pb(request)
-        )
+        tenant, turn = self.tenant(context), turn_from_pb(request)
+        if request.messages:
+            if request.message:
+                raise InvalidRequest("give a message or messages, not both")
+            messages = [message_from_pb(m) for m in request.messages]
+            stream = self.manager.converse(
+                request.session_id, tenant, messages=messages, whole=request.whole, turn=turn
+            )
+        else:
+            stream = self.manager.chat(request.session_id, tenant, message=request.message, turn=turn)
         async for chunk in stream:
             yield pb.ChatResponse(chunk=chunk_to_pb(chunk))
 
@@ -286,11 +293,20 @@ def turn_from_pb(r: pb.GenerateRequest | pb.ChatRequest) -> Turn:
         sampling=overrides_from_pb(r.sampling),
         stop=list(r.stop),
         logprobs=r.logprobs,
+        grammar=r.grammar,
+        json_schema=r.json_schema,
     )
 
 
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
+
+
+def message_from_pb(m: pb.Message) -> Message:
+    role = next((name for name, value in ROLES.items() if value == m.role), None)
+    if role is None:
+        raise InvalidRequest("every message needs a role: system, user or assistant")
+    return Message(role, m.content)
 
 
 def message_to_pb(m: ChatMessage) -> pb.Message:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from kvstashd import state as kvstate
 from kvstashd.chat import ChatMessage
+from kvstashd.grammar import Constraint
 from kvstashd.job import Job, SeqState
 from kvstashd.manifest import Snapshot
 from kvstashd.sampling import SamplingParams
@@ -38,6 +39,9 @@ class Session:
     system_end: int = 0
     boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None
     head_checkpoint_id: str = ""
+    # Structured output cut short (max_tokens, a stop string...): the next request without a
+    # prompt continues within it (see grammar.py).
+    constraint: Constraint | None = None
     # Changed since its last save (persistent sessions only).
     dirty: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -54,8 +58,11 @@ class Session:
             self.snapshots = [*older[len(older) - MAX_SNAPSHOTS + 1 :], snap]
 
     def forget_snapshots_after(self, n_tokens: int) -> None:
-        """Drop snapshots of positions the history no longer has."""
+        """Drop snapshots of positions the history no longer has, and a constraint whose
+        output would begin beyond it."""
         self.snapshots = [s for s in self.snapshots if s.pos + 1 <= n_tokens]
+        if self.constraint is not None and self.constraint.start > n_tokens:
+            self.constraint = None
         if self.boundary is not None and self.boundary[0] > n_tokens:
             self.boundary = None
 
@@ -79,6 +86,7 @@ class Session:
             label=label,
             salt=self.salt.hex(),
             tenant=self.tenant,
+            constraint=self.constraint,
         )
 
     def apply(self, snap: Snapshot, n_kv: int) -> None:
@@ -93,6 +101,7 @@ class Session:
         self.params = snap.params
         self.stop = snap.stop
         self.messages = [replace(m) for m in snap.messages]
+        self.constraint = snap.constraint
         self.snapshots = []
         self.boundary = None
 

@@ -19,13 +19,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvstashd import ops as opsmod
-from kvstashd.chat import ChatMessage, ChatTemplate
+from kvstashd.chat import ChatMessage, ChatTemplate, Message
 from kvstashd.checkpointing import Checkpointing
 from kvstashd.config import Settings
 from kvstashd.context import ModelInfo
 from kvstashd.engine import Engine
 from kvstashd.errors import Busy, ContextFull, InvalidRequest, KvstashError, NoChatTemplate, NotFound
 from kvstashd.generation import Conversations, Turn, check_stop
+from kvstashd.grammar import Grammars
 from kvstashd.job import Chunk
 from kvstashd.manifest import Snapshot
 from kvstashd.persistence import Persistence, Stores
@@ -85,6 +86,11 @@ class SessionManager:
         self.conversations = Conversations(self)
         self.checkpoints = Checkpointing(self)
         self.prefixes = PrefixCache(self)
+        self.grammars = Grammars(
+            # Reads the vocabulary only: built in a worker thread, beside the engine's steps.
+            lambda: asyncio.to_thread(engine.read_vocab, lambda c: c.grammar_tokenizer()),
+            self.model.n_vocab,
+        )
         # Who may call, and their quotas; replaced as a whole when the auth file is read again.
         self.tenants = Tenants.anonymous()
         self.residency.parked_quota = lambda name: self.tenants.get(name).quota.max_parked_bytes
@@ -321,6 +327,19 @@ class SessionManager:
         if self.template is None:
             raise NoChatTemplate("the model has no chat template; use Generate")
         return self.ops.stream(lambda put: self.conversations.chat(session, put, message=message, turn=turn))
+
+    def converse(
+        self, session_id: str, tenant: Tenant, *, messages: Sequence[Message], whole: bool, turn: Turn
+    ) -> AsyncIterator[Chunk]:
+        """Add messages of any roles through the chat template and stream the assistant's
+        reply; with `whole`, the messages are the whole conversation and the session keeps
+        what of its history matches them."""
+        session = self.get(session_id, tenant)
+        if self.template is None:
+            raise NoChatTemplate("the model has no chat template; use Generate")
+        return self.ops.stream(
+            lambda put: self.conversations.converse(session, put, messages=messages, whole=whole, turn=turn)
+        )
 
     # ---- counters, expiry, invariants ----------------------------------------------------------
 

@@ -744,6 +744,8 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     prompt: _builtins.str
     """The prompt: text or token ids (not both). Empty: continue from where the session stopped."""
@@ -753,6 +755,12 @@ class GenerateRequest(_message.Message):
     """unset: until the context is full"""
     logprobs: _builtins.int
     """top-N alternatives per generated token (0 = none)"""
+    grammar: _builtins.str
+    """Structured output, at most one of the two: the output matches this GBNF grammar
+    (llama.cpp's format), or is JSON valid under this JSON schema (a JSON text). Output
+    cut short leaves the constraint open: an empty prompt continues within it.
+    """
+    json_schema: _builtins.str
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -774,10 +782,12 @@ class GenerateRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         logprobs: _builtins.int = ...,
+        grammar: _builtins.str = ...,
+        json_schema: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "max_tokens", b"max_tokens", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "parse_special", b"parse_special", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "grammar", b"grammar", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "parse_special", b"parse_special", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
@@ -815,15 +825,29 @@ class ChatRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    WHOLE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     message: _builtins.str
     """the user's message"""
     max_tokens: _builtins.int
     logprobs: _builtins.int
+    grammar: _builtins.str
+    """as in GenerateRequest: the reply matches it"""
+    json_schema: _builtins.str
+    whole: _builtins.bool
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___Message]:
+        """Instead of `message`: messages of any roles to add; with `whole`, the whole conversation
+        (the session keeps the part of its history that matches it and evaluates the rest).
+        """
+
     def __init__(
         self,
         *,
@@ -833,10 +857,14 @@ class ChatRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         logprobs: _builtins.int = ...,
+        grammar: _builtins.str = ...,
+        json_schema: _builtins.str = ...,
+        messages: _abc.Iterable[Global___Message] | None = ...,
+        whole: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "max_tokens", b"max_tokens", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "message", b"message", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "grammar", b"grammar", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "message", b"message", "messages", b"messages", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop", "whole", b"whole"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
