@@ -170,6 +170,10 @@ def build_server(
             ("grpc.max_connection_idle_ms", 30 * 60_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 3),
+            # Flow-control windows stay at their default: grown by BDP probing, they let
+            # gRPC buffer megabytes of a slow import's unread chunks per stream (measured:
+            # 10 parallel 150 MB imports grew RSS by 83-305 MiB with it, 29-33 MiB without).
+            ("grpc.http2.bdp_probe", 0),
         ],
         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
     )
