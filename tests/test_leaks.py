@@ -3,8 +3,8 @@
 A daemon (subprocess) runs ``KVSTASH_LEAK_CYCLES`` cycles (default 200; run 2,000 by hand):
 create a session (every other one persistent), chat once (a shared preamble of more than a
 block, attached from the prefix cache, then words of its own), take a checkpoint, close.
-Every tenth cycle uses a new client connection. Measured from /proc after a warm-up of a
-tenth of the cycles and at the end:
+Every tenth cycle uses a new client connection. Measured from /proc after a warm-up (a
+tenth of the cycles, then a burst of concurrent ones) and at the end:
 
 - resident memory grows less than 50 MB per 2,000 cycles (the bound scales with the cycles,
   and never goes below 8 MB: allocator noise);
@@ -19,6 +19,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ CYCLES = int(os.environ.get("KVSTASH_LEAK_CYCLES", "200"))
 WARM_UP = max(30, CYCLES // 10)
 RSS_PER_2000_CYCLES = 50 << 20
 RSS_FLOOR = 8 << 20
+BURST = 8
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,20 @@ def cycle(client: kvstash.Client, i: int) -> None:
     session.close()
 
 
+def burst(address: str, first: int) -> None:
+    """Cycles from BURST clients at once: the daemon's worker pools grow to the size they
+    keep (they start threads as requests overlap, up to a fixed number, and never stop
+    them), so that the baseline has every thread a longer run may use."""
+
+    def run(k: int) -> None:
+        with kvstash.Client(address, timeout=60) as client:
+            for j in range(4):
+                cycle(client, first + 4 * k + j)
+
+    with ThreadPoolExecutor(BURST) as pool:
+        list(pool.map(run, range(BURST)))
+
+
 @pytest.mark.timeout(max(600, 3 * CYCLES))
 def test_create_chat_checkpoint_close_cycles_leak_nothing(spawn_daemon: Callable[..., DaemonProcess]) -> None:
     proc = spawn_daemon(*SPAWN_ARGS, "--disk-budget", str(64 << 20))
@@ -90,6 +106,7 @@ def test_create_chat_checkpoint_close_cycles_leak_nothing(spawn_daemon: Callable
                 client = kvstash.Client(proc.address, timeout=60)
             cycle(client, i)
             if i == WARM_UP - 1:
+                burst(proc.address, CYCLES)
                 time.sleep(1)  # let the last replies' work and connections wind down
                 warm = usage(proc.pid)
         assert client.list_sessions() == []
