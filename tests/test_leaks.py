@@ -105,6 +105,8 @@ def test_create_chat_checkpoint_close_cycles_leak_nothing(spawn_daemon: Callable
                 client.close()
                 client = kvstash.Client(proc.address, timeout=60)
             cycle(client, i)
+            if (i + 1) % WARM_UP == 0:
+                print(f"after {i + 1} cycles: {usage(proc.pid)}", flush=True)
             if i == WARM_UP - 1:
                 burst(proc.address, CYCLES)
                 time.sleep(1)  # let the last replies' work and connections wind down
