@@ -1,13 +1,14 @@
 """Leaks: many create/chat/checkpoint/close cycles leave the daemon as they found it.
 
-A daemon (subprocess) runs ``KVSTASH_LEAK_CYCLES`` cycles (default 200; run 2,000 by hand):
+A daemon (subprocess) runs ``KVSTASH_LEAK_CYCLES`` cycles (default 300; run 2,000 by hand):
 create a session (every other one persistent), chat once (a shared preamble of more than a
 block, attached from the prefix cache, then words of its own), take a checkpoint, close.
 Every tenth cycle uses a new client connection. Measured from /proc after a warm-up (a
-tenth of the cycles, then a burst of concurrent ones) and at the end:
+tenth of the cycles, at least 150, then a burst of concurrent ones) and at the end:
 
 - resident memory grows less than 50 MB per 2,000 cycles (the bound scales with the cycles,
-  and never goes below 8 MB: allocator noise);
+  and never goes below 16 MB: the high-water mark of freed memory glibc keeps moved up to
+  7 MB after the warm-up of a 2,000-cycle run);
 - open file descriptors and threads are back to where they were after the warm-up;
 - nothing is left: no session listed, none in the catalog, no checkpoint listed.
 """
@@ -29,10 +30,12 @@ from daemons import GREEDY, DaemonProcess, wait_until
 
 import kvstash
 
-CYCLES = int(os.environ.get("KVSTASH_LEAK_CYCLES", "200"))
-WARM_UP = max(30, CYCLES // 10)
+CYCLES = int(os.environ.get("KVSTASH_LEAK_CYCLES", "300"))
+# glibc keeps freed memory (see keep_freed_memory), so RSS is a high-water mark: it settles
+# within the first 150-200 cycles (measured), and only growth after that counts.
+WARM_UP = max(150, CYCLES // 10)
 RSS_PER_2000_CYCLES = 50 << 20
-RSS_FLOOR = 8 << 20
+RSS_FLOOR = 16 << 20
 BURST = 8
 
 
