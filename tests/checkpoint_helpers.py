@@ -281,6 +281,32 @@ def manifest_blocks(manifest: bytes) -> list[str]:
     return list(manifest_parts(manifest)[0]["blocks"])
 
 
+# ---- exactness of a whole history ----------------------------------------------------------
+
+
+def continues_like_its_history(client: kvstash.Client, session_id: str, tmp: Path) -> None:
+    """The session's next tokens equal those of a fresh session given its whole history."""
+    session = client.session(session_id)
+    tokens = checkpoint_tokens(client, session.checkpoint("audit").checkpoint_id, tmp)
+    if len(tokens) > 900:  # near the end of the context: make room first
+        session.rewind(600)
+        tokens = tokens[:600]
+    control = client.create_session()
+    try:
+        if not tokens:  # rewound to nothing: both start from the same prompt
+            assert next_tokens(session, "Hello") == next_tokens(control, "Hello"), session_id
+        else:
+            assert next_tokens(session, "") == next_tokens(control, tokens), session_id
+    finally:
+        control.close()
+
+
+def next_tokens(session: kvstash.Session, prompt: str | list[int]) -> tuple[str | None, Trace]:
+    """Greedy (the draw counter does not matter): up to 6 tokens and their log-probabilities."""
+    c = session.complete(prompt, max_tokens=6, logprobs=1, sampling=GREEDY)
+    return c.finish_reason, [(t.sampled.token_id, t.sampled.logprob) for t in c.logprobs]
+
+
 # ---- models and daemons --------------------------------------------------------------------
 
 

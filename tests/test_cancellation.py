@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from checkpoint_helpers import GREEDY, SPAWN_ARGS, Trace, checkpoint_tokens, gen
+from checkpoint_helpers import SPAWN_ARGS, Trace, continues_like_its_history, gen
 from daemons import DaemonProcess
 
 import kvstash
@@ -158,29 +158,6 @@ def _chaos(world: World, n_ops: int, threads: int = 6) -> None:
             f.result()
 
 
-def _continues_like_its_history(client: kvstash.Client, session_id: str, tmp: Path) -> None:
-    """The session's next tokens equal those of a fresh session given its whole history."""
-    session = client.session(session_id)
-    tokens = checkpoint_tokens(client, session.checkpoint("audit").checkpoint_id, tmp)
-    if len(tokens) > 900:  # near the end of the context: make room first
-        session.rewind(600)
-        tokens = tokens[:600]
-    control = client.create_session()
-    try:
-        if not tokens:  # rewound to nothing: both start from the same prompt
-            assert _next(session, "Hello") == _next(control, "Hello"), session_id
-        else:
-            assert _next(session, "") == _next(control, tokens), session_id
-    finally:
-        control.close()
-
-
-def _next(session: kvstash.Session, prompt: str | list[int]) -> tuple[str | None, Trace]:
-    """Greedy (the draw counter does not matter): up to 6 tokens and their log-probabilities."""
-    c = session.complete(prompt, max_tokens=6, logprobs=1, sampling=GREEDY)
-    return c.finish_reason, [(t.sampled.token_id, t.sampled.logprob) for t in c.logprobs]
-
-
 def test_random_cancellations_leave_every_session_exact(
     spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path
 ) -> None:
@@ -215,7 +192,7 @@ def test_random_cancellations_leave_every_session_exact(
             except kvstash.NotFoundError:
                 assert sid not in listed, f"{sid} is listed but not found"
         for sid in sorted(listed):
-            _continues_like_its_history(client, sid, tmp_path)
+            continues_like_its_history(client, sid, tmp_path)
         for sid, ck in checkpoints.items():
             client.session(sid).restore(ck)
             assert gen(client.session(sid), "", 12) == after[sid], sid
