@@ -249,6 +249,9 @@ class FakeDaemon(pb_grpc.KvStashServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no session {session_id!r}")
         return pb.SessionInfo(session_id="s1", n_tokens=3, n_ctx=256, residency=pb.RESIDENCY_HOT)
 
+    def GetInfo(self, request: Any, context: Any) -> pb.GetInfoResponse:
+        return pb.GetInfoResponse(mode="exact", has_chat_template=True)
+
     def CreateSession(self, request: Any, context: Any) -> pb.CreateSessionResponse:
         return pb.CreateSessionResponse(session=self._session("s1", context))
 
@@ -378,10 +381,13 @@ def test_cli_daemon_error_is_one_line(fake: tuple[FakeDaemon, str]) -> None:
 
 
 def test_serve_without_the_daemon_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "kvstashd.cli", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "kvstashd.server", None)  # makes the import fail
     result = CliRunner().invoke(main, ["serve", "--model", "x.gguf"])
     assert result.exit_code == 1
-    assert result.stderr.startswith("kvstash serve needs the daemon: pip install 'kvstash[daemon]'")
+    assert result.stderr == (
+        "error: kvstash serve needs the daemon's dependencies (no module 'kvstashd.server'): "
+        "pip install 'kvstash[daemon]'\n"
+    )
 
 
 def test_the_client_does_not_import_the_daemon() -> None:
