@@ -191,8 +191,7 @@ def _read_line(interactive: bool) -> str | None:
 @contextlib.contextmanager
 def _progress(label: str, total: int | None) -> Iterator[Callable[[int], None] | None]:
     """A bar of bytes moved on stderr when it is a terminal (None otherwise): update(n)."""
-    stderr = sys.stderr
-    if not stderr.isatty():
+    if not sys.stderr.isatty():
         yield None
         return
     # Without a length (an export's size is known only at its end) the bar pulses.
@@ -201,7 +200,7 @@ def _progress(label: str, total: int | None) -> Iterator[Callable[[int], None] |
         unknown if total is None else None,
         length=total,
         label=label,
-        file=stderr,
+        file=sys.stderr,
         show_pos=True,
         show_percent=total is not None,
         show_eta=total is not None,
