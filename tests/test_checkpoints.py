@@ -519,7 +519,7 @@ def test_sdk_checkpoints_export_and_import(
     assert info.n_checkpoints == 2
     if persistent:
         assert info.head_checkpoint_id not in (None, c1.checkpoint_id, c2.checkpoint_id)
-        with pytest.raises(kvstash.IncompatibleCheckpointError):
+        with pytest.raises(kvstash.CheckpointInUseError):
             client1.delete_checkpoint(info.head_checkpoint_id)
 
     restored = s.restore(c1.checkpoint_id)

@@ -27,15 +27,21 @@ from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 
 
 class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str | None) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, details: str | None, trailing: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         self._code = code
         self._details = details
+        self._trailing = trailing
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str | None:
         return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._trailing
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -49,7 +55,7 @@ class FakeRpcError(grpc.RpcError):
         (grpc.StatusCode.ALREADY_EXISTS, kvstash.AlreadyExistsError),
         (grpc.StatusCode.OUT_OF_RANGE, kvstash.ContextFullError),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, kvstash.BusyError),
-        (grpc.StatusCode.FAILED_PRECONDITION, kvstash.IncompatibleCheckpointError),
+        (grpc.StatusCode.FAILED_PRECONDITION, kvstash.FailedPreconditionError),
         (grpc.StatusCode.DATA_LOSS, kvstash.CorruptCheckpointError),
         (grpc.StatusCode.UNAUTHENTICATED, kvstash.AuthError),
         (grpc.StatusCode.UNAVAILABLE, kvstash.UnavailableError),
@@ -66,6 +72,28 @@ def test_status_maps_to_error_class(status: grpc.StatusCode, cls: type[Exception
     assert isinstance(error, kvstash.KvstashError)
     assert error.code == status.name
     assert error.message == "it broke" == str(error)
+
+
+@pytest.mark.parametrize(
+    ("status", "cause", "cls"),
+    [
+        (grpc.StatusCode.FAILED_PRECONDITION, "incompatible-checkpoint", kvstash.IncompatibleCheckpointError),
+        (grpc.StatusCode.FAILED_PRECONDITION, "no-chat-template", kvstash.NoChatTemplateError),
+        (grpc.StatusCode.FAILED_PRECONDITION, "checkpoint-in-use", kvstash.CheckpointInUseError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "store-write-failed", kvstash.StoreWriteError),
+        (grpc.StatusCode.UNAVAILABLE, "store-read-failed", kvstash.StoreReadError),
+        # A cause nobody knows, or one that belongs to another status, leaves the status's class.
+        (grpc.StatusCode.FAILED_PRECONDITION, "something-new", kvstash.FailedPreconditionError),
+        (grpc.StatusCode.NOT_FOUND, "no-chat-template", kvstash.NotFoundError),
+    ],
+)
+def test_the_daemons_cause_picks_the_subclass(
+    status: grpc.StatusCode, cause: str, cls: type[kvstash.KvstashError]
+) -> None:
+    error = from_rpc_error(FakeRpcError(status, "why", (("other", "x"), ("kvstash-error", cause))))
+    assert type(error) is cls
+    assert error.code == status.name
+    assert error.message == "why"
 
 
 def test_error_without_details_says_its_status() -> None:

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import httpx
 import pytest
-from daemons import InProcessDaemon, check_serving
+from checkpoint_helpers import own_daemon
+from daemons import InProcessDaemon, check_serving, model_path
 
 import kvstash
+from kvstashd.catalog import Catalog, CheckpointRow
+from kvstashd.errors import StoreReadFailed
 
 
 @pytest.fixture
@@ -182,3 +189,134 @@ def test_message_over_the_size_limit(start_daemon: Callable[..., InProcessDaemon
             client.create_session("a" * (100 * 1024))
         check_serving(client)
         assert session.complete("Hello", max_tokens=2).usage.generated_tokens >= 1
+
+
+# ---- causes that share a status, and a state store that fails ------------------------------
+
+LONG = "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 6
+
+
+def without_chat_template(dst: Path) -> Path:
+    """The default model with its chat template's metadata key renamed (same length, so the
+    file stays a valid GGUF): llama.cpp finds no template in it."""
+    data = model_path().read_bytes()
+    key = b"tokenizer.chat_template"
+    assert data.count(key) == 1
+    dst.write_bytes(data.replace(key, b"tokenizer.chat_templatX"))
+    return dst
+
+
+def test_chat_without_a_template_is_its_own_error(tmp_path: Path) -> None:
+    model = without_chat_template(tmp_path / "no-template.gguf")
+    with (
+        own_daemon(tmp_path / "state", model=model, slots=1, http_address="127.0.0.1:0") as d,
+        kvstash.Client(d.address, timeout=60) as client,
+    ):
+        assert not client.info().has_chat_template
+        session = client.create_session()
+        with pytest.raises(kvstash.NoChatTemplateError) as e:
+            session.chat("Hello", max_tokens=2)
+        assert isinstance(e.value, kvstash.FailedPreconditionError)
+        assert not isinstance(e.value, kvstash.IncompatibleCheckpointError)
+        assert (e.value.code, e.value.cause) == ("FAILED_PRECONDITION", "no-chat-template")
+        assert "chat template" in e.value.message
+        assert session.complete("Hello", max_tokens=2).usage.generated_tokens >= 1
+        session.close()
+        # The HTTP door says the same: 409, and the cause as the error's code.
+        assert d.daemon is not None
+        door = f"http://127.0.0.1:{d.daemon.http_port}/v1"
+        model_id = httpx.get(f"{door}/models", timeout=60).json()["data"][0]["id"]
+        body = {"model": model_id, "messages": [{"role": "user", "content": "Hello"}]}
+        reply = httpx.post(f"{door}/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 409
+        assert reply.json()["error"]["code"] == "no-chat-template"
+
+
+def test_deleting_a_live_sessions_head_is_its_own_error(client: kvstash.Client) -> None:
+    session = client.create_session(persistent=True)
+    session.complete("Hello", max_tokens=2)
+    head = session.info().head_checkpoint_id
+    assert head
+    with pytest.raises(kvstash.CheckpointInUseError) as e:
+        client.delete_checkpoint(head)
+    assert not isinstance(e.value, kvstash.IncompatibleCheckpointError)
+    assert (e.value.code, e.value.cause) == ("FAILED_PRECONDITION", "checkpoint-in-use")
+    assert session.info().head_checkpoint_id == head
+    session.close()
+    check_serving(client)
+
+
+def test_a_block_store_that_cannot_be_read_or_written(
+    start_daemon: Callable[..., InProcessDaemon], tmp_path: Path
+) -> None:
+    d = start_daemon(slots=2)
+    blocks = d.settings.state_dir / "blocks"
+    with kvstash.Client(d.address, timeout=60) as client:
+        session = client.create_session(persistent=True)
+        session.complete(LONG, max_tokens=2)
+        checkpoint = session.checkpoint()
+        # Each block file becomes a directory: it exists, and reading or replacing it fails.
+        aside = tmp_path / "aside"
+        aside.mkdir()
+        files = [p for p in blocks.rglob("*") if p.is_file() and p.parent.name != "tmp"]
+        assert files
+        for f in files:
+            f.rename(aside / f.name)
+            f.mkdir()
+
+        with pytest.raises(kvstash.StoreReadError) as read:
+            session.restore(checkpoint.checkpoint_id)
+        assert (read.value.code, read.value.cause) == ("UNAVAILABLE", "store-read-failed")
+        assert "cannot be read" in read.value.message
+        with pytest.raises(kvstash.StoreReadError):
+            client.export_checkpoint(checkpoint.checkpoint_id, tmp_path / "out.kvs")
+        assert not (tmp_path / "out.kvs").exists()
+        with pytest.raises(kvstash.StoreWriteError) as write:
+            session.checkpoint()
+        assert isinstance(write.value, kvstash.BusyError)
+        assert (write.value.code, write.value.cause) == ("RESOURCE_EXHAUSTED", "store-write-failed")
+        assert [c.checkpoint_id for c in session.checkpoints()] == [checkpoint.checkpoint_id]
+        assert not any((blocks / "tmp").iterdir())  # the failed write left no temp file
+        check_serving(client)
+
+        for f in files:
+            f.rmdir()
+            (aside / f.name).rename(f)
+        assert session.restore(checkpoint.checkpoint_id).n_tokens == checkpoint.n_tokens
+        assert client.export_checkpoint(checkpoint.checkpoint_id, tmp_path / "out.kvs") > 0
+        session.close()
+
+
+def test_a_catalog_that_cannot_be_read_stops_the_start_with_one_line(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    catalog = Catalog(state_dir / "catalog.db")
+    row = CheckpointRow("c_" + "0" * 24, "s_" + "0" * 24, "", "explicit", 1, 1, 1, 0.0)
+    catalog.add_checkpoint(row, b"manifest", [("ab" * 32, 10)], now=0.0)
+    catalog.close()
+    # Every page but the first (the schema) overwritten: the tables cannot be read.
+    page = 4096
+    data = (state_dir / "catalog.db").read_bytes()
+    assert len(data) > page
+    (state_dir / "catalog.db").write_bytes(data[:page] + b"\xff" * (len(data) - page))
+    with pytest.raises(StoreReadFailed, match="cannot be read"):
+        Catalog(state_dir / "catalog.db")
+    args = [
+        "--state-dir",
+        str(state_dir),
+        "--address",
+        "127.0.0.1:0",
+        "--threads",
+        "1",
+        "--log-level",
+        "error",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstashd", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "cannot read the catalog: database disk image is malformed" in result.stderr  # the log
+    assert result.stderr.splitlines()[-1] == "error: the state store cannot be read (see the daemon's log)"

@@ -1,17 +1,24 @@
-"""The errors kvstash raises, one class per gRPC status the daemon uses.
+"""The errors kvstash raises: one class per gRPC status the daemon uses, and a subclass per
+cause where causes share a status (the daemon names the cause in the trailing metadata
+``kvstash-error``).
 
 ::
 
-    KvstashError                      .code: the gRPC status name
+    KvstashError                      .code: the gRPC status name; .cause: the daemon's cause
     ├── InvalidRequestError           INVALID_ARGUMENT
     ├── NotFoundError                 NOT_FOUND
     ├── AlreadyExistsError            ALREADY_EXISTS
     ├── ContextFullError              OUT_OF_RANGE
     ├── BusyError                     RESOURCE_EXHAUSTED
-    ├── IncompatibleCheckpointError   FAILED_PRECONDITION
+    │   └── StoreWriteError               store-write-failed
+    ├── FailedPreconditionError       FAILED_PRECONDITION
+    │   ├── IncompatibleCheckpointError   incompatible-checkpoint
+    │   ├── NoChatTemplateError           no-chat-template
+    │   └── CheckpointInUseError          checkpoint-in-use
     ├── CorruptCheckpointError        DATA_LOSS
     ├── AuthError                     UNAUTHENTICATED
     ├── UnavailableError              UNAVAILABLE, DEADLINE_EXCEEDED
+    │   └── StoreReadError                store-read-failed
     └── InternalError                 INTERNAL, and any other status
 """
 
@@ -19,11 +26,16 @@ from __future__ import annotations
 
 import grpc
 
+#: The trailing-metadata key under which the daemon names an error's cause.
+CAUSE_KEY = "kvstash-error"
+
 
 class KvstashError(Exception):
-    """Base of every error kvstash raises; ``code`` names the gRPC status behind it."""
+    """Base of every error kvstash raises; ``code`` names the gRPC status behind it, ``cause``
+    what the daemon said went wrong where several causes share that status ("" if none)."""
 
     code: str = "UNKNOWN"
+    cause: str = ""
 
     def __init__(self, message: str, code: str | None = None) -> None:
         super().__init__(message)
@@ -57,15 +69,39 @@ class ContextFullError(KvstashError):
 
 
 class BusyError(KvstashError):
-    """The daemon is out of a resource (slots, memory, a session busy generating)."""
+    """The daemon is out of a resource (slots, memory, a quota, disk); try again later."""
 
     code = "RESOURCE_EXHAUSTED"
 
 
-class IncompatibleCheckpointError(KvstashError):
-    """The state cannot be used as asked, e.g. a checkpoint made with another model."""
+class StoreWriteError(BusyError):
+    """The daemon's state store refused a write (disk full?): nothing was saved."""
+
+    cause = "store-write-failed"
+
+
+class FailedPreconditionError(KvstashError):
+    """The daemon cannot do this in its present state; a subclass says why."""
 
     code = "FAILED_PRECONDITION"
+
+
+class IncompatibleCheckpointError(FailedPreconditionError):
+    """A checkpoint made with another model or manifest format."""
+
+    cause = "incompatible-checkpoint"
+
+
+class NoChatTemplateError(FailedPreconditionError):
+    """The daemon's model has no chat template: use completions, not chat."""
+
+    cause = "no-chat-template"
+
+
+class CheckpointInUseError(FailedPreconditionError):
+    """The checkpoint is a live session's head; close the session to delete it."""
+
+    cause = "checkpoint-in-use"
 
 
 class CorruptCheckpointError(KvstashError):
@@ -86,6 +122,12 @@ class UnavailableError(KvstashError):
     code = "UNAVAILABLE"
 
 
+class StoreReadError(UnavailableError):
+    """The daemon's state store could not be read (an I/O error); try again later."""
+
+    cause = "store-read-failed"
+
+
 class InternalError(KvstashError):
     """The daemon failed, or answered with a status kvstash does not expect."""
 
@@ -98,12 +140,32 @@ _BY_STATUS: dict[grpc.StatusCode, type[KvstashError]] = {
     grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
     grpc.StatusCode.OUT_OF_RANGE: ContextFullError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: BusyError,
-    grpc.StatusCode.FAILED_PRECONDITION: IncompatibleCheckpointError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
     grpc.StatusCode.DATA_LOSS: CorruptCheckpointError,
     grpc.StatusCode.UNAUTHENTICATED: AuthError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: UnavailableError,
 }
+_BY_CAUSE: dict[str, type[KvstashError]] = {
+    cls.cause: cls
+    for cls in (
+        StoreWriteError,
+        IncompatibleCheckpointError,
+        NoChatTemplateError,
+        CheckpointInUseError,
+        StoreReadError,
+    )
+}
+
+
+def _cause(e: grpc.RpcError) -> str:
+    """The cause the daemon named in the call's trailing metadata ("" if none)."""
+    trailing = getattr(e, "trailing_metadata", None)
+    metadata = trailing() if callable(trailing) else None
+    for key, value in metadata or ():
+        if key == CAUSE_KEY:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return ""
 
 
 def from_rpc_error(e: grpc.RpcError) -> KvstashError:
@@ -113,4 +175,8 @@ def from_rpc_error(e: grpc.RpcError) -> KvstashError:
     status = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
     details = e.details() if callable(getattr(e, "details", None)) else None
     cls = _BY_STATUS.get(status, InternalError)
+    by_cause = _BY_CAUSE.get(_cause(e))
+    # A cause counts only with its own status: a class never stands for another status.
+    if by_cause is not None and issubclass(by_cause, cls):
+        cls = by_cause
     return cls(details or status.name, code=status.name)

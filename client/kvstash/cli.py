@@ -62,7 +62,7 @@ def _fail(message: str) -> NoReturn:
 
 
 def _describe(e: KvstashError, address: str) -> str:
-    if e.code == "UNAVAILABLE":
+    if e.code == "UNAVAILABLE" and not e.cause:  # a daemon that answered named its cause
         return f"cannot reach kvstash at {address}: {e.message}"
     return e.message
 
@@ -610,6 +610,4 @@ def serve(ctx: click.Context) -> None:
     except ImportError as e:
         missing = f"no module {e.name!r}" if e.name else str(e)
         _fail(f"kvstash serve needs the daemon's dependencies ({missing}): pip install 'kvstash[daemon]'")
-    daemon_cli.serve.main(
-        args=ctx.args, prog_name="kvstash serve", auto_envvar_prefix="KVSTASH", standalone_mode=True
-    )
+    daemon_cli.main(ctx.args, prog_name="kvstash serve")

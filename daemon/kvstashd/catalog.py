@@ -1,17 +1,25 @@
 """The checkpoint catalog: sqlite3 (WAL) tables of persistent sessions, checkpoints and
 block references. A checkpoint row, with its manifest and references, is committed in one
-transaction, after the blocks it references are durable.
+transaction, after the blocks it references are durable. The database file is created
+0600 (it holds conversations in plain text; sqlite gives -wal and -shm its mode). A read
+that fails is StoreReadFailed; a write's sqlite3.Error is left to the caller (store_write).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvstashd.errors import StoreReadFailed
+from kvstashd.statedir import private_file
+
+log = logging.getLogger(__name__)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -70,9 +78,11 @@ class Catalog:
 
     def __init__(self, path: Path | str) -> None:
         self.path = None if str(path) == ":memory:" else Path(path)
+        if self.path is not None:
+            private_file(self.path)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
-        with self._lock:
+        with self._reading():  # a catalog that cannot be read stops the daemon's start
             if str(path) != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
@@ -104,6 +114,16 @@ class Catalog:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """The lock, for a read: a database that cannot be read is StoreReadFailed."""
+        with self._lock:
+            try:
+                yield
+            except sqlite3.Error as e:
+                log.error("cannot read the catalog: %s", e)
+                raise StoreReadFailed("the state store cannot be read (see the daemon's log)") from None
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -185,7 +205,7 @@ class Catalog:
         self._db.execute("DELETE FROM checkpoints WHERE checkpoint_id = ?", (checkpoint_id,))
 
     def get(self, checkpoint_id: str) -> tuple[CheckpointRow, bytes] | None:
-        with self._lock:
+        with self._reading():
             found = self._db.execute(
                 f"SELECT {_COLUMNS}, manifest FROM checkpoints WHERE checkpoint_id = ?",
                 (checkpoint_id,),
@@ -196,7 +216,7 @@ class Catalog:
 
     def checkpoints(self, session_id: str, include_heads: bool = False) -> list[CheckpointRow]:
         kinds = ("explicit", "head") if include_heads else ("explicit",)
-        with self._lock:
+        with self._reading():
             rows = self._db.execute(
                 f"SELECT {_COLUMNS} FROM checkpoints WHERE session_id = ? AND kind IN "
                 f"({','.join('?' * len(kinds))}) ORDER BY created_at",
@@ -206,7 +226,7 @@ class Catalog:
 
     def tenant_checkpoints(self, tenant: str) -> list[CheckpointRow]:
         """A tenant's explicit and imported checkpoints, oldest first."""
-        with self._lock:
+        with self._reading():
             rows = self._db.execute(
                 f"SELECT {_COLUMNS} FROM checkpoints WHERE tenant = ? AND kind IN ('explicit', 'imported') "
                 "ORDER BY created_at",
@@ -216,7 +236,7 @@ class Catalog:
 
     def stored_bytes(self, tenant: str) -> int:
         """Bytes of the distinct blocks a tenant's checkpoints reference."""
-        with self._lock:
+        with self._reading():
             found = self._db.execute(
                 "SELECT COALESCE(SUM(size), 0) FROM blocks WHERE block IN (SELECT refs.block FROM refs "
                 "JOIN checkpoints USING (checkpoint_id) WHERE checkpoints.tenant = ?)",
@@ -247,7 +267,7 @@ class Catalog:
 
     def sessions(self) -> list[tuple[str, float, str | None]]:
         """Persistent sessions: (session_id, created_at, head checkpoint id or None)."""
-        with self._lock:
+        with self._reading():
             rows = self._db.execute(
                 "SELECT session_id, created_at, head FROM sessions ORDER BY created_at"
             ).fetchall()
@@ -255,7 +275,7 @@ class Catalog:
 
     def counts(self) -> dict[str, int]:
         """Explicit checkpoints per session."""
-        with self._lock:
+        with self._reading():
             rows = self._db.execute(
                 "SELECT session_id, COUNT(*) FROM checkpoints WHERE kind = 'explicit' GROUP BY session_id"
             ).fetchall()
@@ -268,7 +288,7 @@ class Catalog:
     def present(self, keys: list[str]) -> set[str]:
         """Which of these blocks the catalog knows."""
         found: set[str] = set()
-        with self._lock:
+        with self._reading():
             for at in range(0, len(keys), 500):
                 part = keys[at : at + 500]
                 rows = self._db.execute(
@@ -278,13 +298,13 @@ class Catalog:
         return found
 
     def block_size(self, key: str) -> int | None:
-        with self._lock:
+        with self._reading():
             found = self._db.execute("SELECT size FROM blocks WHERE block = ?", (key,)).fetchone()
         return None if found is None else int(found[0])
 
     def unreferenced(self) -> list[tuple[str, int]]:
         """Blocks no checkpoint references, least recently used first: (key, size)."""
-        with self._lock:
+        with self._reading():
             rows = self._db.execute(
                 "SELECT block, size FROM blocks WHERE block NOT IN (SELECT block FROM refs) "
                 "ORDER BY last_used"
@@ -296,5 +316,5 @@ class Catalog:
             self._db.executemany("DELETE FROM blocks WHERE block = ?", [(k,) for k in keys])
 
     def known_blocks(self) -> set[str]:
-        with self._lock:
+        with self._reading():
             return {r[0] for r in self._db.execute("SELECT block FROM blocks").fetchall()}

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, BinaryIO
 from kvstashd import ops as opsmod
 from kvstashd import state as kvstate
 from kvstashd.catalog import CheckpointRow
-from kvstashd.errors import Busy, FailedPrecondition, InvalidRequest
+from kvstashd.errors import Busy, CheckpointInUse, InvalidRequest
 from kvstashd.limits import IMPORTS_CHECKED, MAX_IMPORTS, MAX_LABEL
 from kvstashd.manifest import Snapshot
+from kvstashd.placement import store_write
 from kvstashd.session import Session
 from kvstashd.tenants import Tenant
 
@@ -149,8 +150,8 @@ class Checkpointing:
         self._check_checkpoint_id(checkpoint_id)
         store = await self.m.persistence.find(checkpoint_id, tenant)
         if any(s.head_checkpoint_id == checkpoint_id for s in self.m.sessions.values()):
-            raise FailedPrecondition("that checkpoint is a live session's head; close the session")
-        await asyncio.to_thread(store.delete, checkpoint_id)
+            raise CheckpointInUse("that checkpoint is a live session's head; close the session")
+        await store_write(store.delete, checkpoint_id)
 
     async def export_checkpoint(self, checkpoint_id: str, tenant: Tenant) -> AsyncIterator[bytes]:
         """The checkpoint's export, read from the store one chunk (1 MiB) at a time as the

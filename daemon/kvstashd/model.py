@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
+
+from kvstashd.statedir import write_private
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,7 @@ def fingerprint(path: Path, cache_dir: Path) -> str:
     value = digest.hexdigest()
     cache[key] = value
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache))
-        os.replace(tmp, cache_file)
+        write_private(cache_file, json.dumps(cache).encode())
     except OSError as e:  # a read-only state dir only costs a re-hash next time
         log.warning("cannot cache the model fingerprint: %s", e)
     return value

@@ -32,7 +32,7 @@ from kvstashd.budget import DiskBudget
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
 from kvstashd.engine import Engine
-from kvstashd.errors import Busy, CorruptCheckpoint, KvstashError
+from kvstashd.errors import Busy, CorruptCheckpoint, KvstashError, StoreWriteFailed
 from kvstashd.manifest import Snapshot
 from kvstashd.session import Session, TenantUsage
 
@@ -460,4 +460,4 @@ async def store_write(fn: Callable[..., T], *args: object, **kwargs: object) -> 
         return await asyncio.to_thread(fn, *args, **kwargs)
     except (OSError, sqlite3.Error) as e:
         log.error("the state store failed: %s", e)
-        raise Busy("the state store is failing (disk full?); nothing was saved") from None
+        raise StoreWriteFailed("the state store is failing (disk full?); nothing was saved") from None

@@ -27,7 +27,7 @@ import numpy as np
 from kvstashd import pieces
 from kvstashd import state as kvstate
 from kvstashd.checkpoints import CheckpointStore
-from kvstashd.errors import CorruptCheckpoint
+from kvstashd.errors import CorruptCheckpoint, StoreReadFailed
 from kvstashd.placement import InSlot, Parked
 from kvstashd.session import Session
 
@@ -134,6 +134,6 @@ class PrefixCache:
         block = self.m.settings.block_tokens
         try:
             return await asyncio.to_thread(store.prefix_state, history, n, block, salt)
-        except CorruptCheckpoint as e:
+        except (CorruptCheckpoint, StoreReadFailed) as e:
             log.warning("a cached prefix could not be read (%s); evaluating it instead", e)
             return None

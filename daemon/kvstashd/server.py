@@ -9,7 +9,6 @@ import ctypes
 import logging
 import os
 import secrets
-import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from kvstashd.model import fingerprint
 from kvstashd.persistence import Stores
 from kvstashd.service import KvStashService
 from kvstashd.sessions import SessionManager
+from kvstashd.statedir import StateDir, fsync_dir
 from kvstashd.store import BlockStore
 from kvstashd.store.local import LocalBlockStore
 from kvstashd.store.memory import MemoryBlockStore
@@ -93,13 +93,14 @@ def store_key(state_dir: Path) -> bytes:
         f.write(key)
         f.flush()
         os.fsync(f.fileno())
+    fsync_dir(state_dir)
     return key
 
 
-def checkpoint_stores(settings: Settings, info: ModelInfo, fp: str) -> Stores:
+def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: str) -> Stores:
     """durable: catalog and blocks under the state dir; volatile: both in RAM; spill: blocks
     under the state dir, wiped now, with its catalog in RAM (nothing of it outlives us)."""
-    key = store_key(settings.state_dir)
+    key = store_key(state.path)
 
     def make(catalog: Catalog, blocks: BlockStore) -> CheckpointStore:
         return CheckpointStore(
@@ -113,10 +114,9 @@ def checkpoint_stores(settings: Settings, info: ModelInfo, fp: str) -> Stores:
             n_vocab=info.n_vocab,
         )
 
-    durable = make(Catalog(settings.state_dir / "catalog.db"), LocalBlockStore(settings.state_dir / "blocks"))
-    spill_dir = settings.state_dir / "spill"
-    shutil.rmtree(spill_dir, ignore_errors=True)
-    spill = make(Catalog(":memory:"), LocalBlockStore(spill_dir))
+    durable = make(Catalog(state.path / "catalog.db"), LocalBlockStore(state.path / "blocks"))
+    state.wipe_spill()
+    spill = make(Catalog(":memory:"), LocalBlockStore(state.spill))
     disk = DiskBudget(
         settings.disk_budget,
         (durable.store.total_bytes, spill.store.total_bytes, durable.catalog.file_bytes),
@@ -219,6 +219,7 @@ class Daemon:
         self._sweeper: asyncio.Task[None] | None = None
         self._metrics: Any = None
         self.metrics_port = 0
+        self._state: StateDir | None = None
         self._http: HttpDoor | None = None
         self.http_port = 0
 
@@ -227,13 +228,14 @@ class Daemon:
         settings = self.settings
         keep_freed_memory()
         # File work (hashing the model, opening the catalog and block stores) and loading
-        # the model run in worker threads: the event loop never waits on them.
-        await asyncio.to_thread(settings.state_dir.mkdir, parents=True, exist_ok=True)
-        fp = await asyncio.to_thread(fingerprint, settings.model_path, settings.state_dir)
-        log.info("loading %s", settings.model_path)
-        info = await asyncio.to_thread(self.engine.start)
+        # the model run in worker threads: the event loop never waits on them. The state
+        # directory is locked before anything in it is touched.
+        state = self._state = await asyncio.to_thread(StateDir.take, settings.state_dir)
         try:
-            stores = await asyncio.to_thread(checkpoint_stores, settings, info, fp)
+            fp = await asyncio.to_thread(fingerprint, settings.model_path, state.path)
+            log.info("loading %s", settings.model_path)
+            info = await asyncio.to_thread(self.engine.start)
+            stores = await asyncio.to_thread(checkpoint_stores, settings, state, info, fp)
             orphans = await asyncio.to_thread(stores.durable.remove_orphans)
             if orphans:
                 log.info("removed %d blocks that no checkpoint was committed for", orphans)
@@ -262,6 +264,7 @@ class Daemon:
             if self._server is not None:
                 await self._server.stop(0)
             await asyncio.to_thread(self.engine.stop)
+            self._release_state()
             raise
         if settings.exact and not info.exact:
             log.warning(
@@ -328,7 +331,15 @@ class Daemon:
         if self.manager is not None:
             await self.manager.shutdown()
         await asyncio.to_thread(self.engine.stop)
+        self._release_state()
         log.info("stopped")
+
+    def _release_state(self) -> None:
+        """Wipe the spill area and unlock the state directory (last: until then it is ours)."""
+        if self._state is not None:
+            state, self._state = self._state, None
+            state.wipe_spill()
+            state.release()
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
         if self._health is not None:

@@ -24,7 +24,7 @@ from kvstashd.checkpointing import Checkpointing
 from kvstashd.config import Settings
 from kvstashd.context import ModelInfo
 from kvstashd.engine import Engine
-from kvstashd.errors import Busy, ContextFull, FailedPrecondition, InvalidRequest, KvstashError, NotFound
+from kvstashd.errors import Busy, ContextFull, InvalidRequest, KvstashError, NoChatTemplate, NotFound
 from kvstashd.generation import Conversations, Turn, check_stop
 from kvstashd.grammar import Grammars
 from kvstashd.job import Chunk
@@ -325,7 +325,7 @@ class SessionManager:
         """Add a user message through the chat template and stream the assistant's reply."""
         session = self.get(session_id, tenant)
         if self.template is None:
-            raise FailedPrecondition("the model has no chat template; use Generate")
+            raise NoChatTemplate("the model has no chat template; use Generate")
         return self.ops.stream(lambda put: self.conversations.chat(session, put, message=message, turn=turn))
 
     def converse(
@@ -336,7 +336,7 @@ class SessionManager:
         what of its history matches them."""
         session = self.get(session_id, tenant)
         if self.template is None:
-            raise FailedPrecondition("the model has no chat template; use Generate")
+            raise NoChatTemplate("the model has no chat template; use Generate")
         return self.ops.stream(
             lambda put: self.conversations.converse(session, put, messages=messages, whole=whole, turn=turn)
         )

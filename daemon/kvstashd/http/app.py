@@ -26,7 +26,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvstashd.chat import Message
-from kvstashd.errors import FailedPrecondition, InvalidRequest, KvstashError, NotFound, Unavailable
+from kvstashd.errors import InvalidRequest, KvstashError, NoChatTemplate, NotFound, Unavailable
 from kvstashd.http.bodies import Reply, domain_error, error, sse
 from kvstashd.http.keep import SessionKeep
 from kvstashd.http.schema import NEW_SESSION, ChatCompletionRequest, CompletionRequest, GenerationBody
@@ -159,7 +159,7 @@ class OpenAiDoor:
         turn = req.turn()
         messages = req.chat_messages()
         if self.manager.template is None:
-            raise FailedPrecondition("the model has no chat template; use /v1/completions")
+            raise NoChatTemplate("the model has no chat template; use /v1/completions")
         m = self.manager
         on_fail: Callable[[], Awaitable[None]] = _nothing
         if req.session_id is None:

@@ -29,15 +29,17 @@ STATUS = {
 INTERNAL_MESSAGE = "internal error (see the daemon's log)"
 
 
-def error(kind: str, message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": kind}}
+def error(kind: str, message: str, code: str = "") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code or kind}}
 
 
 def domain_error(e: KvstashError) -> tuple[int, dict[str, Any]]:
-    """The status and body of a domain error; a bare KvstashError says nothing of itself."""
+    """The status and body of a domain error; a bare KvstashError says nothing of itself.
+    Errors that share a status name their cause in `code` (`no-chat-template`...), as
+    gRPC's `kvstash-error` metadata does."""
     status, kind = STATUS.get(e.code, STATUS["INTERNAL"])
     message = INTERNAL_MESSAGE if type(e) is KvstashError else str(e)
-    return status, error(kind, message)
+    return status, error(kind, message, e.cause)
 
 
 def usage(u: Usage) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Blocks as files under `blocks/`, named by key, written atomically.
 
-A write goes to `tmp/`, is fsynced, renamed into place and the directory fsynced, so a
-block file is either absent or whole. Temp files left by a crash are swept at start.
+A write goes to `tmp/` (0600), is fsynced, renamed into place and the directory fsynced (and
+the store's root, when the rename's directory is new), so a block file is either absent or
+whole. Temp files left by a crash are swept at start. A block that exists but cannot be read
+is StoreReadFailed, not corruption: the bytes may be fine once the disk is.
 """
 
 from __future__ import annotations
@@ -12,24 +14,18 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvstashd.errors import StoreReadFailed
+from kvstashd.statedir import FILE_MODE, fsync_dir, private_dir
 from kvstashd.store import check_key
 
 log = logging.getLogger(__name__)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalBlockStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.tmp = root / "tmp"
-        self.tmp.mkdir(parents=True, exist_ok=True)
+        private_dir(self.tmp)
         swept = 0
         for stale in self.tmp.iterdir():
             stale.unlink(missing_ok=True)
@@ -51,28 +47,33 @@ class LocalBlockStore:
         return self._path(key).is_file()
 
     def get(self, key: str) -> bytes:
+        path = self._path(key)
         try:
-            return self._path(key).read_bytes()
+            return path.read_bytes()
         except FileNotFoundError:
             raise KeyError(key) from None
+        except OSError as e:
+            log.error("cannot read block %s: %s", path, e)
+            raise StoreReadFailed("the state store cannot be read (see the daemon's log)") from None
 
     def put(self, key: str, data: bytes) -> int:
         path = self._path(key)
         if path.is_file():
             return 0
         tmp = self.tmp / f"{key}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
-            with tmp.open("wb") as f:
+            with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            path.parent.mkdir(exist_ok=True)
+            private_dir(path.parent)  # fsyncs the root when the directory is new
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
             raise
         try:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         except BaseException:
             path.unlink(missing_ok=True)  # not known to be durable: not there at all
             raise
