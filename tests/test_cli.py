@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+import testmodels
+from checkpoint_helpers import own_daemon
 from click.testing import CliRunner, Result
+from daemons import GREEDY
 
 import kvstash
-from kvstash.cli import main
+from kvstash.cli import DEFAULT_MAX_TOKENS, main
 
 Invoke = Callable[..., Result]
 
@@ -110,21 +118,23 @@ def test_session_create_prints_the_id(kv: Invoke, client: kvstash.Client) -> Non
 
 
 def test_chat_on_a_new_session(kv: Invoke, client: kvstash.Client) -> None:
-    result = kv("chat", "--max-tokens", "8", "--temperature", "0", input="hello\n")
+    result = kv("chat", "--max-tokens", "8", "--temperature", "0", input="hello\n\nbye\n")
     assert result.exit_code == 0, result.output
     first_line = result.stderr.splitlines()[0]
     assert first_line.startswith("session s_")
     session_id = first_line.split()[1]
     assert result.stdout.strip()
+    # Piped input: no prompts, which would otherwise pile up at the end of the output.
+    assert "> " not in result.stderr
     messages = client.session(session_id).info().messages
-    assert [m.role for m in messages] == ["user", "assistant"]
-    assert messages[0].content == "hello"
+    assert [m.role for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert [messages[0].content, messages[2].content] == ["hello", "bye"]
     assert messages[1].content.strip()
 
     # Back in the same session: the conversation goes on.
     again = kv("chat", session_id, "--max-tokens", "4", input="and again\n")
     assert again.exit_code == 0, again.output
-    assert len(client.session(session_id).info().messages) == 4
+    assert len(client.session(session_id).info().messages) == 6
     client.session(session_id).close()
 
 
@@ -134,3 +144,168 @@ def test_unknown_session_is_one_error_line(kv: Invoke) -> None:
     one_error_line(kv("--json", "session", "close", unknown))
     one_error_line(kv("chat", unknown, input="hello\n"))
     assert "malformed" in one_error_line(kv("session", "show", "../../etc"))
+
+
+def test_replies_have_a_default_length(kv: Invoke) -> None:
+    for command in ("run", "chat"):
+        help_text = kv(command, "--help")
+        assert help_text.exit_code == 0, help_text.output
+        assert f"[default: {DEFAULT_MAX_TOKENS};" in " ".join(help_text.stdout.split())
+    # Greedy counting goes on and on: the reply stops at the default, not at the context's end.
+    completion = ok_json(kv("--json", "run", "--temperature", "0", "Count from 1 to 2000: 1, 2, 3,"))
+    assert completion["finish_reason"] == "length"
+    assert len(completion["token_ids"]) == DEFAULT_MAX_TOKENS
+
+
+def test_run_on_a_model_without_a_chat_template_completes_the_text(tmp_path: Path) -> None:
+    prompt = "The three primary colours are"
+    gemma = testmodels.gemma3_270m()
+    with (
+        own_daemon(tmp_path, model=gemma, slots=1, ctx_per_session=512) as d,
+        kvstash.Client(d.address, timeout=60) as client,
+    ):
+        assert not client.info().has_chat_template
+        session = client.create_session(sampling=GREEDY)
+        expected = session.complete(prompt, max_tokens=8).text
+        session.close()
+        runner = CliRunner()
+        result = runner.invoke(
+            main, ["--address", d.address, "run", "--max-tokens", "8", "--temperature", "0", prompt]
+        )
+        assert result.exit_code == 0, result.output
+        assert result.stdout == expected + ("" if expected.endswith("\n") else "\n")
+        said = "the model has no chat template: completing the text"
+        assert result.stderr.splitlines()[0] == said
+        assert result.stderr.count(said) == 1
+        assert client.list_sessions() == []
+
+        chat = runner.invoke(main, ["--address", d.address, "chat"], input="hello\n")
+        assert "kvstash run" in one_error_line(chat)
+        assert client.list_sessions() == []
+
+
+def test_fork_an_imported_checkpoint_without_a_session(
+    kv: Invoke, client: kvstash.Client, tmp_path: Path
+) -> None:
+    source = client.create_session(sampling=GREEDY)
+    source.complete("Once upon a time", max_tokens=4)
+    checkpoint = source.checkpoint()
+    path = tmp_path / "story.kvstash"
+    client.export_checkpoint(checkpoint.checkpoint_id, path)
+    source.close()
+
+    imported = ok_json(kv("--json", "checkpoint", "import", str(path)))
+    assert imported["session_id"] == ""
+    forked = kv("session", "fork", "--checkpoint", imported["checkpoint_id"])
+    assert forked.exit_code == 0, forked.output
+    fork = client.session(forked.stdout.strip())
+    assert fork.info().n_tokens == checkpoint.n_tokens
+
+    neither = kv("session", "fork")
+    assert neither.exit_code == 2
+    assert "SESSION_ID or --checkpoint" in neither.stderr
+    fork.close()
+    client.delete_checkpoint(imported["checkpoint_id"])
+
+
+def _cli_on_a_terminal(*args: str) -> tuple[int, str, str]:
+    """Run the CLI in a subprocess whose stderr is a terminal: (status, stdout, terminal output)."""
+    controller, terminal = pty.openpty()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "from kvstash.cli import main; main()", *args],
+            stdout=subprocess.PIPE,
+            stderr=terminal,
+            stdin=subprocess.DEVNULL,
+            timeout=120,
+        )
+    finally:
+        os.close(terminal)
+    seen = b""
+    while True:
+        try:
+            data = os.read(controller, 65536)
+        except OSError:  # the terminal's other end is closed: all is read
+            break
+        if not data:
+            break
+        seen += data
+    os.close(controller)
+    return proc.returncode, proc.stdout.decode(), seen.decode()
+
+
+def test_export_and_import_show_progress_on_a_terminal(
+    kv: Invoke, daemon_address: str, client: kvstash.Client, tmp_path: Path
+) -> None:
+    session = client.create_session(sampling=GREEDY)
+    session.complete("Once upon a time", max_tokens=4)
+    checkpoint = session.checkpoint()
+    path = tmp_path / "progress.kvstash"
+
+    rc, out, terminal = _cli_on_a_terminal(
+        "--address", daemon_address, "checkpoint", "export", checkpoint.checkpoint_id, str(path)
+    )
+    assert rc == 0, terminal
+    size = path.stat().st_size
+    assert out.startswith("wrote ")
+    assert "exporting" in terminal and str(size) in terminal
+
+    rc, out, terminal = _cli_on_a_terminal("--address", daemon_address, "checkpoint", "import", str(path))
+    assert rc == 0, terminal
+    imported = out.strip()
+    assert imported.startswith("c_")
+    assert "importing" in terminal and f"{size}/{size}" in terminal and "100%" in terminal
+
+    # Not on a terminal: no bar, only the result.
+    again = kv("checkpoint", "export", checkpoint.checkpoint_id, str(tmp_path / "quiet.kvstash"))
+    assert again.exit_code == 0, again.output
+    assert again.stderr == ""
+    assert again.stdout.startswith("wrote ")
+    session.close()
+    client.delete_checkpoint(imported)
+
+
+_BLOCK_LLAMA_CPP = """
+import sys
+
+
+class _NoLlamaCpp:
+    def find_spec(self, name, path=None, target=None):
+        if name == "llama_cpp" or name.startswith("llama_cpp."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoLlamaCpp())
+"""
+
+
+def test_without_the_daemon_extra_the_client_works_and_serve_says_what_to_install(
+    daemon_address: str, tmp_path: Path
+) -> None:
+    # A sitecustomize makes llama-cpp-python unimportable, as in `pip install kvstash`.
+    (tmp_path / "sitecustomize.py").write_text(_BLOCK_LLAMA_CPP)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-c", "from kvstash.cli import main; main()", *args]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+    blocked = subprocess.run(
+        [sys.executable, "-c", "import llama_cpp"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert blocked.returncode != 0 and "No module named 'llama_cpp'" in blocked.stderr
+
+    info = cli("--address", daemon_address, "--json", "info")
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["mode"] == "exact"
+
+    for args in (["serve"], ["serve", "--help"]):
+        serve = cli(*args)
+        assert serve.returncode == 1, serve.stdout + serve.stderr
+        assert serve.stdout == ""
+        assert "Traceback" not in serve.stderr
+        assert serve.stderr.splitlines() == [
+            "error: kvstash serve needs the daemon's dependencies (no module 'llama_cpp'): "
+            "pip install 'kvstash[daemon]'"
+        ]

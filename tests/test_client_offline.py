@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import subprocess
 import sys
 import threading
@@ -277,6 +279,9 @@ class FakeDaemon(pb_grpc.KvStashServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no session {session_id!r}")
         return pb.SessionInfo(session_id="s1", n_tokens=3, n_ctx=256, residency=pb.RESIDENCY_HOT)
 
+    def GetInfo(self, request: Any, context: Any) -> pb.GetInfoResponse:
+        return pb.GetInfoResponse(mode="exact", has_chat_template=True)
+
     def CreateSession(self, request: Any, context: Any) -> pb.CreateSessionResponse:
         return pb.CreateSessionResponse(session=self._session("s1", context))
 
@@ -381,6 +386,51 @@ def test_async_client(fake: tuple[FakeDaemon, str]) -> None:
     assert asyncio.run(go()) == "echo: hi"
 
 
+def test_async_export_import_and_leaving_a_stream(fake: tuple[FakeDaemon, str], tmp_path: Path) -> None:
+    daemon, address = fake
+    target = tmp_path / "c1.kvstash"
+
+    async def go() -> tuple[int, str, str]:
+        async with kvstash.AsyncClient(address, timeout=5) as client:
+            written = await client.export_checkpoint("c1", target)
+            imported = await client.import_checkpoint(target)
+            session = await client.session("s1")
+            stream = session.generate("go")
+            async with contextlib.aclosing(stream):
+                first = await anext(stream)
+            info = await session.info()
+            return written, imported.checkpoint_id, first.text + info.session_id
+
+    written, imported, seen = asyncio.run(go())
+    assert written == len(daemon.blob) == target.stat().st_size
+    assert imported == "c2" and daemon.imported == daemon.blob
+    assert seen == "xs1"
+    assert daemon.generate_ended.wait(5)  # closing the stream cancelled the call
+
+
+@pytest.mark.parametrize(
+    ("blocking", "asynchronous"),
+    [(kvstash.Client, kvstash.AsyncClient), (kvstash.Session, kvstash.AsyncSession)],
+)
+def test_both_faces_have_the_same_methods_arguments_and_docstrings(
+    blocking: type[Any], asynchronous: type[Any]
+) -> None:
+    def public(cls: type[Any]) -> set[str]:
+        return {name for name, value in vars(cls).items() if callable(value) and not name.startswith("_")}
+
+    assert public(blocking) == public(asynchronous)
+    for name in public(blocking):
+        sync_method, async_method = getattr(blocking, name), getattr(asynchronous, name)
+        assert sync_method.__doc__ and sync_method.__doc__ == async_method.__doc__, name
+        sync_parameters = list(inspect.signature(sync_method).parameters.values())
+        async_parameters = list(inspect.signature(async_method).parameters.values())
+        assert [(p.name, p.kind, p.default) for p in sync_parameters] == [
+            (p.name, p.kind, p.default) for p in async_parameters
+        ], name
+        streams = name in ("generate", "chat_stream")
+        assert inspect.iscoroutinefunction(async_method) == (not streams), name
+
+
 def test_cli_chat_reads_lines_from_stdin(fake: tuple[FakeDaemon, str]) -> None:
     _, address = fake
     result = CliRunner().invoke(main, ["--address", address, "chat"], input="hello\n\nagain\n")
@@ -406,10 +456,13 @@ def test_cli_daemon_error_is_one_line(fake: tuple[FakeDaemon, str]) -> None:
 
 
 def test_serve_without_the_daemon_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "kvstashd.cli", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "kvstashd.server", None)  # makes the import fail
     result = CliRunner().invoke(main, ["serve", "--model", "x.gguf"])
     assert result.exit_code == 1
-    assert result.stderr.startswith("kvstash serve needs the daemon: pip install 'kvstash[daemon]'")
+    assert result.stderr == (
+        "error: kvstash serve needs the daemon's dependencies (no module 'kvstashd.server'): "
+        "pip install 'kvstash[daemon]'\n"
+    )
 
 
 def test_the_client_does_not_import_the_daemon() -> None:

@@ -1,33 +1,27 @@
-"""The blocking client: Client, and Session for calls about one session."""
+"""The blocking client: Client, and Session for calls about one session.
+
+Each method sends an operation of _operations, which builds its request and converts its
+answer; this module only makes the calls.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
 
+from kvstash import _operations as ops
 from kvstash._connection import Tls, auth_metadata, channel, resolve_address
-from kvstash._convert import (
-    chat_request,
-    checkpoint_info_from_pb,
-    chunk_from_pb,
-    create_session_request,
-    generate_request,
-    info_from_pb,
-    join_chunks,
-    session_info_from_pb,
-)
+from kvstash._convert import join_chunks
 from kvstash._errors import from_rpc_error
 from kvstash._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
+from kvstash._operations import described_by
 from kvstash._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo
-from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 
-_Req = TypeVar("_Req")
-_Resp = TypeVar("_Resp")
 _T = TypeVar("_T")
 
 
@@ -84,32 +78,30 @@ class Client:
         """Close the connection; calls in flight are cancelled."""
         self._channel.close()
 
-    def _unary(self, rpc: grpc.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp:
+    def _unary(self, op: ops.Unary[_T]) -> _T:
+        rpc = getattr(self._stub, op.method)
         try:
-            return rpc(request, timeout=self.timeout, metadata=self._metadata)
+            response = rpc(op.request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+        return op.convert(response)
 
-    def _stream(
-        self,
-        rpc: grpc.UnaryStreamMultiCallable[_Req, _Resp],
-        request: _Req,
-        convert: Callable[[_Resp], _T],
-    ) -> Generator[_T, None, None]:
-        call = rpc(request, metadata=self._metadata)
+    def _stream(self, op: ops.Stream[_T]) -> Generator[_T, None, None]:
+        call = getattr(self._stub, op.method)(op.request, metadata=self._metadata)
         try:
             for response in call:
-                yield convert(response)
+                yield op.convert(response)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         finally:
             # The consumer may stop early (break, an exception, Ctrl-C): stop the daemon's work.
-            call.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leave cancel() untyped
+            call.cancel()
 
+    @described_by(ops.info)
     def info(self) -> Info:
-        """What the daemon runs: model, engine mode, limits and counters."""
-        return info_from_pb(self._unary(self._stub.GetInfo, pb.GetInfoRequest()))
+        return self._unary(ops.info())
 
+    @described_by(ops.create_session)
     def create_session(
         self,
         system_prompt: str = "",
@@ -119,27 +111,19 @@ class Client:
         persistent: bool = False,
         cache_salt: str | bytes | None = None,
     ) -> Session:
-        """Open a session; ``sampling`` and ``stop`` become its defaults for every request.
+        return Session(
+            self, self._unary(ops.create_session(system_prompt, sampling, stop, persistent, cache_salt))
+        )
 
-        A persistent session survives a daemon restart. Prompt prefixes are computed once
-        per tenant; ``cache_salt`` (16+ bytes, hard to guess) shares them instead with
-        whoever presents the same salt.
-        """
-        request = create_session_request(system_prompt, sampling, stop, persistent, cache_salt)
-        response = self._unary(self._stub.CreateSession, request)
-        return Session(self, response.session.session_id)
-
+    @described_by(ops.session)
     def session(self, session_id: str) -> Session:
-        """The session ``session_id``; raises NotFoundError when there is none."""
-        request = pb.GetSessionRequest(session_id=session_id)
-        response = self._unary(self._stub.GetSession, request)
-        return Session(self, response.session.session_id)
+        return Session(self, self._unary(ops.session(session_id)))
 
+    @described_by(ops.list_sessions)
     def list_sessions(self) -> list[SessionInfo]:
-        """Every session of the caller's (its tenant's)."""
-        response = self._unary(self._stub.ListSessions, pb.ListSessionsRequest())
-        return [session_info_from_pb(s) for s in response.sessions]
+        return self._unary(ops.list_sessions())
 
+    @described_by(ops.fork_session)
     def fork_session(
         self,
         session_id: str | None = None,
@@ -147,52 +131,34 @@ class Client:
         *,
         persistent: bool = False,
     ) -> Session:
-        """A new session copied from a session's current state or from a checkpoint."""
-        request = pb.ForkSessionRequest(
-            session_id=session_id or "", checkpoint_id=checkpoint_id or "", persistent=persistent
-        )
-        response = self._unary(self._stub.ForkSession, request)
-        return Session(self, response.session.session_id)
+        return Session(self, self._unary(ops.fork_session(session_id, checkpoint_id, persistent)))
 
+    @described_by(ops.list_checkpoints)
     def list_checkpoints(self, session_id: str | None = None) -> list[CheckpointInfo]:
-        """The checkpoints of a session; with none, all of the caller's (imports too)."""
-        request = pb.ListCheckpointsRequest(session_id=session_id or "")
-        response = self._unary(self._stub.ListCheckpoints, request)
-        return [checkpoint_info_from_pb(c) for c in response.checkpoints]
+        return self._unary(ops.list_checkpoints(session_id))
 
+    @described_by(ops.delete_checkpoint)
     def delete_checkpoint(self, checkpoint_id: str) -> None:
-        """Delete a checkpoint; blocks that other checkpoints share are kept."""
-        request = pb.DeleteCheckpointRequest(checkpoint_id=checkpoint_id)
-        self._unary(self._stub.DeleteCheckpoint, request)
+        self._unary(ops.delete_checkpoint(checkpoint_id))
 
+    @described_by(ops.export_checkpoint)
     def export_checkpoint(self, checkpoint_id: str, path_or_file: PathOrFile) -> int:
-        """Write a checkpoint as one self-contained file; returns the bytes written.
-
-        A path is replaced only once the whole checkpoint has arrived.
-        """
-        request = pb.ExportCheckpointRequest(checkpoint_id=checkpoint_id)
         written = 0
         with open_destination(path_or_file) as f:
-            for data in self._stream(self._stub.ExportCheckpoint, request, _data):
+            for data in self._stream(ops.export_checkpoint(checkpoint_id)):
                 f.write(data)
                 written += len(data)
         return written
 
+    @described_by(ops.IMPORT_CHECKPOINT)
     def import_checkpoint(self, path_or_file: PathOrFile) -> CheckpointInfo:
-        """Load an exported checkpoint into the daemon's store."""
         with open_source(path_or_file) as f:
-            requests = (
-                pb.ImportCheckpointRequest(data=data) for data in iter(partial(f.read, CHUNK_BYTES), b"")
-            )
+            requests = (ops.import_request(data) for data in iter(partial(f.read, CHUNK_BYTES), b""))
             try:
-                response = self._stub.ImportCheckpoint(requests, metadata=self._metadata)
+                response = getattr(self._stub, ops.IMPORT_METHOD)(requests, metadata=self._metadata)
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
-        return checkpoint_info_from_pb(response.checkpoint)
-
-
-def _data(response: pb.ExportCheckpointResponse) -> bytes:
-    return response.data
+        return ops.imported(response)
 
 
 class Session:
@@ -208,6 +174,7 @@ class Session:
     def __repr__(self) -> str:
         return f"Session({self.session_id!r})"
 
+    @described_by(ops.generate)
     def generate(
         self,
         prompt: str | Sequence[int] = "",
@@ -220,19 +187,7 @@ class Session:
         json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
     ) -> Generator[Chunk, None, None]:
-        """Append ``prompt`` (text, or token ids) to the session and stream what follows.
-
-        An empty prompt continues from where the session stopped. ``stop`` adds to the
-        session's stop strings and ``sampling`` overrides its parameters, for this request
-        only. ``logprobs`` asks for that many alternatives per token. Control-token markers in
-        the text are parsed only with ``parse_special``. The call starts on the first
-        ``next()``; stopping the iteration early cancels it.
-
-        Structured output: ``grammar`` (GBNF text) or ``json_schema`` (a dict or JSON text)
-        makes the output match it. Output cut short (``max_tokens``, a stop string) leaves the
-        constraint open: calling generate again with an empty prompt continues within it.
-        """
-        request = generate_request(
+        op = ops.generate(
             self.session_id,
             prompt,
             max_tokens=max_tokens,
@@ -243,8 +198,9 @@ class Session:
             json_schema=json_schema,
             parse_special=parse_special,
         )
-        return self.client._stream(self.client._stub.Generate, request, _generate_chunk)
+        return self.client._stream(op)
 
+    @described_by(ops.COMPLETE)
     def complete(
         self,
         prompt: str | Sequence[int] = "",
@@ -257,7 +213,6 @@ class Session:
         json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
     ) -> Completion:
-        """Like generate, but waits for the whole continuation."""
         return join_chunks(
             self.generate(
                 prompt,
@@ -271,6 +226,7 @@ class Session:
             )
         )
 
+    @described_by(ops.chat)
     def chat_stream(
         self,
         message: str | Sequence[Message],
@@ -283,15 +239,7 @@ class Session:
         json_schema: str | Mapping[str, Any] | None = None,
         whole: bool = False,
     ) -> Generator[Chunk, None, None]:
-        """Send a user message through the model's chat template and stream the reply.
-
-        ``message`` may instead be a sequence of Message of any roles, added in order before
-        the reply. With ``whole``, that sequence is the whole conversation: the session keeps
-        the part of its history that matches it, token for token, and evaluates only the
-        rest (an edited or shortened conversation rewinds the session). The other arguments
-        work as in generate.
-        """
-        request = chat_request(
+        op = ops.chat(
             self.session_id,
             message,
             max_tokens=max_tokens,
@@ -302,8 +250,9 @@ class Session:
             json_schema=json_schema,
             whole=whole,
         )
-        return self.client._stream(self.client._stub.Chat, request, _chat_chunk)
+        return self.client._stream(op)
 
+    @described_by(ops.CHAT)
     def chat(
         self,
         message: str | Sequence[Message],
@@ -316,7 +265,6 @@ class Session:
         json_schema: str | Mapping[str, Any] | None = None,
         whole: bool = False,
     ) -> Completion:
-        """Like chat_stream, but waits for the whole reply."""
         return join_chunks(
             self.chat_stream(
                 message,
@@ -330,48 +278,30 @@ class Session:
             )
         )
 
+    @described_by(ops.session_info)
     def info(self) -> SessionInfo:
-        """The session's current state."""
-        request = pb.GetSessionRequest(session_id=self.session_id)
-        response = self.client._unary(self.client._stub.GetSession, request)
-        return session_info_from_pb(response.session)
+        return self.client._unary(ops.session_info(self.session_id))
 
+    @described_by(ops.close_session)
     def close(self) -> None:
-        """End the session: its history, head and checkpoints are deleted (export first to keep one)."""
-        request = pb.CloseSessionRequest(session_id=self.session_id)
-        self.client._unary(self.client._stub.CloseSession, request)
+        self.client._unary(ops.close_session(self.session_id))
 
+    @described_by(ops.rewind)
     def rewind(self, n_tokens: int) -> SessionInfo:
-        """Keep only the first ``n_tokens`` tokens of the session's history."""
-        request = pb.RewindRequest(session_id=self.session_id, n_tokens=n_tokens)
-        return session_info_from_pb(self.client._unary(self.client._stub.Rewind, request).session)
+        return self.client._unary(ops.rewind(self.session_id, n_tokens))
 
+    @described_by(ops.checkpoint)
     def checkpoint(self, label: str | None = None) -> CheckpointInfo:
-        """Save the session's current state."""
-        request = pb.CheckpointRequest(session_id=self.session_id, label=label or "")
-        response = self.client._unary(self.client._stub.Checkpoint, request)
-        return checkpoint_info_from_pb(response.checkpoint)
+        return self.client._unary(ops.checkpoint(self.session_id, label))
 
+    @described_by(ops.CHECKPOINTS)
     def checkpoints(self) -> list[CheckpointInfo]:
-        """The session's checkpoints."""
         return self.client.list_checkpoints(self.session_id)
 
+    @described_by(ops.restore)
     def restore(self, checkpoint_id: str) -> SessionInfo:
-        """Put the session back in the state a checkpoint saved."""
-        request = pb.RestoreCheckpointRequest(session_id=self.session_id, checkpoint_id=checkpoint_id)
-        response = self.client._unary(self.client._stub.RestoreCheckpoint, request)
-        return session_info_from_pb(response.session)
+        return self.client._unary(ops.restore(self.session_id, checkpoint_id))
 
+    @described_by(ops.fork)
     def fork(self, checkpoint_id: str | None = None, *, persistent: bool = False) -> Session:
-        """A new session copied from this one's current state, or from ``checkpoint_id``."""
-        if checkpoint_id is not None:
-            return self.client.fork_session(checkpoint_id=checkpoint_id, persistent=persistent)
-        return self.client.fork_session(self.session_id, persistent=persistent)
-
-
-def _generate_chunk(response: pb.GenerateResponse) -> Chunk:
-    return chunk_from_pb(response.chunk)
-
-
-def _chat_chunk(response: pb.ChatResponse) -> Chunk:
-    return chunk_from_pb(response.chunk)
+        return Session(self.client, self.client._unary(ops.fork(self.session_id, checkpoint_id, persistent)))

@@ -8,9 +8,10 @@ import datetime
 import errno
 import importlib
 import json
+import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn, TextIO, TypeVar
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any, BinaryIO, NoReturn, TextIO, TypeVar, cast
 
 import click
 
@@ -19,9 +20,14 @@ from kvstash._client import Client, Session
 from kvstash._connection import Tls, resolve_address
 from kvstash._convert import join_chunks
 from kvstash._errors import KvstashError
+from kvstash._files import open_destination
 from kvstash._types import Chunk, SamplingParams
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+#: Tokens a reply may take unless --max-tokens says otherwise: a chatty model would otherwise
+#: talk to the end of the session's context, after which every turn is refused.
+DEFAULT_MAX_TOKENS = 512
 
 
 @dataclasses.dataclass
@@ -83,7 +89,18 @@ def _sampling_options(f: _F) -> _F:
 
 
 def _max_tokens_option(f: _F) -> _F:
-    return click.option("--max-tokens", type=click.IntRange(min=1), help="Stop the reply after N tokens.")(f)
+    return click.option(
+        "--max-tokens",
+        type=click.IntRange(min=0),
+        metavar="N",
+        default=DEFAULT_MAX_TOKENS,
+        show_default=True,
+        help="Stop each reply after N tokens (0: only at the end of the session's context).",
+    )(f)
+
+
+def _limit(max_tokens: int) -> int | None:
+    return max_tokens or None
 
 
 def _sampling(temperature: float | None, seed: int | None) -> SamplingParams | None:
@@ -146,26 +163,72 @@ def _print_stream(stream: Iterator[Chunk]) -> None:
         click.echo(f"[{finish_reason}]", err=True)
 
 
-def _reply(
-    state: _State,
-    session: Session,
-    message: str,
-    *,
-    max_tokens: int | None,
-    stop: Sequence[str] = (),
-    sampling: SamplingParams | None = None,
-    grammar: str | None = None,
-    json_schema: str | None = None,
-) -> None:
-    """Send one chat turn: streamed as text, or printed whole as JSON."""
-    stream = session.chat_stream(
-        message, max_tokens=max_tokens, stop=stop, sampling=sampling, grammar=grammar, json_schema=json_schema
-    )
+def _show(state: _State, stream: Generator[Chunk, None, None]) -> None:
+    """Show a reply: streamed as text, or printed whole as JSON."""
     if state.as_json:
         _echo_json(join_chunks(stream))
         return
     with contextlib.closing(stream):
         _print_stream(stream)
+
+
+def _has_chat_template(state: _State) -> bool:
+    return state.client().info().has_chat_template
+
+
+def _read_line(interactive: bool) -> str | None:
+    """The next message, None at the end of input; the prompt only where someone types."""
+    if not interactive:
+        line = sys.stdin.readline()
+        return line.rstrip("\n") if line else None
+    try:
+        return str(click.prompt("", prompt_suffix="> ", default="", show_default=False, err=True))
+    except click.Abort:  # Ctrl-D, or Ctrl-C at the prompt
+        click.echo(err=True)
+        return None
+
+
+@contextlib.contextmanager
+def _progress(label: str, total: int | None) -> Iterator[Callable[[int], None] | None]:
+    """A bar of bytes moved on stderr when it is a terminal (None otherwise): update(n)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    # Without a length (an export's size is known only at its end) the bar pulses.
+    unknown: Iterator[int] = iter(int, 1)
+    with click.progressbar(
+        unknown if total is None else None,
+        length=total,
+        label=label,
+        file=sys.stderr,
+        show_pos=True,
+        show_percent=total is not None,
+        show_eta=total is not None,
+    ) as bar:
+        yield bar.update
+
+
+class _Counted:
+    """A binary file whose reads and writes report their sizes."""
+
+    def __init__(self, f: BinaryIO, update: Callable[[int], None]) -> None:
+        self._f = f
+        self._update = update
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._update(len(data))
+        return data
+
+    def write(self, data: bytes) -> int:
+        written = self._f.write(data)
+        self._update(written)
+        return written
+
+
+def _counted(f: BinaryIO, update: Callable[[int], None]) -> BinaryIO:
+    # The SDK only reads or writes the file it is given; a counting wrapper is enough.
+    return cast(BinaryIO, _Counted(f, update))
 
 
 @click.group(cls=_Main, context_settings={"auto_envvar_prefix": "KVSTASH"})
@@ -240,25 +303,36 @@ def run(
     state: _State,
     prompt: str,
     system: str,
-    max_tokens: int | None,
+    max_tokens: int,
     temperature: float | None,
     seed: int | None,
     stop: tuple[str, ...],
     grammar_file: TextIO | None,
     schema_file: TextIO | None,
 ) -> None:
-    """Answer PROMPT (- reads it from stdin) in a new session, closed afterwards."""
+    """Answer PROMPT (- reads it from stdin) in a new session, closed afterwards.
+
+    On a model without a chat template (a base model) the text is completed instead, after
+    the --system text if any.
+    """
     if prompt == "-":
         prompt = sys.stdin.read()
     if grammar_file is not None and schema_file is not None:
         raise click.UsageError("give --grammar or --json-schema, not both")
     grammar = grammar_file.read() if grammar_file is not None else None
     json_schema = schema_file.read() if schema_file is not None else None
+    chat = _has_chat_template(state)
+    if not chat:
+        click.echo("the model has no chat template: completing the text", err=True)
     session = state.client().create_session(system, sampling=_sampling(temperature, seed))
+    options: dict[str, Any] = {
+        "max_tokens": _limit(max_tokens),
+        "stop": stop,
+        "grammar": grammar,
+        "json_schema": json_schema,
+    }
     try:
-        _reply(
-            state, session, prompt, max_tokens=max_tokens, stop=stop, grammar=grammar, json_schema=json_schema
-        )
+        _show(state, session.chat_stream(prompt, **options) if chat else session.generate(prompt, **options))
     finally:
         session.close()
 
@@ -273,7 +347,7 @@ def chat(
     state: _State,
     session_id: str | None,
     system: str,
-    max_tokens: int | None,
+    max_tokens: int,
     temperature: float | None,
     seed: int | None,
 ) -> None:
@@ -281,8 +355,11 @@ def chat(
 
     Ctrl-C stops a reply; Ctrl-D, or Ctrl-C at the prompt, quits. The session stays open;
     come back with `kvstash chat SESSION_ID`. The exit status is 1 if any turn failed.
+    Messages may be piped in, one a line (then there is no prompt).
     """
     client = state.client()
+    if not _has_chat_template(state):
+        _fail("the model has no chat template, so it cannot chat; `kvstash run PROMPT` completes text")
     sampling = _sampling(temperature, seed)
     if session_id is None:
         session = client.create_session(system, sampling=sampling)
@@ -294,16 +371,12 @@ def chat(
         session = client.session(session_id)
 
     failed = False
-    while True:
-        try:
-            line = click.prompt("", prompt_suffix="> ", default="", show_default=False, err=True)
-        except click.Abort:  # Ctrl-D, or Ctrl-C at the prompt
-            click.echo(err=True)
-            break
+    interactive = sys.stdin.isatty()
+    while (line := _read_line(interactive)) is not None:
         if not line.strip():
             continue
         try:
-            _reply(state, session, line, max_tokens=max_tokens, sampling=sampling)
+            _show(state, session.chat_stream(line, max_tokens=_limit(max_tokens), sampling=sampling))
         except KeyboardInterrupt:
             click.echo("[interrupted]", err=True)
         except KvstashError as e:
@@ -406,13 +479,21 @@ def session_close(state: _State, session_id: str) -> None:
 
 
 @session_group.command("fork")
-@click.argument("session_id")
-@click.option("--checkpoint", "checkpoint_id", help="Fork this checkpoint, not the current state.")
+@click.argument("session_id", required=False)
+@click.option(
+    "--checkpoint", "checkpoint_id", help="Fork this checkpoint (an imported one too), not a session's state."
+)
 @click.option("--persistent", is_flag=True, help="Keep the new session across daemon restarts.")
 @click.pass_obj
-def session_fork(state: _State, session_id: str, checkpoint_id: str | None, persistent: bool) -> None:
-    """Copy a session into a new one and print the new id."""
-    fork = Session(state.client(), session_id).fork(checkpoint_id, persistent=persistent)
+def session_fork(state: _State, session_id: str | None, checkpoint_id: str | None, persistent: bool) -> None:
+    """Copy SESSION_ID's current state, or a checkpoint, into a new session; print its id."""
+    client = state.client()
+    if checkpoint_id is not None:
+        fork = client.fork_session(checkpoint_id=checkpoint_id, persistent=persistent)
+    elif session_id is not None:
+        fork = client.fork_session(session_id, persistent=persistent)
+    else:
+        raise click.UsageError("give a SESSION_ID or --checkpoint ID")
     if state.as_json:
         _echo_json(fork.info())
     else:
@@ -489,7 +570,12 @@ def checkpoint_delete(state: _State, checkpoint_id: str) -> None:
 @click.pass_obj
 def checkpoint_export(state: _State, checkpoint_id: str, file: str) -> None:
     """Write a checkpoint to FILE, self-contained, for import elsewhere."""
-    written = state.client().export_checkpoint(checkpoint_id, file)
+    with _progress("exporting", None) as update:
+        if update is None:
+            written = state.client().export_checkpoint(checkpoint_id, file)
+        else:
+            with open_destination(file) as f:
+                written = state.client().export_checkpoint(checkpoint_id, _counted(f, update))
     if state.as_json:
         _echo_json({"checkpoint_id": checkpoint_id, "path": file, "bytes": written})
     else:
@@ -501,7 +587,8 @@ def checkpoint_export(state: _State, checkpoint_id: str, file: str) -> None:
 @click.pass_obj
 def checkpoint_import(state: _State, file: str) -> None:
     """Load an exported checkpoint and print its id."""
-    checkpoint = state.client().import_checkpoint(file)
+    with _progress("importing", os.path.getsize(file)) as update, open(file, "rb") as f:
+        checkpoint = state.client().import_checkpoint(f if update is None else _counted(f, update))
     if state.as_json:
         _echo_json(checkpoint)
     else:
@@ -516,9 +603,11 @@ def checkpoint_import(state: _State, file: str) -> None:
 def serve(ctx: click.Context) -> None:
     """Run the daemon (from kvstash[daemon]); `kvstash serve --help` lists its options."""
     # Imported here: the client must work where the daemon and llama.cpp are not installed.
+    # The server module imports every dependency of the daemon, so a missing one shows here.
     try:
+        importlib.import_module("kvstashd.server")
         daemon_cli = importlib.import_module("kvstashd.cli")
     except ImportError as e:
-        click.echo(f"kvstash serve needs the daemon: pip install 'kvstash[daemon]' ({e})", err=True)
-        ctx.exit(1)
+        missing = f"no module {e.name!r}" if e.name else str(e)
+        _fail(f"kvstash serve needs the daemon's dependencies ({missing}): pip install 'kvstash[daemon]'")
     daemon_cli.main(ctx.args, prog_name="kvstash serve")
