@@ -122,9 +122,12 @@ class AsyncClient:
         stop: Sequence[str] = (),
         persistent: bool = False,
         cache_salt: str | bytes | None = None,
+        context_policy: str = "error",
     ) -> AsyncSession:
         """Open a session; see Client.create_session."""
-        request = create_session_request(system_prompt, sampling, stop, persistent, cache_salt)
+        request = create_session_request(
+            system_prompt, sampling, stop, persistent, cache_salt, context_policy
+        )
         response = await self._unary(self._stub.CreateSession, request)
         return AsyncSession(self, response.session.session_id)
 
