@@ -5,7 +5,8 @@
   and says what it dropped (usage, session info);
 - "error" (the default) keeps refusing with OUT_OF_RANGE, and changes nothing;
 - raw Generate is not truncated; a bad policy is INVALID_ARGUMENT;
-- the policy and its counts survive kill -9, and forks keep them.
+- the policy and its counts survive kill -9, and forks keep them;
+- a truncating turn whose autosave fails puts the history back as it was.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from collections.abc import Callable
 
 import pytest
 from daemons import GREEDY, DaemonProcess, InProcessDaemon
+from test_faults import FailingFsync
 
 import kvstash
+from kvstashd.store import local
 
 SYSTEM = "You are a patient assistant who answers in full sentences."
 QUESTIONS = [
@@ -142,3 +145,36 @@ def test_policy_survives_kill_and_forks(spawn_daemon: Callable[..., DaemonProces
                 session.chat(question, max_tokens=REPLY)
             assert session.info().truncations > before.truncations
         fork.close()
+
+
+def test_a_truncating_turn_whose_autosave_fails_is_undone(
+    start_daemon: Callable[..., InProcessDaemon], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    faulty = FailingFsync()
+    monkeypatch.setattr(local, "os", faulty)
+    small = start_daemon(slots=2, ctx_per_session=256)
+    with kvstash.Client(small.address, timeout=120) as client:
+        s = client.create_session(SYSTEM, sampling=GREEDY, persistent=True, context_policy="truncate")
+        for question in QUESTIONS:
+            probe = s.fork()
+            probe.chat(question, max_tokens=REPLY)
+            truncates = probe.info().truncations > 0
+            probe.close()
+            if truncates:
+                break
+            s.chat(question, max_tokens=REPLY)
+        assert truncates
+        before = s.info()
+        faulty.failing = True
+        with pytest.raises(kvstash.BusyError, match="state store is failing"):
+            s.chat(question, max_tokens=REPLY)
+        faulty.failing = False
+        after = s.info()
+        assert (after.n_tokens, after.messages, after.truncations) == (
+            before.n_tokens,
+            before.messages,
+            before.truncations,
+        )
+        again = s.chat(question, max_tokens=REPLY)
+        assert again.usage.dropped_tokens > 0
+        assert s.info().truncations == before.truncations + 1

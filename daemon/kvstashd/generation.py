@@ -153,6 +153,7 @@ class Conversations:
             request = replace(request, prompt=tuple(tokens))
             self._check_prompt(request)
             truncated, dropped = False, 0
+            old_tokens, old_messages = list(state.tokens), [replace(m) for m in session.messages]
             if session.context_policy == "truncate" and not self._fits(start, request, truncating=True):
                 # Earlier turns make way; everything is decided before the history changes.
                 k = sum(1 for m in session.messages[:n_same] if m.start < session.system_end)
@@ -181,7 +182,21 @@ class Conversations:
             except BaseException:
                 if len(state.tokens) <= start:  # nothing was added: neither are messages
                     session.messages = kept
+                    if truncated:
+                        session.truncations -= 1
+                        session.dropped_tokens -= dropped
+                        await self._untruncate(session, old_tokens, old_messages)
                 raise
+
+    async def _untruncate(self, session: Session, history: list[int], messages: list[ChatMessage]) -> None:
+        """Put back the history a truncating turn dropped, as tokens to evaluate again (the
+        state keeps covering its first n_kv tokens); on the engine thread, which owns the
+        state of a session in a slot."""
+        state = session.state
+        await asyncio.wrap_future(
+            self.manager.engine.call(lambda _: state.tokens.extend(history[len(state.tokens) :]))
+        )
+        session.messages = messages
 
     async def _run(
         self,
