@@ -153,13 +153,15 @@ class Conversations:
             request = replace(request, prompt=tuple(tokens))
             self._check_prompt(request)
             truncated, dropped = False, 0
-            old_tokens, old_messages = list(state.tokens), [replace(m) for m in session.messages]
+            old_tokens, old_messages = state.tokens, session.messages
             if session.context_policy == "truncate" and not self._fits(start, request, truncating=True):
                 # Earlier turns make way; everything is decided before the history changes.
                 k = sum(1 for m in session.messages[:n_same] if m.start < session.system_end)
                 first, cut, kept_tokens = await self._truncated(session, conversation, k, len(added), request)
                 if first > k:
                     truncated = True
+                    # Kept to put back if the turn fails once the history has changed.
+                    old_tokens, old_messages = list(state.tokens), [replace(m) for m in session.messages]
                     # How much shorter the context is than it would have been.
                     dropped = max(start + len(tokens) - cut - len(kept_tokens), 0)
                     start, tokens, added, n_same = cut, kept_tokens, conversation[first:], k
