@@ -85,6 +85,7 @@ class Conversations:
             else:
                 tokens = list(prompt_token_ids)
             request = replace(request, prompt=tuple(tokens))
+            self._check_prompt(request)
             n_history = len(session.state.tokens)
             if session.context_policy == "truncate" and not self._fits(n_history, request):
                 raise ContextFull(
@@ -317,6 +318,7 @@ class Conversations:
         return spec
 
     def _check_prompt(self, request: GenerationRequest) -> None:
+        """The prompt limit bounds what a request adds (not the turns a truncation keeps)."""
         limit = self.manager.settings.prompt_limit
         if len(request.prompt) > limit:
             raise InvalidRequest(f"the prompt has {len(request.prompt)} tokens; the limit is {limit}")
@@ -330,7 +332,6 @@ class Conversations:
         return n_history + len(request.prompt) + room <= n_ctx
 
     def _check_fits(self, n_history: int, request: GenerationRequest) -> None:
-        self._check_prompt(request)
         n_prompt = len(request.prompt)
         if not n_prompt and not n_history:
             raise InvalidRequest("the prompt is empty and the session has nothing to continue")

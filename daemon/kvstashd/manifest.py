@@ -267,6 +267,9 @@ def _snapshot(
         raise CorruptCheckpoint("the checkpoint's block size is out of range")
     constraint = _constraint(meta.get("constraint"), tokens.size)
     system_end, policy, truncations, dropped = _context(meta, tokens.size)
+    if "system_end" not in meta and messages and messages[0].role == "system" and messages[0].start == 0:
+        # Older manifests: the system prompt is what precedes the next message.
+        system_end = max(0, min(messages[1].start if len(messages) > 1 else tokens.size, tokens.size))
     return Snapshot(
         session_id=_get(meta, "session_id", str),
         persistent=_get(meta, "persistent", bool),
