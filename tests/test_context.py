@@ -6,7 +6,8 @@
 - "error" (the default) keeps refusing with OUT_OF_RANGE, and changes nothing;
 - raw Generate is not truncated; a bad policy is INVALID_ARGUMENT;
 - the policy and its counts survive kill -9, and forks keep them;
-- a truncating turn whose autosave fails puts the history back as it was.
+- a truncating turn whose autosave fails puts the history back as it was; one cancelled
+  mid-reply keeps the truncated conversation, and the session goes on.
 """
 
 from __future__ import annotations
@@ -147,6 +148,48 @@ def test_policy_survives_kill_and_forks(spawn_daemon: Callable[..., DaemonProces
         fork.close()
 
 
+def _to_the_edge(s: kvstash.Session) -> str:
+    """Chat until the next question would truncate (a fork tries it); that question."""
+    for question in QUESTIONS:
+        probe = s.fork()
+        probe.chat(question, max_tokens=REPLY)
+        truncates = probe.info().truncations > s.info().truncations
+        probe.close()
+        if truncates:
+            return question
+        s.chat(question, max_tokens=REPLY)
+    raise AssertionError("no question truncated")
+
+
+def test_a_truncating_turn_cancelled_mid_reply_keeps_the_kept_conversation(
+    start_daemon: Callable[..., InProcessDaemon],
+) -> None:
+    small = start_daemon(slots=2, ctx_per_session=256)
+    with kvstash.Client(small.address, timeout=120) as client:
+        s = client.create_session(SYSTEM, sampling=GREEDY, context_policy="truncate")
+        question = _to_the_edge(s)
+        stream = s.chat_stream(question, max_tokens=REPLY)
+        first = next(stream)
+        stream.close()
+        assert first.finish_reason is None
+        assert small.check_invariant() == []  # settles first: the cancelled turn has ended
+        info = s.info()
+        assert info.truncations == 1 and info.n_tokens <= 256
+        assert info.messages[0] == kvstash.Message("system", SYSTEM)
+        assert info.messages[1].role == "user"
+        assert info.messages[-2] == kvstash.Message("user", question)
+        assert info.messages[-1].role == "assistant"
+        # The conversation goes on; a turn that truncates again is a fresh session's.
+        for question in QUESTIONS[-3:]:
+            reply = s.chat(question, max_tokens=REPLY, logprobs=2)
+            after = s.info()
+            if reply.usage.dropped_tokens:
+                fresh = _fresh_reply(client, after.messages[1:-1])
+                assert (fresh.token_ids, fresh.logprobs) == (reply.token_ids, reply.logprobs)
+            info = after
+        assert info.truncations > 1
+
+
 def test_a_truncating_turn_whose_autosave_fails_is_undone(
     start_daemon: Callable[..., InProcessDaemon], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -155,15 +198,7 @@ def test_a_truncating_turn_whose_autosave_fails_is_undone(
     small = start_daemon(slots=2, ctx_per_session=256)
     with kvstash.Client(small.address, timeout=120) as client:
         s = client.create_session(SYSTEM, sampling=GREEDY, persistent=True, context_policy="truncate")
-        for question in QUESTIONS:
-            probe = s.fork()
-            probe.chat(question, max_tokens=REPLY)
-            truncates = probe.info().truncations > 0
-            probe.close()
-            if truncates:
-                break
-            s.chat(question, max_tokens=REPLY)
-        assert truncates
+        question = _to_the_edge(s)
         before = s.info()
         faulty.failing = True
         with pytest.raises(kvstash.BusyError, match="state store is failing"):
