@@ -213,3 +213,22 @@ def test_a_truncating_turn_whose_autosave_fails_is_undone(
         again = s.chat(question, max_tokens=REPLY)
         assert again.usage.dropped_tokens > 0
         assert s.info().truncations == before.truncations + 1
+
+
+def test_a_whole_conversation_resent_is_truncated_the_same_way(
+    start_daemon: Callable[..., InProcessDaemon],
+) -> None:
+    small = start_daemon(slots=2, ctx_per_session=256)
+    with kvstash.Client(small.address, timeout=120) as client:
+        s = client.create_session(SYSTEM, sampling=GREEDY, context_policy="truncate")
+        conversation = [kvstash.Message("system", SYSTEM)]
+        for question in QUESTIONS[:7]:
+            conversation.append(kvstash.Message("user", question))
+            reply = s.chat(conversation, whole=True, max_tokens=REPLY, logprobs=2)
+            kept = s.info().messages[1:-1]
+            assert kept[-1] == conversation[-1] and len(kept) < len(conversation)
+            if reply.usage.dropped_tokens:
+                fresh = _fresh_reply(client, kept)
+                assert (fresh.token_ids, fresh.logprobs) == (reply.token_ids, reply.logprobs)
+            conversation.append(kvstash.Message("assistant", reply.text))
+        assert s.info().truncations >= 1

@@ -152,13 +152,19 @@ class Conversations:
                 start = _common_prefix(full, state.tokens)
                 tokens = full[start:]
             request = replace(request, prompt=tuple(tokens))
-            self._check_prompt(request)
             truncated, dropped = False, 0
             old_tokens, old_messages = state.tokens, session.messages
             if session.context_policy == "truncate" and not self._fits(start, request, truncating=True):
                 # Earlier turns make way; everything is decided before the history changes.
                 k = sum(1 for m in session.messages[:n_same] if m.start < session.system_end)
-                first, cut, kept_tokens = await self._truncated(session, conversation, k, len(added), request)
+                # A whole conversation may be cut anywhere before its newest turn (the messages
+                # after its last reply); otherwise only before the messages this request adds.
+                n_new = len(added)
+                if whole:
+                    n_new = next((i for i, m in enumerate(reversed(added)) if m.role == "assistant"), n_new)
+                first, cut, kept_tokens = await self._truncated(
+                    session, conversation, k, max(n_new, 1), request
+                )
                 if first > k:
                     truncated = True
                     # Kept to put back if the turn fails once the history has changed.
@@ -167,6 +173,7 @@ class Conversations:
                     dropped = max(start + len(tokens) - cut - len(kept_tokens), 0)
                     start, tokens, added, n_same = cut, kept_tokens, conversation[first:], k
                     request = replace(request, prompt=tuple(tokens))
+            self._check_prompt(request)
             self._check_fits(start, request)
             if start < len(state.tokens):
                 await self._check_stored(session)
@@ -318,7 +325,6 @@ class Conversations:
         return spec
 
     def _check_prompt(self, request: GenerationRequest) -> None:
-        """The prompt limit bounds what a request adds (not the turns a truncation keeps)."""
         limit = self.manager.settings.prompt_limit
         if len(request.prompt) > limit:
             raise InvalidRequest(f"the prompt has {len(request.prompt)} tokens; the limit is {limit}")
@@ -326,10 +332,13 @@ class Conversations:
     def _fits(self, n_history: int, request: GenerationRequest, *, truncating: bool = False) -> bool:
         """Whether a prompt after `n_history` tokens leaves room for the reply: max_tokens,
         or without it one token (truncating: a quarter of the context, so that a turn after
-        a truncation has room to answer)."""
-        n_ctx = self.manager.model.n_ctx_seq
+        a truncation has room to answer; and the prompt, kept turns and all, within the
+        prompt limit)."""
+        n_ctx, n_prompt = self.manager.model.n_ctx_seq, len(request.prompt)
+        if truncating and n_prompt > self.manager.settings.prompt_limit:
+            return False
         room = request.max_tokens or (n_ctx // TRUNCATE_ROOM if truncating else 1)
-        return n_history + len(request.prompt) + room <= n_ctx
+        return n_history + n_prompt + room <= n_ctx
 
     def _check_fits(self, n_history: int, request: GenerationRequest) -> None:
         n_prompt = len(request.prompt)
