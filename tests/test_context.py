@@ -2,7 +2,7 @@
 
 - "truncate": a conversation goes on past its context; each turn that drops earlier turns
   gives the same tokens and logprobs as a fresh session given the conversation it kept,
-  and says what it dropped (usage, session info);
+  and says what it dropped (usage, session info); so does a whole conversation resent;
 - "error" (the default) keeps refusing with OUT_OF_RANGE, and changes nothing;
 - raw Generate is not truncated; a bad policy is INVALID_ARGUMENT;
 - the policy and its counts survive kill -9, and forks keep them;
