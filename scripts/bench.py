@@ -12,6 +12,11 @@ compared with, and reported as a ratio: this machine is shared and noisy.
                                llama.cpp's grammar sampler on the same output
     scripts/bench http         a conversation through the OpenAI-compatible door: resent
                                whole, continued by session_id, and evaluated from scratch
+
+--charts DIR (before the benchmark's name) also draws PNG charts into DIR (matplotlib, in
+kvstash[dev]): checkpoint.png (restore vs re-prefill by context length; checkpoint runs
+three shorter lengths too), sessions.png (tokens/s by concurrent sessions) and
+turns.png (the swap turns' latencies).
 """
 
 from __future__ import annotations
@@ -105,6 +110,25 @@ def llama(n_ctx: int, threads: int, model: Path | None = None) -> Any:
         n_threads_batch=threads,
         verbose=False,
     )
+
+
+def chart(args: argparse.Namespace, name: str, draw: Callable[[Any], None]) -> None:
+    """With --charts DIR: draw(axes) into DIR/name, a PNG file."""
+    if args.charts is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), layout="constrained")
+    draw(ax)
+    ax.grid(True, alpha=0.3)
+    args.charts.mkdir(parents=True, exist_ok=True)
+    path = args.charts / name
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"chart: {path}", file=sys.stderr)
 
 
 def table(rows: list[tuple[str, ...]]) -> None:
@@ -204,8 +228,16 @@ def bench_checkpoint(args: argparse.Namespace) -> None:
         per_story = probe.complete(STORY, max_tokens=1).usage.prompt_tokens
         probe.close()
         text = STORY * max(1, args.tokens // max(per_story, 1))
+        # Shorter sessions for the chart first: ephemeral ones leave nothing in the prefix
+        # cache, so every re-prefill evaluates its whole text.
+        by_length = []
+        if args.charts is not None:
+            for fraction in (8, 4, 2):
+                shorter = STORY * max(1, args.tokens // fraction // max(per_story, 1))
+                by_length.append(checkpoint_run(client, shorter, False, args.repeat))
         ram = checkpoint_run(client, text, False, args.repeat)
         disk = checkpoint_run(client, text, True, args.repeat)
+        by_length.append(ram)
     n = ram["n"]
     llm = llama(4096, args.threads, model)
     ids = llm.tokenize(text.encode())[:n]
@@ -249,6 +281,7 @@ def bench_checkpoint(args: argparse.Namespace) -> None:
         )
     )
     table(rows)
+    chart(args, "checkpoint.png", lambda ax: draw_checkpoint(ax, by_length, Path(model).name))
     print()
     print(
         f"family row: | {Path(model).name} | {info.architecture} | {info.memory_type} | {n} | "
@@ -257,6 +290,26 @@ def bench_checkpoint(args: argparse.Namespace) -> None:
         f"{full.bytes_referenced / max(full.n_tokens, 1):.0f} | "
         f"{delta.bytes_written / 1e3:.0f} kB for {ram['grown']} tokens |"
     )
+
+
+def draw_checkpoint(ax: Any, runs: list[dict[str, Any]], model: str) -> None:
+    lengths = [r["n"] for r in runs]
+    ax.plot(lengths, [r["prefill"] * 1e3 for r in runs], "o-", label="re-prefill from text + first token")
+    ax.plot(lengths, [r["restore"] * 1e3 for r in runs], "o-", label="restore (RAM) + first token")
+    for r in runs:
+        ax.annotate(
+            f"{r['prefill'] / r['restore']:.0f}x",
+            (r["n"], r["restore"] * 1e3),
+            xytext=(0, 6),
+            textcoords="offset points",
+            ha="center",
+            fontsize=8,
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("ms (log scale)")
+    ax.set_title(f"Restore vs re-prefill, {model}")
+    ax.legend()
 
 
 # ---- sessions ---------------------------------------------------------------------------------
@@ -354,11 +407,44 @@ def bench_sessions(args: argparse.Namespace) -> None:
             (str(c), f"{rates[c]:.1f}", f"{ks:.2f}x", f"{raw[c]:.1f}", f"{rs:.2f}x", f"{100 * ks / rs:.0f}%")
         )
     table(rows)
+    chart(args, "sessions.png", lambda ax: draw_sessions(ax, counts, rates, raw))
     print()
-    swap_turns(args)
+    turns, prefill = swap_turns(args)
+    chart(args, "turns.png", lambda ax: draw_turns(ax, turns, prefill, args))
 
 
-def swap_turns(args: argparse.Namespace) -> None:
+def draw_sessions(ax: Any, counts: list[int], rates: dict[int, float], raw: dict[int, float]) -> None:
+    ax.plot(counts, [rates[c] for c in counts], "o-", label="kvstash (through the SDK)")
+    ax.plot(counts, [raw[c] for c in counts], "s--", label="raw llama_decode, same batch shapes")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(c) for c in counts])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("concurrent sessions")
+    ax.set_ylabel("tokens/s, all sessions")
+    ax.set_title("Aggregate decode throughput")
+    ax.legend()
+
+
+def draw_turns(ax: Any, turns: list[float], prefill: float, args: argparse.Namespace) -> None:
+    ms = [t * 1e3 for t in turns]
+    ax.hist(ms, bins=30, color="tab:blue", alpha=0.8)
+    med, p95 = statistics.median(ms), statistics.quantiles(ms, n=20)[18]
+    ax.axvline(med, color="black", label=f"median {med:.1f} ms")
+    ax.axvline(p95, color="tab:red", linestyle="--", label=f"p95 {p95:.1f} ms")
+    ax.set_xlabel("turn to first token (ms)")
+    ax.set_ylabel("turns")
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.set_title(
+        f"{args.sessions} sessions x ~{args.context} tokens, --slots 4: every turn swaps in "
+        f"(re-prefill {prefill * 1e3:.0f} ms)",
+        fontsize=9,
+    )
+    ax.legend()
+
+
+def swap_turns(args: argparse.Namespace) -> tuple[list[float], float]:
+    """Round-robin one-token turns over more sessions than slots: the turns' latencies (s)
+    and the median re-prefill of one session."""
     n_sessions, n_tokens, rounds = args.sessions, args.context, args.rounds
     text = STORY * (n_tokens // 20)
     flags = (
@@ -409,6 +495,7 @@ def swap_turns(args: argparse.Namespace) -> None:
             ),
         ]
     )
+    return turns, prefill
 
 
 # ---- prefix -----------------------------------------------------------------------------------
@@ -708,6 +795,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument(
+        "--charts", type=Path, default=None, metavar="DIR", help="also draw PNG charts into DIR"
+    )
     sub = parser.add_subparsers(dest="what", required=True)
     g = sub.add_parser("generate")
     g.add_argument("--tokens", type=int, default=128)

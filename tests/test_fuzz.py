@@ -257,6 +257,10 @@ def snapshots(draw: st.DrawFn) -> Snapshot:
         recurrent=draw(st.just("") | hex_keys),
         salt=draw(st.binary(max_size=64).map(bytes.hex)),
         tenant=draw(st.text(max_size=40)),
+        system_end=draw(st.integers(0, len(tokens))),
+        context_policy=draw(st.sampled_from(["error", "truncate"])),
+        truncations=draw(st.integers(0, 1 << 40)),
+        dropped_tokens=draw(st.integers(0, 1 << 40)),
     )
 
 
@@ -291,6 +295,9 @@ def check_snapshot(s: Snapshot) -> None:
     assert len(s.tenant) <= 128
     assert s.kv_layout is None or type(s.kv_layout) is str
     assert all(isinstance(x, str) for x in s.stop)
+    assert type(s.system_end) is int and 0 <= s.system_end <= len(s.tokens)
+    assert s.context_policy in ("error", "truncate")
+    assert all(type(n) is int and n >= 0 for n in (s.truncations, s.dropped_tokens))
     for m in s.messages:
         assert m.role in ("system", "user", "assistant")
         assert type(m.content) is str and type(m.start) is int
@@ -612,6 +619,10 @@ RICH = Snapshot(
     recurrent="c" * 64,
     salt="0123abcd",
     tenant="t",
+    system_end=2,
+    context_policy="truncate",
+    truncations=3,
+    dropped_tokens=120,
 )
 
 

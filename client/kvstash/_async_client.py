@@ -112,8 +112,9 @@ class AsyncClient:
         stop: Sequence[str] = (),
         persistent: bool = False,
         cache_salt: str | bytes | None = None,
+        context_policy: str = "error",
     ) -> AsyncSession:
-        op = ops.create_session(system_prompt, sampling, stop, persistent, cache_salt)
+        op = ops.create_session(system_prompt, sampling, stop, persistent, cache_salt, context_policy)
         return AsyncSession(self, await self._unary(op))
 
     @described_by(ops.session)

@@ -110,9 +110,13 @@ class Client:
         stop: Sequence[str] = (),
         persistent: bool = False,
         cache_salt: str | bytes | None = None,
+        context_policy: str = "error",
     ) -> Session:
         return Session(
-            self, self._unary(ops.create_session(system_prompt, sampling, stop, persistent, cache_salt))
+            self,
+            self._unary(
+                ops.create_session(system_prompt, sampling, stop, persistent, cache_salt, context_policy)
+            ),
         )
 
     @described_by(ops.session)

@@ -109,6 +109,7 @@ def usage_to_pb(u: Usage) -> pb.Usage:
         generated_tokens=u.generated_tokens,
         reused_tokens=u.reused_tokens,
         evaluated_tokens=u.evaluated_tokens,
+        dropped_tokens=u.dropped_tokens,
     )
 
 
@@ -119,6 +120,7 @@ def usage_from_pb(m: pb.Usage) -> Usage:
         generated_tokens=m.generated_tokens,
         reused_tokens=m.reused_tokens,
         evaluated_tokens=m.evaluated_tokens,
+        dropped_tokens=m.dropped_tokens,
     )
 
 
@@ -208,6 +210,9 @@ def session_info_to_pb(s: SessionInfo) -> pb.SessionInfo:
         last_used_at=s.last_used_at,
         n_checkpoints=s.n_checkpoints,
         head_checkpoint_id=s.head_checkpoint_id or "",
+        context_policy=s.context_policy,
+        truncations=s.truncations,
+        dropped_tokens=s.dropped_tokens,
     )
 
 
@@ -226,6 +231,9 @@ def session_info_from_pb(m: pb.SessionInfo) -> SessionInfo:
         last_used_at=m.last_used_at,
         n_checkpoints=m.n_checkpoints,
         head_checkpoint_id=m.head_checkpoint_id or None,
+        context_policy=m.context_policy or "error",
+        truncations=m.truncations,
+        dropped_tokens=m.dropped_tokens,
     )
 
 
@@ -272,6 +280,7 @@ def create_session_request(
     stop: Sequence[str],
     persistent: bool,
     cache_salt: str | bytes | None = None,
+    context_policy: str = "error",
 ) -> pb.CreateSessionRequest:
     """The request that opens a session."""
     salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt or b""
@@ -281,6 +290,7 @@ def create_session_request(
         stop=_strings(stop),
         persistent=persistent,
         cache_salt=salt,
+        context_policy=context_policy,
     )
 
 

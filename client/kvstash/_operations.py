@@ -73,14 +73,17 @@ def create_session(
     stop: Sequence[str],
     persistent: bool,
     cache_salt: str | bytes | None,
+    context_policy: str = "error",
 ) -> Unary[str]:
     """Open a session; ``sampling`` and ``stop`` become its defaults for every request.
 
     A persistent session survives a daemon restart. Prompt prefixes are computed once
     per tenant; ``cache_salt`` (16+ bytes, hard to guess) shares them instead with
-    whoever presents the same salt.
+    whoever presents the same salt. ``context_policy`` says what a chat turn that does
+    not fit the context does: ``"error"`` raises ContextFullError, ``"truncate"`` drops
+    the oldest whole turns (the system prompt stays) to make room for it and its reply.
     """
-    request = create_session_request(system_prompt, sampling, stop, persistent, cache_salt)
+    request = create_session_request(system_prompt, sampling, stop, persistent, cache_salt, context_policy)
     return Unary("CreateSession", request, _session_id)
 
 

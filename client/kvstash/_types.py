@@ -53,6 +53,8 @@ class Usage:
     """Tokens already computed that the request did not evaluate again."""
     evaluated_tokens: int
     """Tokens the request ran through the model."""
+    dropped_tokens: int = 0
+    """Tokens of earlier turns dropped to make room (context policy ``"truncate"``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +112,12 @@ class SessionInfo:
     last_used_at: float
     n_checkpoints: int
     head_checkpoint_id: str | None
+    context_policy: str = "error"
+    """What a chat turn that does not fit does: ``"error"`` or ``"truncate"``."""
+    truncations: int = 0
+    """Turns that dropped earlier turns to fit."""
+    dropped_tokens: int = 0
+    """Tokens those turns dropped, in all."""
 
 
 @dataclass(frozen=True, slots=True)

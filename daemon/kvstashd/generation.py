@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# Under the context policy "truncate", a turn without max_tokens keeps room for a reply of
+# at least 1/TRUNCATE_ROOM of the session's context.
+TRUNCATE_ROOM = 4
+
 Put = Callable[[Chunk], None]
 
 
@@ -81,7 +85,15 @@ class Conversations:
             else:
                 tokens = list(prompt_token_ids)
             request = replace(request, prompt=tuple(tokens))
-            self._check_fits(session, request)
+            self._check_prompt(request)
+            n_history = len(session.state.tokens)
+            if session.context_policy == "truncate" and not self._fits(n_history, request):
+                raise ContextFull(
+                    f"history ({n_history}) + prompt ({len(tokens)}) + max_tokens is beyond the session's "
+                    f"context of {self.manager.model.n_ctx_seq}: the context policy truncate drops whole "
+                    "chat turns (Chat), not raw text (Generate); rewind the session or chat"
+                )
+            self._check_fits(n_history, request)
             start = len(session.state.tokens) + len(tokens)
             constraint = next_constraint(session.constraint, spec, start, continuing=not tokens)
             reply = None
@@ -138,22 +150,63 @@ class Conversations:
                 # keep what matches.
                 full = await self.tokenize_segments(segments, first=True)
                 start = _common_prefix(full, state.tokens)
-                await self.manager.residency.truncate(session, start)
                 tokens = full[start:]
             request = replace(request, prompt=tuple(tokens))
-            self._check_fits(session, request)
+            truncated, dropped = False, 0
+            old_tokens, old_messages = state.tokens, session.messages
+            if session.context_policy == "truncate" and not self._fits(start, request, truncating=True):
+                # Earlier turns make way; everything is decided before the history changes.
+                k = sum(1 for m in session.messages[:n_same] if m.start < session.system_end)
+                # A whole conversation may be cut anywhere before its newest turn (the messages
+                # after its last reply); otherwise only before the messages this request adds.
+                n_new = len(added)
+                if whole:
+                    n_new = next((i for i, m in enumerate(reversed(added)) if m.role == "assistant"), n_new)
+                first, cut, kept_tokens = await self._truncated(
+                    session, conversation, k, max(n_new, 1), request
+                )
+                if first > k:
+                    truncated = True
+                    # Kept to put back if the turn fails once the history has changed.
+                    old_tokens, old_messages = list(state.tokens), [replace(m) for m in session.messages]
+                    # How much shorter the context is than it would have been.
+                    dropped = max(start + len(tokens) - cut - len(kept_tokens), 0)
+                    start, tokens, added, n_same = cut, kept_tokens, conversation[first:], k
+                    request = replace(request, prompt=tuple(tokens))
+            self._check_prompt(request)
+            self._check_fits(start, request)
+            if start < len(state.tokens):
+                await self._check_stored(session)
+                await self.manager.residency.truncate(session, start)
             kept = session.messages[:n_same]
             for m in kept:
                 m.start = min(m.start, start)
             reply = ChatMessage("assistant", "", len(state.tokens) + len(tokens))
             constraint = next_constraint(None, spec, reply.start, continuing=False)
             session.messages = [*kept, *(ChatMessage(m.role, m.content, start) for m in added), reply]
+            if truncated:
+                session.truncations += 1
+                session.dropped_tokens += dropped
             try:
-                await self._run(session, slot, request, put, reply, constraint)
+                await self._run(session, slot, request, put, reply, constraint, dropped)
             except BaseException:
                 if len(state.tokens) <= start:  # nothing was added: neither are messages
                     session.messages = kept
+                    if truncated:
+                        session.truncations -= 1
+                        session.dropped_tokens -= dropped
+                        await self._untruncate(session, old_tokens, old_messages)
                 raise
+
+    async def _untruncate(self, session: Session, history: list[int], messages: list[ChatMessage]) -> None:
+        """Put back the history a truncating turn dropped, as tokens to evaluate again (the
+        state keeps covering its first n_kv tokens); on the engine thread, which owns the
+        state of a session in a slot."""
+        state = session.state
+        await asyncio.wrap_future(
+            self.manager.engine.call(lambda _: state.tokens.extend(history[len(state.tokens) :]))
+        )
+        session.messages = messages
 
     async def _run(
         self,
@@ -163,12 +216,13 @@ class Conversations:
         put: Put,
         reply: ChatMessage | None = None,
         constraint: Constraint | None = None,
+        dropped: int = 0,
     ) -> None:
         """Run one generation on a session in `slot`, whose lock the caller holds, under
-        `constraint` (structured output) when there is one."""
+        `constraint` (structured output) when there is one; `dropped` tokens of earlier
+        turns made room for it (reported in its usage)."""
         manager = self.manager
-        if session.persistent:  # its autosave would store more: refused before anything changes
-            await manager.persistence.check_stored(manager.tenants.get(session.tenant))
+        await self._check_stored(session)
         matcher = None
         if constraint is not None:
             output = session.state.tokens[constraint.start :]
@@ -207,6 +261,8 @@ class Conversations:
                     reply.content += item.text
                 if item.finish_reason is not None:
                     session.job = None
+                    if item.usage is not None and dropped:
+                        item = replace(item, usage=replace(item.usage, dropped_tokens=dropped))
                     if item.finish_reason == "eos":
                         # Allowed only once a grammar accepts: the constrained output is whole.
                         session.constraint = None
@@ -232,6 +288,11 @@ class Conversations:
             raise
         finally:
             session.job = None
+
+    async def _check_stored(self, session: Session) -> None:
+        """A persistent session's autosave would store more: refused before anything changes."""
+        if session.persistent:
+            await self.manager.persistence.check_stored(self.manager.tenants.get(session.tenant))
 
     async def _save_turn(self, session: Session, n_before: int) -> None:
         """Autosave a persistent session's turn, or undo the turn: a client told that its
@@ -263,20 +324,80 @@ class Conversations:
             await self.manager.grammars.check(session.tenant, spec)
         return spec
 
-    def _check_fits(self, session: Session, request: GenerationRequest) -> None:
-        settings, model = self.manager.settings, self.manager.model
+    def _check_prompt(self, request: GenerationRequest) -> None:
+        limit = self.manager.settings.prompt_limit
+        if len(request.prompt) > limit:
+            raise InvalidRequest(f"the prompt has {len(request.prompt)} tokens; the limit is {limit}")
+
+    def _fits(self, n_history: int, request: GenerationRequest, *, truncating: bool = False) -> bool:
+        """Whether a prompt after `n_history` tokens leaves room for the reply: max_tokens,
+        or without it one token (truncating: a quarter of the context, so that a turn after
+        a truncation has room to answer; and the prompt, kept turns and all, within the
+        prompt limit)."""
+        n_ctx, n_prompt = self.manager.model.n_ctx_seq, len(request.prompt)
+        if truncating and n_prompt > self.manager.settings.prompt_limit:
+            return False
+        room = request.max_tokens or (n_ctx // TRUNCATE_ROOM if truncating else 1)
+        return n_history + n_prompt + room <= n_ctx
+
+    def _check_fits(self, n_history: int, request: GenerationRequest) -> None:
         n_prompt = len(request.prompt)
-        if n_prompt > settings.prompt_limit:
-            raise InvalidRequest(f"the prompt has {n_prompt} tokens; the limit is {settings.prompt_limit}")
-        state = session.state
-        if not n_prompt and not state.tokens:
+        if not n_prompt and not n_history:
             raise InvalidRequest("the prompt is empty and the session has nothing to continue")
-        needed = len(state.tokens) + n_prompt + (request.max_tokens or 1)
-        if needed > model.n_ctx_seq:
+        if not self._fits(n_history, request):
+            needed = n_history + n_prompt + (request.max_tokens or 1)
             raise ContextFull(
-                f"history ({len(state.tokens)}) + prompt ({n_prompt}) + max_tokens "
-                f"({request.max_tokens or 1}) is {needed} tokens; the session's context is {model.n_ctx_seq}"
+                f"history ({n_history}) + prompt ({n_prompt}) + max_tokens "
+                f"({request.max_tokens or 1}) is {needed} tokens; the session's context is "
+                f"{self.manager.model.n_ctx_seq}"
             )
+
+    async def _truncated(
+        self,
+        session: Session,
+        conversation: Sequence[Message],
+        k: int,
+        n_added: int,
+        request: GenerationRequest,
+    ) -> tuple[int, int, list[int]]:
+        """The context policy "truncate": the system prompt (`conversation[:k]`, the history's
+        first `session.system_end` tokens) and the most recent whole turns that fit with room
+        for the reply. Returns the index of the first message kept after the system prompt,
+        where the history is cut, and the tokens that follow (kept turns and new messages).
+        ContextFull if the new messages alone do not fit."""
+        template = self.manager.template
+        assert template is not None
+        history = session.state.tokens[: session.system_end]
+        system_text = await self._vocab(lambda c: c.detokenize(history, True))
+        head = list(conversation[:k])
+        # A kept part begins with a user message (templates may require roles to alternate),
+        # or with the new messages.
+        last = len(conversation) - n_added
+        starts = [i for i in range(k, last) if conversation[i].role == "user"] + [last]
+
+        async def render(first: int) -> tuple[int, list[int]]:
+            segments = template.render([*head, *conversation[first:]], add_generation_prompt=True)
+            delta = after_prefix(segments, system_text)
+            if delta is not None:
+                return len(history), await self.tokenize_segments(delta, first=not history)
+            # A template that renders the system prompt otherwise once turns follow it.
+            full = await self.tokenize_segments(segments, first=True)
+            cut = _common_prefix(full, history)
+            return cut, full[cut:]
+
+        # The new messages alone must fit; fewer turns never render longer, so the first
+        # start that fits is found by bisection.
+        lo, hi = 0, len(starts) - 1
+        best = (starts[hi], *await render(starts[hi]))
+        self._check_fits(best[1], replace(request, prompt=tuple(best[2])))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            cut, tokens = await render(starts[mid])
+            if self._fits(cut, replace(request, prompt=tuple(tokens)), truncating=True):
+                best, hi = (starts[mid], cut, tokens), mid
+            else:
+                lo = mid + 1
+        return best
 
     # ---- tokens ------------------------------------------------------------------------------
 

@@ -49,6 +49,8 @@ class Usage:
     evaluated_tokens: int = 0
     # The history the generation followed (earlier turns and this prompt), in tokens.
     context_tokens: int = 0
+    # Tokens of earlier turns dropped to make room (the "truncate" context policy).
+    dropped_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from kvstashd.chat import ChatMessage
 from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint
 from kvstashd.grammar import KINDS, Constraint, GrammarSpec
 from kvstashd.limits import (
+    CONTEXT_POLICIES,
     MAX_BLOCK_TOKENS,
     MAX_GRAMMAR_CHARS,
     MAX_LABEL,
@@ -70,6 +71,12 @@ class Snapshot:
     saved_at: float = 0.0
     # An open constrained output (structured output cut short), or None.
     constraint: Constraint | None = None
+    # Tokens of the system prompt, what a chat turn that does not fit does, and what
+    # truncating has dropped so far (absent in manifests older than context policies).
+    system_end: int = 0
+    context_policy: str = "error"
+    truncations: int = 0
+    dropped_tokens: int = 0
     format: int = FORMAT
 
     def piece_keys(self) -> list[str]:
@@ -106,6 +113,10 @@ def encode(s: Snapshot, key: bytes) -> bytes:
         "recurrent": s.recurrent,
         "salt": s.salt,
         "tenant": s.tenant,
+        "system_end": s.system_end,
+        "context_policy": s.context_policy,
+        "truncations": s.truncations,
+        "dropped_tokens": s.dropped_tokens,
         "constraint": None
         if s.constraint is None
         else {"kind": s.constraint.spec.kind, "text": s.constraint.spec.text, "start": s.constraint.start},
@@ -255,6 +266,10 @@ def _snapshot(
     if not 1 <= block_tokens <= 4096:
         raise CorruptCheckpoint("the checkpoint's block size is out of range")
     constraint = _constraint(meta.get("constraint"), tokens.size)
+    system_end, policy, truncations, dropped = _context(meta, tokens.size)
+    if "system_end" not in meta and messages and messages[0].role == "system" and messages[0].start == 0:
+        # Older manifests: the system prompt is what precedes the next message.
+        system_end = max(0, min(messages[1].start if len(messages) > 1 else tokens.size, tokens.size))
     return Snapshot(
         session_id=_get(meta, "session_id", str),
         persistent=_get(meta, "persistent", bool),
@@ -277,7 +292,27 @@ def _snapshot(
         salt=salt,
         tenant=tenant,
         constraint=constraint,
+        system_end=system_end,
+        context_policy=policy,
+        truncations=truncations,
+        dropped_tokens=dropped,
     )
+
+
+def _context(meta: dict[str, Any], n_tokens: int) -> tuple[int, str, int, int]:
+    """The system prompt's end, the context policy and the truncation counts (defaults in
+    manifests older than context policies)."""
+    system_end = meta.get("system_end", 0)
+    policy = meta.get("context_policy", "error")
+    truncations = meta.get("truncations", 0)
+    dropped = meta.get("dropped_tokens", 0)
+    if type(system_end) is not int or not 0 <= system_end <= n_tokens:
+        raise CorruptCheckpoint("the checkpoint's system prompt end is outside its history")
+    if policy not in CONTEXT_POLICIES:
+        raise CorruptCheckpoint("the checkpoint's context policy is unknown")
+    if any(type(n) is not int or not 0 <= n < 1 << 62 for n in (truncations, dropped)):
+        raise CorruptCheckpoint("the checkpoint's truncation counts are malformed")
+    return system_end, policy, truncations, dropped
 
 
 def _constraint(value: object, n_tokens: int) -> Constraint | None:

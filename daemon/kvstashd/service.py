@@ -151,6 +151,7 @@ class KvStashService(pb_grpc.KvStashServicer):
             sampling=overrides_from_pb(request.sampling),
             stop=list(request.stop),
             persistent=request.persistent,
+            context_policy=request.context_policy,
         )
         return pb.CreateSessionResponse(session=self._session_pb(await self.manager.view(session)))
 
@@ -328,6 +329,9 @@ def session_to_pb(v: SessionView, n_ctx: int) -> pb.SessionInfo:
         last_used_at=s.last_used_at,
         n_checkpoints=v.n_checkpoints,
         head_checkpoint_id=s.head_checkpoint_id,
+        context_policy=s.context_policy,
+        truncations=s.truncations,
+        dropped_tokens=s.dropped_tokens,
     )
 
 
@@ -360,6 +364,7 @@ def chunk_to_pb(c: Chunk) -> pb.GenerationChunk:
                 generated_tokens=c.usage.generated_tokens,
                 reused_tokens=c.usage.reused_tokens,
                 evaluated_tokens=c.usage.evaluated_tokens,
+                dropped_tokens=c.usage.dropped_tokens,
             )
         )
     return out

@@ -39,6 +39,10 @@ class Session:
     system_end: int = 0
     boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None
     head_checkpoint_id: str = ""
+    # What a chat turn that does not fit does (CONTEXT_POLICIES), and what truncating cost.
+    context_policy: str = "error"
+    truncations: int = 0
+    dropped_tokens: int = 0
     # Structured output cut short (max_tokens, a stop string...): the next request without a
     # prompt continues within it (see grammar.py).
     constraint: Constraint | None = None
@@ -65,6 +69,7 @@ class Session:
             self.constraint = None
         if self.boundary is not None and self.boundary[0] > n_tokens:
             self.boundary = None
+        self.system_end = min(self.system_end, n_tokens)
 
     def snapshot(self, label: str, block_tokens: int) -> Snapshot:
         """The session as a manifest would record it (its state pieces filled in on save)."""
@@ -87,6 +92,10 @@ class Session:
             salt=self.salt.hex(),
             tenant=self.tenant,
             constraint=self.constraint,
+            system_end=self.system_end,
+            context_policy=self.context_policy,
+            truncations=self.truncations,
+            dropped_tokens=self.dropped_tokens,
         )
 
     def apply(self, snap: Snapshot, n_kv: int) -> None:
@@ -102,6 +111,10 @@ class Session:
         self.stop = snap.stop
         self.messages = [replace(m) for m in snap.messages]
         self.constraint = snap.constraint
+        self.system_end = snap.system_end
+        self.context_policy = snap.context_policy
+        self.truncations = snap.truncations
+        self.dropped_tokens = snap.dropped_tokens
         self.snapshots = []
         self.boundary = None
 

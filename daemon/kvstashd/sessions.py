@@ -28,6 +28,7 @@ from kvstashd.errors import Busy, ContextFull, InvalidRequest, KvstashError, NoC
 from kvstashd.generation import Conversations, Turn, check_stop
 from kvstashd.grammar import Grammars
 from kvstashd.job import Chunk
+from kvstashd.limits import CONTEXT_POLICIES
 from kvstashd.manifest import Snapshot
 from kvstashd.persistence import Persistence, Stores
 from kvstashd.placement import Residency
@@ -212,8 +213,14 @@ class SessionManager:
         stop: Sequence[str],
         persistent: bool,
         cache_salt: bytes = b"",
+        context_policy: str = "",
     ) -> Session:
         """A new session; its system prompt is rendered now and evaluated on first use."""
+        policy = context_policy or "error"
+        if policy not in CONTEXT_POLICIES:
+            raise InvalidRequest(
+                f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, not {context_policy[:40]!r}"
+            )
         seed = sampling.seed if sampling.seed is not None else secrets.randbelow(MAX_SEED + 1)
         params = replace(sampling, seed=seed).apply(SamplingParams())
         salt = session_salt(tenant, cache_salt)
@@ -227,6 +234,7 @@ class SessionManager:
             now,
             tenant=tenant.name,
             salt=salt,
+            context_policy=policy,
         )
         return await self.ops.run(self._create(tenant, session, system_prompt))
 

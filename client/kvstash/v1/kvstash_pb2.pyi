@@ -199,6 +199,7 @@ class Usage(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
     REUSED_TOKENS_FIELD_NUMBER: _builtins.int
     EVALUATED_TOKENS_FIELD_NUMBER: _builtins.int
+    DROPPED_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """tokens added to the session by this request"""
     generated_tokens: _builtins.int
@@ -206,6 +207,8 @@ class Usage(_message.Message):
     """tokens already computed that this request did not evaluate again"""
     evaluated_tokens: _builtins.int
     """tokens this request ran through the model"""
+    dropped_tokens: _builtins.int
+    """Tokens of earlier turns the session's context policy "truncate" dropped for this request."""
     def __init__(
         self,
         *,
@@ -213,10 +216,11 @@ class Usage(_message.Message):
         generated_tokens: _builtins.int = ...,
         reused_tokens: _builtins.int = ...,
         evaluated_tokens: _builtins.int = ...,
+        dropped_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["evaluated_tokens", b"evaluated_tokens", "generated_tokens", b"generated_tokens", "prompt_tokens", b"prompt_tokens", "reused_tokens", b"reused_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_tokens", b"dropped_tokens", "evaluated_tokens", b"evaluated_tokens", "generated_tokens", b"generated_tokens", "prompt_tokens", b"prompt_tokens", "reused_tokens", b"reused_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -323,6 +327,9 @@ class SessionInfo(_message.Message):
     LAST_USED_AT_FIELD_NUMBER: _builtins.int
     N_CHECKPOINTS_FIELD_NUMBER: _builtins.int
     HEAD_CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    CONTEXT_POLICY_FIELD_NUMBER: _builtins.int
+    TRUNCATIONS_FIELD_NUMBER: _builtins.int
+    DROPPED_TOKENS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     persistent: _builtins.bool
     n_tokens: _builtins.int
@@ -333,6 +340,12 @@ class SessionInfo(_message.Message):
     last_used_at: _builtins.float
     n_checkpoints: _builtins.int
     head_checkpoint_id: _builtins.str
+    context_policy: _builtins.str
+    """"error" or "truncate" """
+    truncations: _builtins.int
+    """turns whose request dropped earlier turns to fit"""
+    dropped_tokens: _builtins.int
+    """tokens dropped by them, in all"""
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
     @_builtins.property
@@ -354,10 +367,13 @@ class SessionInfo(_message.Message):
         last_used_at: _builtins.float = ...,
         n_checkpoints: _builtins.int = ...,
         head_checkpoint_id: _builtins.str = ...,
+        context_policy: _builtins.str = ...,
+        truncations: _builtins.int = ...,
+        dropped_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "head_checkpoint_id", b"head_checkpoint_id", "last_used_at", b"last_used_at", "messages", b"messages", "n_checkpoints", b"n_checkpoints", "n_ctx", b"n_ctx", "n_tokens", b"n_tokens", "persistent", b"persistent", "residency", b"residency", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_policy", b"context_policy", "created_at", b"created_at", "dropped_tokens", b"dropped_tokens", "head_checkpoint_id", b"head_checkpoint_id", "last_used_at", b"last_used_at", "messages", b"messages", "n_checkpoints", b"n_checkpoints", "n_ctx", b"n_ctx", "n_tokens", b"n_tokens", "persistent", b"persistent", "residency", b"residency", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop", "truncations", b"truncations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -534,11 +550,17 @@ class CreateSessionRequest(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     PERSISTENT_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    CONTEXT_POLICY_FIELD_NUMBER: _builtins.int
     system_prompt: _builtins.str
     persistent: _builtins.bool
     cache_salt: _builtins.bytes
     """The salt of this session's cached blocks (16 to 256 bytes): whoever presents the same
     salt shares them, across tenants. Empty: the tenant's own salt (shared with nobody else).
+    """
+    context_policy: _builtins.str
+    """When a chat turn does not fit the context: "error" (the default; "" too) refuses it
+    with OUT_OF_RANGE, "truncate" keeps the system prompt and the most recent whole turns
+    that fit with room for the reply.
     """
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
@@ -552,10 +574,11 @@ class CreateSessionRequest(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         persistent: _builtins.bool = ...,
         cache_salt: _builtins.bytes = ...,
+        context_policy: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "persistent", b"persistent", "sampling", b"sampling", "stop", b"stop", "system_prompt", b"system_prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "context_policy", b"context_policy", "persistent", b"persistent", "sampling", b"sampling", "stop", b"stop", "system_prompt", b"system_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
