@@ -66,6 +66,7 @@ STATE_FILES = {
     "catalog.db-shm",
     "store.key",
     "fingerprints.json",
+    "lock",  # held by the running daemon; released by the kernel when it dies
     "blocks",
     "spill",
 }
