@@ -109,6 +109,14 @@ def test_session_create_list_show_close(kv: Invoke) -> None:
     assert session_id not in [s["session_id"] for s in listed]
 
 
+def test_session_create_takes_a_context_policy(kv: Invoke, client: kvstash.Client) -> None:
+    created = ok_json(kv("--json", "session", "create", "--context-policy", "truncate"))
+    assert created["context_policy"] == "truncate"
+    assert client.session(created["session_id"]).info().context_policy == "truncate"
+    client.session(created["session_id"]).close()
+    assert kv("session", "create", "--context-policy", "forget").exit_code == 2
+
+
 def test_session_create_prints_the_id(kv: Invoke, client: kvstash.Client) -> None:
     result = kv("session", "create")
     assert result.exit_code == 0, result.output

@@ -396,6 +396,13 @@ def session_group() -> None:
 @click.option("--persistent", is_flag=True, help="Keep the session across daemon restarts.")
 @_sampling_options
 @click.option("--stop", multiple=True, help="Default stop string; repeatable.")
+@click.option(
+    "--context-policy",
+    type=click.Choice(["error", "truncate"]),
+    default="error",
+    show_default=True,
+    help="A chat turn that does not fit the context: refuse it, or drop the oldest turns.",
+)
 @click.pass_obj
 def session_create(
     state: _State,
@@ -404,10 +411,15 @@ def session_create(
     temperature: float | None,
     seed: int | None,
     stop: tuple[str, ...],
+    context_policy: str,
 ) -> None:
     """Open a session and print its id."""
     session = state.client().create_session(
-        system, sampling=_sampling(temperature, seed), stop=stop, persistent=persistent
+        system,
+        sampling=_sampling(temperature, seed),
+        stop=stop,
+        persistent=persistent,
+        context_policy=context_policy,
     )
     if state.as_json:
         _echo_json(session.info())
