@@ -17,6 +17,12 @@ from collections.abc import Callable, Iterator, Sequence
 from kvstashd.errors import Busy
 
 
+def state_bound(state_bytes: int, n_tokens: int, n_vocab: int) -> int:
+    """The most a stored state takes: its pieces raw, and a manifest of its tokens (4 bytes
+    each, twice over with the catalog's log), logits and metadata."""
+    return state_bytes + 8 * n_tokens + 4 * n_vocab + (1 << 16)
+
+
 class DiskBudget:
     """Bytes on disk, and the reservations of writes under way."""
 

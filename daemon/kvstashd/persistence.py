@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from kvstashd.budget import DiskBudget
+from kvstashd.budget import DiskBudget, state_bound
 from kvstashd.catalog import CheckpointRow
 from kvstashd.checkpoints import CheckpointStore, Loaded
 from kvstashd.config import Settings
@@ -82,8 +82,7 @@ class Persistence:
         snap = session.snapshot(label, self.settings.block_tokens)
         store = self.store_of(session)
         if not session.persistent:  # its blocks and manifest stay in RAM
-            kv_bytes = kv.nbytes if kv is not None else 0
-            bound = kv_bytes + 8 * len(snap.tokens) + 4 * store.n_vocab + (1 << 16)
+            bound = state_bound(kv.nbytes if kv is not None else 0, len(snap.tokens), store.n_vocab)
             await self.residency.reserve_ram(bound, session, "this checkpoint")
         row, _ = await store_write(
             store.save, snap, kv, kind="explicit", now=self.clock(), boundary=session.boundary

@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from kvstashd import ops, pieces
 from kvstashd import state as kvstate
-from kvstashd.budget import DiskBudget
+from kvstashd.budget import DiskBudget, state_bound
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
 from kvstashd.engine import Engine
@@ -222,7 +222,7 @@ class Residency:
         anything changes, if neither has room."""
         to_disk = False
         if kv is not None and not await self.make_room(kv.nbytes, session):
-            bound = kv.nbytes + 8 * len(snap.tokens) + 4 * self.durable.n_vocab + (1 << 16)
+            bound = state_bound(kv.nbytes, len(snap.tokens), self.durable.n_vocab)
             if self.disk is not None and not await asyncio.to_thread(self.disk.fits, bound):
                 raise Busy(
                     "neither the RAM cache nor the disk budget has room for this state: close "
