@@ -18,6 +18,10 @@ CHANNEL_OPTIONS = [
 
 Metadata = tuple[tuple[str, str], ...]
 
+#: The metadata key naming the session a call is about; a proxy routes by it.
+SESSION_HEADER = "x-kvstash-session"
+_MAX_ROUTED_ID = 128
+
 
 @dataclass(frozen=True)
 class Tls:
@@ -58,6 +62,18 @@ def auth_metadata(token: str | None) -> Metadata:
     ``$KVSTASH_TOKEN``), or nothing."""
     token = token or os.environ.get("KVSTASH_TOKEN")
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def call_metadata(metadata: Metadata, session_id: str | None) -> Metadata:
+    """``metadata``, plus ``x-kvstash-session: SESSION_ID`` for a call about a session.
+
+    An id that cannot be a header value (not printable ASCII, or far longer than the
+    daemon's ids) goes without it, so the call still reaches a daemon, which refuses the
+    malformed id with InvalidRequestError, where gRPC would refuse the metadata.
+    """
+    if session_id and len(session_id) <= _MAX_ROUTED_ID and session_id.isascii() and session_id.isprintable():
+        return (*metadata, (SESSION_HEADER, session_id))
+    return metadata
 
 
 def channel(address: str, tls: Tls | None) -> grpc.Channel:
