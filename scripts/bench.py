@@ -12,6 +12,8 @@ compared with, and reported as a ratio: this machine is shared and noisy.
                                llama.cpp's grammar sampler on the same output
     scripts/bench http         a conversation through the OpenAI-compatible door: resent
                                whole, continued by session_id, and evaluated from scratch
+    scripts/bench routing      two daemons behind HAProxy (deploy/haproxy.cfg) against one
+                               daemon reached directly: calls, turns, streams, exports
 
 --charts DIR (before the benchmark's name) also draws PNG charts into DIR (matplotlib, in
 kvstash[dev]): checkpoint.png (restore vs re-prefill by context length; checkpoint runs
@@ -35,8 +37,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 import kvstash
 from kvstash import SamplingParams
+from kvstash.v1 import kvstash_pb2 as pb
+from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 from kvstashd.config import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -790,6 +796,114 @@ def bench_http(args: argparse.Namespace) -> None:
     table(rows)
 
 
+# ---- routing ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def haproxy(daemons: list[str]) -> Iterator[str]:
+    """HAProxy on deploy/haproxy.cfg in front of two daemons: its address."""
+    import socket
+
+    binary = shutil.which("haproxy")
+    if binary is None:
+        raise SystemExit("haproxy is not installed (scripts/servers installs it)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    env = {
+        **os.environ,
+        "KVSTASH_PROXY_ADDRESS": address,
+        "KVSTASH_DAEMON_1": daemons[0],
+        "KVSTASH_DAEMON_2": daemons[1],
+    }
+    proc = subprocess.Popen(
+        [binary, "-db", "-f", str(ROOT / "deploy" / "haproxy.cfg")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with kvstash.Client(address, timeout=2) as client:
+                    client.info()
+                break
+            except kvstash.KvstashError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("haproxy did not start") from None
+                time.sleep(0.1)
+        yield address
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def bench_routing(args: argparse.Namespace) -> None:
+    """The same calls, interleaved, on two sessions of one daemon: one reached through
+    HAProxy (which routes it by its x-kvstash-session header), one reached directly."""
+    flags = ("--slots", "2", "--ctx-per-session", "2048", "--threads", str(args.threads))
+    greedy = SamplingParams(temperature=0.0)
+    times: dict[str, dict[str, list[float]]] = {"direct": {}, "routed": {}}
+    sizes: dict[str, int] = {}
+    with (
+        daemon(*flags) as (a, _),
+        daemon(*flags) as (b, _),
+        haproxy([a, b]) as proxy,
+        kvstash.Client(proxy, timeout=600) as routed,
+    ):
+        proxied = routed.create_session(sampling=greedy)
+        target = next(d for d in (a, b) if _has_session(d, proxied.session_id))
+        with kvstash.Client(target, timeout=600) as direct:
+            baseline = direct.create_session(sampling=greedy)
+            pairs = {"routed": (routed, proxied), "direct": (direct, baseline)}
+            for _, s in pairs.values():
+                s.complete(STORY * (args.tokens // 20), max_tokens=1)
+            base = {key: s.info().n_tokens for key, (_, s) in pairs.items()}
+            checkpoints = {key: s.checkpoint().checkpoint_id for key, (_, s) in pairs.items()}
+
+            def measure(name: str, fn: Callable[[str, kvstash.Client, kvstash.Session], Any]) -> None:
+                for i in range(args.repeat):
+                    # Alternate which goes first, so that neither always follows the other.
+                    for key, (client, session) in list(pairs.items())[:: 1 if i % 2 else -1]:
+                        elapsed, _ = timed(lambda k=key, c=client, s=session: fn(k, c, s))
+                        times[key].setdefault(name, []).append(elapsed)
+                        if session.info().n_tokens != base[key]:
+                            session.rewind(base[key])  # the same history for every repeat
+
+            channels = {"routed": grpc.insecure_channel(proxy), "direct": grpc.insecure_channel(target)}
+
+            def export(key: str, client: kvstash.Client, session: kvstash.Session) -> None:
+                # An export names only its checkpoint, which the SDK cannot route; sent here
+                # with its session's header, the proxy takes it to the daemon that has it.
+                stub = pb_grpc.KvStashStub(channels[key])
+                request = pb.ExportCheckpointRequest(checkpoint_id=checkpoints[key])
+                metadata = [("x-kvstash-session", session.session_id)]
+                sizes[key] = sum(len(r.data) for r in stub.ExportCheckpoint(request, metadata=metadata))
+
+            measure("GetSession", lambda k, c, s: s.info())
+            measure("one-token turn", lambda k, c, s: s.complete(" and", max_tokens=1))
+            measure("64 tokens, streamed", lambda k, c, s: list(s.generate(" Then", max_tokens=64)))
+            measure("export", export)
+            for channel in channels.values():
+                channel.close()
+    rows = [("measure", "direct (median)", "through HAProxy (median)", "routed / direct")]
+    for name, direct_times in times["direct"].items():
+        d, r = statistics.median(direct_times), statistics.median(times["routed"][name])
+        label = f"export ({sizes['direct'] / 1e6:.1f} MB)" if name == "export" else name
+        rows.append((label, f"{d * 1e3:.2f} ms", f"{r * 1e3:.2f} ms", f"{r / d:.2f}x"))
+    table(rows)
+
+
+def _has_session(address: str, session_id: str) -> bool:
+    with kvstash.Client(address, timeout=30) as client:
+        try:
+            client.session(session_id)
+        except kvstash.NotFoundError:
+            return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -822,6 +936,9 @@ def main() -> None:
     h.add_argument("--turns", type=int, default=5)
     h.add_argument("--prompt-tokens", type=int, default=1000)
     h.add_argument("--reply-tokens", type=int, default=16)
+    o = sub.add_parser("routing")
+    o.add_argument("--tokens", type=int, default=1000, help="tokens of each session's history")
+    o.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
     benches = {
         "generate": bench_generate,
@@ -830,6 +947,7 @@ def main() -> None:
         "prefix": bench_prefix,
         "grammar": bench_grammar,
         "http": bench_http,
+        "routing": bench_routing,
     }
     benches[args.what](args)
 

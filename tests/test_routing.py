@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import pytest
 from daemons import GREEDY, NOT_SERVING, SERVING, InProcessDaemon, wait_until
-from servers import HaproxyServer, free_port
+from servers import HaproxyServer, free_port, require_binary
 
 import kvstash
 from kvstash.v1 import kvstash_pb2 as pb
@@ -97,6 +97,9 @@ def holder(session_id: str, daemons: tuple[InProcessDaemon, ...]) -> int:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[InProcessDaemon, InProcessDaemon]]:
+    """Two daemons for the proxies of this module (checked for HAProxy first: starting the
+    daemons is what takes time)."""
+    require_binary("haproxy")
     started: list[InProcessDaemon] = []
     try:
         for _ in range(2):
