@@ -72,10 +72,15 @@ class Proxy:
         """The servers that calls routed by ``session_id`` reached."""
         return {server for server, session, _ in self.calls() if session == session_id}
 
-    def wait_for_state(self, server: str, state: str) -> None:
-        """Until HAProxy's log says ``server`` is ``state`` (UP or DOWN) by its health check."""
+    def log_mark(self) -> int:
+        """Where the log ends now: ``wait_for_state`` looks only at what comes after."""
+        return len(self.server.log())
+
+    def wait_for_state(self, server: str, state: str, since: int) -> None:
+        """Until HAProxy's log says, after ``since``, that its health check found ``server``
+        ``state`` (UP or DOWN)."""
         line = f"Server kvstash_daemons/{server} is {state}"
-        wait_until(lambda: line in self.server.log(), 20, f"haproxy to log {line!r}", interval=0.1)
+        wait_until(lambda: line in self.server.log()[since:], 20, f"haproxy to log {line!r}", interval=0.1)
 
     def stop(self) -> None:
         self.server.stop()
@@ -193,9 +198,9 @@ def test_sessions_the_proxy_does_not_know_go_by_consistent_hash(
     # A fresh HAProxy knows no session: every call goes by the hash of its header.
     fresh = Proxy(pair, tmp_path).start()
     try:
-        ids = [f"s_{secrets.token_hex(12)}" for _ in range(24)]
+        ids = [f"s_{secrets.token_hex(12)}" for _ in range(40)]
         with kvstash.Client(fresh.address, timeout=30) as client:
-            for _ in range(3):
+            for _ in range(2):
                 for session_id in ids:
                     with pytest.raises(kvstash.NotFoundError):
                         client.session(session_id)
@@ -220,15 +225,18 @@ def test_the_health_check_takes_a_daemon_out_and_back(
             assert set(by_daemon) == {0, 1}
 
             # NOT_SERVING while still listening (a daemon draining): out, and back when SERVING.
+            mark = proxy.log_mark()
             spare.run(spare.daemon._set_health(NOT_SERVING))  # type: ignore[union-attr]
-            proxy.wait_for_state(SERVERS[1], "DOWN")
+            proxy.wait_for_state(SERVERS[1], "DOWN", mark)
             assert all(holder(client.create_session().session_id, proxy.daemons) == 0 for _ in range(3))
+            mark = proxy.log_mark()
             spare.run(spare.daemon._set_health(SERVING))  # type: ignore[union-attr]
-            proxy.wait_for_state(SERVERS[1], "UP")
+            proxy.wait_for_state(SERVERS[1], "UP", mark)
             by_daemon[1].complete("Hello", max_tokens=2)
 
+            mark = proxy.log_mark()
             spare.stop()
-            proxy.wait_for_state(SERVERS[1], "DOWN")
+            proxy.wait_for_state(SERVERS[1], "DOWN", mark)
             # Its sessions now go to the daemon that is up, which does not have them (no shared
             # catalog here): NOT_FOUND from a daemon, not UNAVAILABLE from the proxy.
             with pytest.raises(kvstash.NotFoundError):
