@@ -12,6 +12,9 @@ compared with, and reported as a ratio: this machine is shared and noisy.
                                llama.cpp's grammar sampler on the same output
     scripts/bench http         a conversation through the OpenAI-compatible door: resent
                                whole, continued by session_id, and evaluated from scratch
+    scripts/bench prefill      prefill tokens/s of one long prompt: exact mode vs
+                               --flash-attn (and, with --peer LLAMA_SERVER, llama-server's
+                               default and -fa off), taken in turns in the same run
 
 --charts DIR (before the benchmark's name) also draws PNG charts into DIR (matplotlib, in
 kvstash[dev]): checkpoint.png (restore vs re-prefill by context length; checkpoint runs
@@ -22,6 +25,9 @@ turns.png (the swap turns' latencies).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import json
 import os
 import shutil
 import signal
@@ -30,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -790,6 +797,93 @@ def bench_http(args: argparse.Namespace) -> None:
     table(rows)
 
 
+# ---- prefill ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def llama_server(binary: Path, threads: int, *flags: str) -> Iterator[str]:
+    """llama-server on the default model and a free port: its base URL."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [str(binary), "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-t", str(threads), "-tb", str(threads), "-c", "2048", "-np", "1", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not start: {' '.join(cmd)}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def server_prefill(url: str, prompt: str) -> tuple[int, float]:
+    """(prompt tokens, seconds) of one /completion with nothing cached, by the client's clock."""
+    body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": False}).encode()
+    request = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as r:
+        answer = json.load(r)
+    return int(answer["timings"]["prompt_n"]), time.perf_counter() - started
+
+
+def kvstash_prefill(client: kvstash.Client, prompt: str) -> tuple[int, float]:
+    """(prompt tokens, seconds) of one Generate of a fresh session, one token generated."""
+    s = client.create_session(sampling=SamplingParams(temperature=0.0))
+    started = time.perf_counter()
+    c = s.complete(prompt, max_tokens=1)
+    seconds = time.perf_counter() - started
+    s.close()
+    return c.usage.evaluated_tokens, seconds
+
+
+def bench_prefill(args: argparse.Namespace) -> None:
+    threads = str(args.threads)
+    flags = ("--slots", "1", "--ctx-per-session", "2048", "--threads", threads, "--no-prefix-cache")
+    with contextlib.ExitStack() as stack:
+        exact, _ = stack.enter_context(connected(*flags))
+        fast, _ = stack.enter_context(connected(*flags, "--flash-attn"))
+        assert (exact.info().mode, fast.info().mode) == ("exact", "compact")
+        paths: dict[str, Callable[[str], tuple[int, float]]] = {
+            "kvstash exact mode": functools.partial(kvstash_prefill, exact),
+            "kvstash --flash-attn (compact)": functools.partial(kvstash_prefill, fast),
+        }
+        if args.peer is not None:
+            default = stack.enter_context(llama_server(args.peer, args.threads))
+            fa_off = stack.enter_context(llama_server(args.peer, args.threads, "-fa", "off"))
+            paths["llama-server (default: -fa auto)"] = functools.partial(server_prefill, default)
+            paths["llama-server -fa off"] = functools.partial(server_prefill, fa_off)
+        # The prompt's length in tokens, then about --tokens of it.
+        story = STORY * (args.tokens // 20)
+        n, _ = kvstash_prefill(exact, story)
+        prompt = STORY * max(1, round(len(story) / len(STORY) * args.tokens / n))
+        rates: dict[str, list[float]] = {name: [] for name in paths}
+        counts: dict[str, int] = {}
+        for _ in range(args.repeat):  # in turns, so that the machine's load falls on all alike
+            for name, run in paths.items():
+                counts[name], seconds = run(prompt)
+                rates[name].append(counts[name] / seconds)
+    base = statistics.median(rates["kvstash exact mode"])
+    rows = [("path", "prompt tokens", f"tokens/s (median of {args.repeat})", "vs exact mode")]
+    for name, values in rates.items():
+        rate = statistics.median(values)
+        rows.append((name, str(counts[name]), f"{rate:.1f}", f"{rate / base:.2f}x"))
+    table(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -822,6 +916,10 @@ def main() -> None:
     h.add_argument("--turns", type=int, default=5)
     h.add_argument("--prompt-tokens", type=int, default=1000)
     h.add_argument("--reply-tokens", type=int, default=16)
+    f = sub.add_parser("prefill")
+    f.add_argument("--tokens", type=int, default=1900)
+    f.add_argument("--repeat", type=int, default=3)
+    f.add_argument("--peer", type=Path, default=None, metavar="LLAMA_SERVER", help="a llama-server binary")
     args = parser.parse_args()
     benches = {
         "generate": bench_generate,
@@ -830,6 +928,7 @@ def main() -> None:
         "prefix": bench_prefix,
         "grammar": bench_grammar,
         "http": bench_http,
+        "prefill": bench_prefill,
     }
     benches[args.what](args)
 
