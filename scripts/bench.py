@@ -801,8 +801,8 @@ def bench_http(args: argparse.Namespace) -> None:
 
 
 @contextmanager
-def llama_server(binary: Path, threads: int, *flags: str) -> Iterator[str]:
-    """llama-server on the default model and a free port: its base URL."""
+def llama_server(binary: Path, threads: int, *flags: str) -> Iterator[tuple[str, int]]:
+    """llama-server on the default model and a free port: (its base URL, its pid)."""
     import socket
 
     with socket.socket() as sock:
@@ -824,63 +824,109 @@ def llama_server(binary: Path, threads: int, *flags: str) -> Iterator[str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"llama-server did not start: {' '.join(cmd)}")
             time.sleep(0.2)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
-def server_prefill(url: str, prompt: str) -> tuple[int, float]:
-    """(prompt tokens, seconds) of one /completion with nothing cached, by the client's clock."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def daemon_pid(state: Path) -> int:
+    """The pid of the daemon subprocess serving a state dir (bench's `daemon` starts it)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                args = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(state).encode() in args and b"kvstashd" in args:
+                return int(proc.name)
+    raise RuntimeError(f"no daemon process serves {state}")
+
+
+def server_prefill(url: str, prompt: str) -> int:
+    """The prompt tokens of one /completion with nothing cached."""
     body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": False}).encode()
     request = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
-    started = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=600) as r:
+    with urllib.request.urlopen(request, timeout=1200) as r:
         answer = json.load(r)
-    return int(answer["timings"]["prompt_n"]), time.perf_counter() - started
+    return int(answer["timings"]["prompt_n"])
 
 
-def kvstash_prefill(client: kvstash.Client, prompt: str) -> tuple[int, float]:
-    """(prompt tokens, seconds) of one Generate of a fresh session, one token generated."""
+def kvstash_prefill(client: kvstash.Client, prompt: str) -> int:
+    """The prompt tokens of one Generate of a fresh session, one token generated."""
     s = client.create_session(sampling=SamplingParams(temperature=0.0))
-    started = time.perf_counter()
     c = s.complete(prompt, max_tokens=1)
-    seconds = time.perf_counter() - started
     s.close()
-    return c.usage.evaluated_tokens, seconds
+    return c.usage.evaluated_tokens
 
 
 def bench_prefill(args: argparse.Namespace) -> None:
     threads = str(args.threads)
     flags = ("--slots", "1", "--ctx-per-session", "2048", "--threads", threads, "--no-prefix-cache")
     with contextlib.ExitStack() as stack:
-        exact, _ = stack.enter_context(connected(*flags))
-        fast, _ = stack.enter_context(connected(*flags, "--flash-attn"))
+        exact, exact_state = stack.enter_context(connected(*flags))
+        fast, fast_state = stack.enter_context(connected(*flags, "--flash-attn"))
         assert (exact.info().mode, fast.info().mode) == ("exact", "compact")
-        paths: dict[str, Callable[[str], tuple[int, float]]] = {
-            "kvstash exact mode": functools.partial(kvstash_prefill, exact),
-            "kvstash --flash-attn (compact)": functools.partial(kvstash_prefill, fast),
+        paths: dict[str, tuple[Callable[[str], int], int]] = {
+            "kvstash exact mode": (functools.partial(kvstash_prefill, exact), daemon_pid(exact_state)),
+            "kvstash --flash-attn (compact)": (
+                functools.partial(kvstash_prefill, fast),
+                daemon_pid(fast_state),
+            ),
         }
         if args.peer is not None:
-            default = stack.enter_context(llama_server(args.peer, args.threads))
-            fa_off = stack.enter_context(llama_server(args.peer, args.threads, "-fa", "off"))
-            paths["llama-server (default: -fa auto)"] = functools.partial(server_prefill, default)
-            paths["llama-server -fa off"] = functools.partial(server_prefill, fa_off)
+            default, default_pid = stack.enter_context(llama_server(args.peer, args.threads))
+            fa_off, fa_off_pid = stack.enter_context(llama_server(args.peer, args.threads, "-fa", "off"))
+            paths["llama-server (default: -fa auto)"] = (
+                functools.partial(server_prefill, default),
+                default_pid,
+            )
+            paths["llama-server -fa off"] = (functools.partial(server_prefill, fa_off), fa_off_pid)
         # The prompt's length in tokens, then about --tokens of it.
         story = STORY * (args.tokens // 20)
-        n, _ = kvstash_prefill(exact, story)
+        n = kvstash_prefill(exact, story)
         prompt = STORY * max(1, round(len(story) / len(STORY) * args.tokens / n))
-        rates: dict[str, list[float]] = {name: [] for name in paths}
+        wall: dict[str, list[float]] = {name: [] for name in paths}
+        cpu: dict[str, list[float]] = {name: [] for name in paths}
         counts: dict[str, int] = {}
         for _ in range(args.repeat):  # in turns, so that the machine's load falls on all alike
-            for name, run in paths.items():
-                counts[name], seconds = run(prompt)
-                rates[name].append(counts[name] / seconds)
-    base = statistics.median(rates["kvstash exact mode"])
-    rows = [("path", "prompt tokens", f"tokens/s (median of {args.repeat})", "vs exact mode")]
-    for name, values in rates.items():
-        rate = statistics.median(values)
-        rows.append((name, str(counts[name]), f"{rate:.1f}", f"{rate / base:.2f}x"))
+            for name, (run, pid) in paths.items():
+                started, cpu_before = time.perf_counter(), cpu_seconds(pid)
+                counts[name] = run(prompt)
+                wall[name].append(counts[name] / (time.perf_counter() - started))
+                cpu[name].append(counts[name] / (cpu_seconds(pid) - cpu_before))
+    base, base_cpu = (
+        statistics.median(wall["kvstash exact mode"]),
+        statistics.median(cpu["kvstash exact mode"]),
+    )
+    rows = [
+        (
+            "path",
+            "prompt tokens",
+            f"tokens/s (median of {args.repeat})",
+            "vs exact mode",
+            "tokens per CPU second",
+            "vs exact mode",
+        )
+    ]
+    for name in paths:
+        rate, per_cpu = statistics.median(wall[name]), statistics.median(cpu[name])
+        rows.append(
+            (
+                name,
+                str(counts[name]),
+                f"{rate:.1f}",
+                f"{rate / base:.2f}x",
+                f"{per_cpu:.1f}",
+                f"{per_cpu / base_cpu:.2f}x",
+            )
+        )
     table(rows)
 
 
