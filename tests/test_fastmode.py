@@ -20,6 +20,7 @@ from checkpoint_helpers import GREEDY, PROMPT, SAMPLED, export_bytes, gen, long_
 from daemons import InProcessDaemon, model_path
 
 import kvstash
+from kvstashd import config
 from kvstashd.context import PROBE_BESIDE, PROBE_SINGLES, ContextConfig, LlamaContext, probe_plan
 
 #: Over 256 tokens: the KV view of a sequence grows to 512 cells there, where flash
@@ -40,6 +41,20 @@ def fast(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessDaemon]:
 def fast_client(fast: InProcessDaemon) -> Iterator[kvstash.Client]:
     with kvstash.Client(fast.address, timeout=60) as c:
         yield c
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ", "origin"),
+    [({"flash_attn": "true"}, {}, "flag --flash-attn"), ({}, {"KVSTASH_FLASH_ATTN": "on"}, "environment")],
+)
+def test_flash_attn_is_a_setting_that_leaves_exact_mode(
+    flags: dict[str, str], environ: dict[str, str], origin: str
+) -> None:
+    resolved = config.resolve(flags, environ)
+    assert resolved.settings.flash_attn and not resolved.settings.exact
+    line = next(x for x in resolved.describe().splitlines() if x.startswith("flash-attn"))
+    assert line.startswith("flash-attn = true") and origin in line
+    assert config.resolve({}, {}).settings.exact
 
 
 @pytest.mark.parametrize(("n", "batch"), [(260, 512), (256, 512), (260, 32)])
