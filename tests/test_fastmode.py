@@ -1,12 +1,16 @@
 """Fast mode (`--flash-attn`): flash attention with f16 K/V, reported as `compact`.
 
-- the start-up probe finds that flash attention's logits depend on the batch's shape, and
-  finds nothing in exact mode, on the default model;
+- `--flash-attn` is a setting like any other, and leaves exact mode;
+- the start-up probe finds that flash attention's logits depend on the batch's shape (in
+  exact mode the same probe finds nothing: the shared daemon says `exact`), on the default
+  model;
 - a checkpoint restores the KV it was made from: restored in place, forked, or restored
   after a restart, a session continues exactly as the live one did (each running alone, so
   that the batches have the same shapes);
-- what needs re-evaluation still works: the prefix cache attaches, a session whose state is
-  evaluated again continues (tests/test_integrity.py checks checkpoints across modes).
+- the prefix cache attaches in fast mode too;
+- compact and exact states never stand for each other: a checkpoint of one mode restores in
+  the other by evaluating its tokens again, also from `--kv-unified`, whose bytes have the
+  exact mode's layout.
 """
 
 from __future__ import annotations
