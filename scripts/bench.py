@@ -14,6 +14,9 @@ compared with, and reported as a ratio: this machine is shared and noisy.
                                whole, continued by session_id, and evaluated from scratch
     scripts/bench routing      two daemons behind HAProxy (deploy/haproxy.cfg) against one
                                daemon reached directly: calls, turns, streams, exports
+    scripts/bench prefill      prefill tokens/s of one long prompt: exact mode vs
+                               --flash-attn (and, with --peer LLAMA_SERVER, llama-server's
+                               default and -fa off), taken in turns in the same run
 
 --charts DIR (before the benchmark's name) also draws PNG charts into DIR (matplotlib, in
 kvstash[dev]): checkpoint.png (restore vs re-prefill by context length; checkpoint runs
@@ -24,6 +27,9 @@ turns.png (the swap turns' latencies).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import json
 import os
 import shutil
 import signal
@@ -32,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -904,6 +911,139 @@ def _has_session(address: str, session_id: str) -> bool:
     return True
 
 
+# ---- prefill ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def llama_server(binary: Path, threads: int, *flags: str) -> Iterator[tuple[str, int]]:
+    """llama-server on the default model and a free port: (its base URL, its pid)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [str(binary), "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-t", str(threads), "-tb", str(threads), "-c", "2048", "-np", "1", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not start: {' '.join(cmd)}")
+            time.sleep(0.2)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def daemon_pid(state: Path) -> int:
+    """The pid of the daemon subprocess serving a state dir (bench's `daemon` starts it)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                args = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(state).encode() in args and b"kvstashd" in args:
+                return int(proc.name)
+    raise RuntimeError(f"no daemon process serves {state}")
+
+
+def server_prefill(url: str, prompt: str) -> int:
+    """The prompt tokens of one /completion with nothing cached."""
+    body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": False}).encode()
+    request = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=1200) as r:
+        answer = json.load(r)
+    return int(answer["timings"]["prompt_n"])
+
+
+def kvstash_prefill(client: kvstash.Client, prompt: str) -> int:
+    """The prompt tokens of one Generate of a fresh session, one token generated."""
+    s = client.create_session(sampling=SamplingParams(temperature=0.0))
+    c = s.complete(prompt, max_tokens=1)
+    s.close()
+    return c.usage.evaluated_tokens
+
+
+def bench_prefill(args: argparse.Namespace) -> None:
+    threads = str(args.threads)
+    flags = ("--slots", "1", "--ctx-per-session", "2048", "--threads", threads, "--no-prefix-cache")
+    with contextlib.ExitStack() as stack:
+        exact, exact_state = stack.enter_context(connected(*flags))
+        fast, fast_state = stack.enter_context(connected(*flags, "--flash-attn"))
+        assert (exact.info().mode, fast.info().mode) == ("exact", "compact")
+        paths: dict[str, tuple[Callable[[str], int], int]] = {
+            "kvstash exact mode": (functools.partial(kvstash_prefill, exact), daemon_pid(exact_state)),
+            "kvstash --flash-attn (compact)": (
+                functools.partial(kvstash_prefill, fast),
+                daemon_pid(fast_state),
+            ),
+        }
+        if args.peer is not None:
+            default, default_pid = stack.enter_context(llama_server(args.peer, args.threads))
+            fa_off, fa_off_pid = stack.enter_context(llama_server(args.peer, args.threads, "-fa", "off"))
+            paths["llama-server (default: -fa auto)"] = (
+                functools.partial(server_prefill, default),
+                default_pid,
+            )
+            paths["llama-server -fa off"] = (functools.partial(server_prefill, fa_off), fa_off_pid)
+        # The prompt's length in tokens, then about --tokens of it.
+        story = STORY * (args.tokens // 20)
+        n = kvstash_prefill(exact, story)
+        prompt = STORY * max(1, round(len(story) / len(STORY) * args.tokens / n))
+        wall: dict[str, list[float]] = {name: [] for name in paths}
+        cpu: dict[str, list[float]] = {name: [] for name in paths}
+        counts: dict[str, int] = {}
+        for _ in range(args.repeat):  # in turns, so that the machine's load falls on all alike
+            for name, (run, pid) in paths.items():
+                started, cpu_before = time.perf_counter(), cpu_seconds(pid)
+                counts[name] = run(prompt)
+                wall[name].append(counts[name] / (time.perf_counter() - started))
+                cpu[name].append(counts[name] / (cpu_seconds(pid) - cpu_before))
+    base, base_cpu = (
+        statistics.median(wall["kvstash exact mode"]),
+        statistics.median(cpu["kvstash exact mode"]),
+    )
+    rows = [
+        (
+            "path",
+            "prompt tokens",
+            f"tokens/s (median of {args.repeat})",
+            "vs exact mode",
+            "tokens per CPU second",
+            "vs exact mode",
+        )
+    ]
+    for name in paths:
+        rate, per_cpu = statistics.median(wall[name]), statistics.median(cpu[name])
+        rows.append(
+            (
+                name,
+                str(counts[name]),
+                f"{rate:.1f}",
+                f"{rate / base:.2f}x",
+                f"{per_cpu:.1f}",
+                f"{per_cpu / base_cpu:.2f}x",
+            )
+        )
+    table(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -939,6 +1079,10 @@ def main() -> None:
     o = sub.add_parser("routing")
     o.add_argument("--tokens", type=int, default=1000, help="tokens of each session's history")
     o.add_argument("--repeat", type=int, default=20)
+    f = sub.add_parser("prefill")
+    f.add_argument("--tokens", type=int, default=1900)
+    f.add_argument("--repeat", type=int, default=3)
+    f.add_argument("--peer", type=Path, default=None, metavar="LLAMA_SERVER", help="a llama-server binary")
     args = parser.parse_args()
     benches = {
         "generate": bench_generate,
@@ -948,6 +1092,7 @@ def main() -> None:
         "grammar": bench_grammar,
         "http": bench_http,
         "routing": bench_routing,
+        "prefill": bench_prefill,
     }
     benches[args.what](args)
 

@@ -80,13 +80,17 @@ class CheckpointStore:
         block_tokens: int,
         codec: str,
         n_vocab: int,
+        exact: bool = True,
     ) -> None:
         self.catalog = catalog
         self.store = store
         self.key = key
         self.fingerprint = fingerprint
         self.layout = layout
-        self.layout_desc = layout.describe() if layout else None
+        # NOTE: states computed in compact mode are named apart from exact ones (same bytes'
+        # layout, other values), so blocks of one never stand for the other's: an exact
+        # daemon evaluates a compact checkpoint's tokens again, and the reverse.
+        self.layout_desc = (layout.describe() + ("" if exact else ";compact")) if layout else None
         self.block_tokens = block_tokens
         self.codec = codec
         self.n_vocab = n_vocab

@@ -170,6 +170,13 @@ class Settings:
     kv_unified: bool = field(
         default=False, metadata=spec("One KV buffer shared by all slots: compact, not bit-exact.")
     )
+    flash_attn: bool = field(
+        default=False,
+        metadata=spec(
+            "Flash attention with f16 K/V: faster prefill, compact mode (logits depend on how tokens "
+            "were batched; restores of stored KV stay exact). Always on with q8_0/q4_0 K/V."
+        ),
+    )
     max_prompt_tokens: int = field(
         default=0, metadata=spec("Largest prompt in tokens (0: the session's context).", low=0, high=1 << 20)
     )
@@ -279,7 +286,7 @@ class Settings:
     @property
     def exact(self) -> bool:
         """Whether the engine runs in the bit-exact mode (see DESIGN: exact vs compact)."""
-        return self.kv_type == "f16" and not self.kv_unified
+        return self.kv_type == "f16" and not self.kv_unified and not self.flash_attn
 
     def validate(self) -> Settings:
         """Check every bound; raise ConfigError naming the setting."""

@@ -58,6 +58,7 @@ def engine_config(settings: Settings) -> ContextConfig:
         gpu_layers=settings.gpu_layers,
         kv_type=settings.kv_type,
         kv_unified=settings.kv_unified,
+        flash_attn=settings.flash_attn,
     )
 
 
@@ -112,6 +113,7 @@ def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: 
             block_tokens=settings.block_tokens,
             codec=settings.codec,
             n_vocab=info.n_vocab,
+            exact=info.exact,
         )
 
     durable = make(Catalog(state.path / "catalog.db"), LocalBlockStore(state.path / "blocks"))
@@ -285,7 +287,7 @@ class Daemon:
             self.address,
             settings.slots,
             info.n_ctx_seq,
-            "exact" if settings.exact and info.exact else "compact",
+            "exact" if info.exact else "compact",
             info.memory,
             info.layout_note,
         )

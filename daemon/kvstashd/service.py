@@ -148,7 +148,7 @@ class KvStashService(pb_grpc.KvStashServicer):
             slots=m.settings.slots,
             ctx_per_session=m.model.n_ctx_seq,
             kv_type=m.settings.kv_type,
-            mode="exact" if m.settings.exact and m.model.exact else "compact",
+            mode="exact" if m.model.exact else "compact",
             has_chat_template=m.template is not None,
             slots_in_use=c.slots_in_use,
             sessions=c.sessions,
