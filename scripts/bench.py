@@ -12,6 +12,9 @@ compared with, and reported as a ratio: this machine is shared and noisy.
                                llama.cpp's grammar sampler on the same output
     scripts/bench http         a conversation through the OpenAI-compatible door: resent
                                whole, continued by session_id, and evaluated from scratch
+    scripts/bench peer LLAMA_SERVER
+                               turns, restores, a restart, streaming and concurrency
+                               against llama-server on the same model (bench_peer.py)
 
 --charts DIR (before the benchmark's name) also draws PNG charts into DIR (matplotlib, in
 kvstash[dev]): checkpoint.png (restore vs re-prefill by context length; checkpoint runs
@@ -791,6 +794,8 @@ def bench_http(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    import bench_peer  # imports this module's helpers as `bench`
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -822,6 +827,7 @@ def main() -> None:
     h.add_argument("--turns", type=int, default=5)
     h.add_argument("--prompt-tokens", type=int, default=1000)
     h.add_argument("--reply-tokens", type=int, default=16)
+    bench_peer.add_parser(sub)
     args = parser.parse_args()
     benches = {
         "generate": bench_generate,
@@ -830,6 +836,7 @@ def main() -> None:
         "prefix": bench_prefix,
         "grammar": bench_grammar,
         "http": bench_http,
+        "peer": bench_peer.run,
     }
     benches[args.what](args)
 
