@@ -86,8 +86,14 @@ class LlamaServer:
 
     def post(self, path: str, body: dict[str, Any], conn: http.client.HTTPConnection | None = None) -> Any:
         conn = conn or self.conn
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        response = conn.getresponse()
+        try:
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            # The server closed a connection left idle (its keep-alive timeout): open it again.
+            conn.close()
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
         data = response.read()
         if response.status != 200:
             raise RuntimeError(f"llama-server {path}: {response.status} {data[:300]!r}")
