@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+
 from kvstashd import layout as kvlayout
 from kvstashd import pieces, steps
 from kvstashd import state as kvstate
@@ -61,6 +63,9 @@ class Engine:
         # context is not freed while one runs.
         self._readers = 0
         self._readers_done = threading.Condition()
+        # Where states are assembled for llama.cpp, which copies them in at once: reused, so
+        # a load writes to memory already mapped instead of faulting in tens of MB.
+        self._scratch = np.empty(0, dtype=np.uint8)
 
     @property
     def ctx(self) -> LlamaContext:
@@ -127,6 +132,9 @@ class Engine:
                 self._ctx.close()
             ready.set_exception(e)
             return
+        if info.layout is not None:
+            # Mapped now, not by the first restore after a start: a state of one full slot.
+            self._scratch = np.zeros(pieces.blob_bound(info.layout, self.config.ctx_per_session), np.uint8)
         ready.set_result(info)
         try:
             self._loop()
@@ -207,7 +215,13 @@ class Engine:
             return
         if kv.layout != self.layout:
             raise KvstashError("internal: KV of another layout")
-        if not ctx.set_state(slot, pieces.assemble(kv)):
+        into = None
+        if kv.raw is None:
+            size = pieces.blob_size(kv)
+            if self._scratch.size < size:
+                self._scratch = np.empty(size, dtype=np.uint8)
+            into = self._scratch[:size]
+        if not ctx.set_state(slot, pieces.assemble(kv, into=into)):
             ctx.clear(slot)
             state.logits = None
             raise CorruptCheckpoint("llama.cpp did not take the session's state")
