@@ -133,8 +133,14 @@ class Engine:
             ready.set_exception(e)
             return
         if info.layout is not None:
-            # Mapped now, not by the first restore after a start: a state of one full slot.
-            self._scratch = np.zeros(pieces.blob_bound(info.layout, self.config.ctx_per_session), np.uint8)
+            # Mapped now, not by the first restore after a start: a state of one full slot
+            # (np.zeros would leave the pages unmapped until written).
+            bound = pieces.blob_bound(info.layout, self.config.ctx_per_session)
+            self._scratch = np.empty(bound, np.uint8)
+            self._scratch.fill(0)
+            # As much again, freed at once: glibc keeps it (server.keep_freed_memory), so the
+            # first export and block reads after a start find memory mapped, as later ones do.
+            np.empty(bound, np.uint8).fill(0)
         ready.set_result(info)
         try:
             self._loop()
