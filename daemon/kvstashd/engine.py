@@ -44,6 +44,10 @@ class _Call:
 
 _STOP = object()
 
+# The most memory mapped at start for assembling states (twice: see Engine._main); a larger
+# state grows the buffer when it first comes.
+_PREMAPPED = 256 << 20
+
 
 class Engine:
     """Owns llama.cpp. `start()` loads the model on the engine thread; `stop()` frees it."""
@@ -133,9 +137,9 @@ class Engine:
             ready.set_exception(e)
             return
         if info.layout is not None:
-            # Mapped now, not by the first restore after a start: a state of one full slot
-            # (np.zeros would leave the pages unmapped until written).
-            bound = pieces.blob_bound(info.layout, self.config.ctx_per_session)
+            # Mapped now, not by the first restore after a start: a state of one full slot,
+            # up to a limit (np.zeros would leave the pages unmapped until written).
+            bound = min(pieces.blob_bound(info.layout, self.config.ctx_per_session), _PREMAPPED)
             self._scratch = np.empty(bound, np.uint8)
             self._scratch.fill(0)
             # As much again, freed at once: glibc keeps it (server.keep_freed_memory), so the
