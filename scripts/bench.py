@@ -17,6 +17,9 @@ compared with, and reported as a ratio: this machine is shared and noisy.
     scripts/bench prefill      prefill tokens/s of one long prompt: exact mode vs
                                --flash-attn (and, with --peer LLAMA_SERVER, llama-server's
                                default and -fa off), taken in turns in the same run
+    scripts/bench peer LLAMA_SERVER
+                               turns, restores, a restart, streaming and concurrency
+                               against llama-server on the same model (bench_peer.py)
 
 --charts DIR (before the benchmark's name) also draws PNG charts into DIR (matplotlib, in
 kvstash[dev]): checkpoint.png (restore vs re-prefill by context length; checkpoint runs
@@ -1045,6 +1048,8 @@ def bench_prefill(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    import bench_peer  # imports this module's helpers as `bench`
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1083,6 +1088,7 @@ def main() -> None:
     f.add_argument("--tokens", type=int, default=1900)
     f.add_argument("--repeat", type=int, default=3)
     f.add_argument("--peer", type=Path, default=None, metavar="LLAMA_SERVER", help="a llama-server binary")
+    bench_peer.add_parser(sub)
     args = parser.parse_args()
     benches = {
         "generate": bench_generate,
@@ -1093,6 +1099,7 @@ def main() -> None:
         "http": bench_http,
         "routing": bench_routing,
         "prefill": bench_prefill,
+        "peer": bench_peer.run,
     }
     benches[args.what](args)
 

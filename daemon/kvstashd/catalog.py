@@ -82,6 +82,8 @@ class Catalog:
             private_file(self.path)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
+        # Blocks used since the last write transaction, and when (see touch).
+        self._touched: dict[str, float] = {}
         with self._reading():  # a catalog that cannot be read stops the daemon's start
             if str(path) != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
@@ -132,6 +134,7 @@ class Catalog:
             try:
                 with self._db:
                     self._db.execute("BEGIN IMMEDIATE")
+                    self._write_touched()
                     yield
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
@@ -282,8 +285,21 @@ class Catalog:
         return {r[0]: int(r[1]) for r in rows}
 
     def touch(self, keys: Iterable[str], now: float) -> None:
-        with self._lock, self._db:
-            self._db.executemany("UPDATE blocks SET last_used = ? WHERE block = ?", [(now, k) for k in keys])
+        """Mark blocks used at `now`. Only the order in which unreferenced blocks are dropped
+        reads it, so it is kept in RAM and written with the next write transaction (or before
+        that order is read): a restore commits nothing and waits for no fsync (one per block,
+        it was). A crash loses only this recency."""
+        with self._lock:
+            for key in keys:
+                self._touched[key] = now
+
+    def _write_touched(self) -> None:
+        """Within a write transaction, holding the lock."""
+        if self._touched:
+            self._db.executemany(
+                "UPDATE blocks SET last_used = ? WHERE block = ?", [(t, k) for k, t in self._touched.items()]
+            )
+            self._touched.clear()
 
     def present(self, keys: list[str]) -> set[str]:
         """Which of these blocks the catalog knows."""
@@ -304,6 +320,9 @@ class Catalog:
 
     def unreferenced(self) -> list[tuple[str, int]]:
         """Blocks no checkpoint references, least recently used first: (key, size)."""
+        if self._touched:
+            with self._transaction():
+                pass  # the recency kept in RAM, written first
         with self._reading():
             rows = self._db.execute(
                 "SELECT block, size FROM blocks WHERE block NOT IN (SELECT block FROM refs) "
@@ -312,7 +331,7 @@ class Catalog:
         return [(r[0], int(r[1])) for r in rows]
 
     def forget_blocks(self, keys: Iterable[str]) -> None:
-        with self._lock, self._db:
+        with self._transaction():  # one transaction, not one (and one fsync) per block
             self._db.executemany("DELETE FROM blocks WHERE block = ?", [(k,) for k in keys])
 
     def known_blocks(self) -> set[str]:

@@ -362,8 +362,11 @@ class CheckpointStore:
             data = read(key)
         except KeyError:
             raise CorruptCheckpoint(f"a KV block of the checkpoint is missing ({key[:12]})") from None
+        # NOTE: blocks that never left this process's memory are not checksummed again: at
+        # 3.5 GB/s that was 12 ms of a 2,000-token restore from RAM.
+        trusted = read == self.store.get and self.store.in_process
         try:
-            return data, blk.unframe(data, size)
+            return data, blk.unframe(data, size, checksum=not trusted)
         except CorruptCheckpoint:
             if read == self.store.get:
                 log.error("removing damaged block %s", key)

@@ -16,6 +16,10 @@ KEY = re.compile(r"^[0-9a-f]{64}$")
 class BlockStore(Protocol):
     """Durable (or not) key -> bytes storage for framed blocks."""
 
+    # True for a store in this process's memory: its blocks were framed (or checked, when
+    # imported) here and never left, so a read need not check their checksums again.
+    in_process: bool
+
     def has(self, key: str) -> bool: ...
 
     def get(self, key: str) -> bytes:

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class LocalBlockStore:
+    in_process = False
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.tmp = root / "tmp"

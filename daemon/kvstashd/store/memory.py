@@ -8,6 +8,8 @@ from kvstashd.store import check_key
 
 
 class MemoryBlockStore:
+    in_process = True
+
     def __init__(self) -> None:
         self._blocks: dict[str, bytes] = {}
         self._bytes = 0
