@@ -188,6 +188,16 @@ class Settings:
         metadata=spec("Tokens per KV block of a checkpoint.", low=MIN_BLOCK_TOKENS, high=MAX_BLOCK_TOKENS),
     )
     codec: str = field(default="lz4", metadata=spec("Compression of KV blocks on disk.", choices=CODECS))
+    head_interval: int = field(
+        default=256,
+        metadata=spec(
+            "Tokens a persistent session's turns may add (each made durable in the turn journal) "
+            "before its KV blocks are saved as a new head, in the background; after a crash it "
+            "evaluates at most these again.",
+            low=1,
+            high=1 << 20,
+        ),
+    )
     disk_budget: int = field(
         default=10 << 30,
         metadata=spec(

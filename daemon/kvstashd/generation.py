@@ -3,8 +3,9 @@
 Both run inside an operation holding the session's lock: the prompt is tokenized (chat:
 through the model's template, message content never parsed for control tokens), checked
 against the context, the session is given a slot, and one engine job streams the reply.
-A persistent session is saved before the last chunk goes out, so a client that saw the end
-of a generation can rely on it surviving a crash.
+A persistent session's turn is recorded in the journal before the last chunk goes out, so
+a client that saw the end of a generation can rely on it surviving a crash; its KV blocks
+are saved later, in the background (SessionManager.save_soon).
 """
 
 from __future__ import annotations
@@ -279,6 +280,8 @@ class Conversations:
                         await self._save_turn(session, before)
                 put(item)
                 if item.finish_reason is not None:
+                    if session.persistent:
+                        manager.save_soon(session)
                     return
         except BaseException:
             if len(session.state.tokens) == before:  # nothing was added (or it was undone)
@@ -295,10 +298,11 @@ class Conversations:
             await self.manager.persistence.check_stored(self.manager.tenants.get(session.tenant))
 
     async def _save_turn(self, session: Session, n_before: int) -> None:
-        """Autosave a persistent session's turn, or undo the turn: a client told that its
-        request failed may send it again without finding the first reply in the history."""
+        """Make a persistent session's turn durable (its journal record), or undo the turn:
+        a client told that its request failed may send it again without finding the first
+        reply in the history."""
         try:
-            await self.manager.persistence.save_head(session)
+            await self.manager.persistence.record_turn(session, len(session.state.tokens) - n_before)
         except KvstashError as e:
             await self.manager.residency.truncate(session, n_before)
             undone = "the reply was not kept: the session is as it was before this request"
