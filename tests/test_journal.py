@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from checkpoint_helpers import SAMPLED, SPAWN_ARGS, Trace, gen, long_text
+from checkpoint_helpers import SAMPLED, SPAWN_ARGS, gen, long_text
 from daemons import DaemonProcess, InProcessDaemon, wait_until
 
 import kvstash
