@@ -69,6 +69,7 @@ STATE_FILES = {
     "lock",  # held by the running daemon; released by the kernel when it dies
     "blocks",
     "spill",
+    "journal",  # persistent turns since their heads
 }
 
 

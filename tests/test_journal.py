@@ -7,9 +7,10 @@ that end together, with KV blocks saved later.
   or rewritten with the live ones), a closed session's at once; its bytes are counted in
   the disk budget, and an append beyond it is refused with nothing written;
 - a daemon: acknowledged turns survive ``kill -9`` and continue bit-exactly, evaluating
-  again only the tokens since the last head; concurrent turns share syncs; a torn or
-  damaged journal tail costs only the turns it held; the head moves every
-  ``--head-interval`` tokens and the journal empties; a close removes its record.
+  again only the tokens since the last head; concurrent turns share syncs; a torn journal
+  tail costs only the turns it held; a turn that would leave more than ``--head-interval``
+  tokens to evaluate again saves a head, and the journal empties; a close removes its
+  record.
 """
 
 from __future__ import annotations
@@ -169,10 +170,9 @@ def test_acknowledged_turns_survive_kill_9_and_continue_exactly(
     with kvstash.Client(proc.address, timeout=60) as client:
         s = client.create_session("You are terse.", sampling=SAMPLED, persistent=True)
         created = s.info().head_checkpoint_id
-        gen(s, long_text(12, "journal"), 4)  # over 100 tokens: a head save follows
-        head = wait_until(
-            lambda: (h := s.info().head_checkpoint_id) != created and h, 30, "a head saved in the background"
-        )
+        gen(s, long_text(12, "journal"), 4)  # over 100 tokens: this turn saves a head
+        head = s.info().head_checkpoint_id
+        assert head != created
         at_head = s.info().n_tokens
         for _ in range(3):
             gen(s, " And then", 3)
@@ -251,26 +251,25 @@ def test_the_head_moves_every_interval_and_a_close_empties_the_journal(
     start_daemon: Callable[..., InProcessDaemon],
 ) -> None:
     d = start_daemon(slots=2, head_interval=16)
+    assert d.daemon is not None and d.daemon.manager is not None
+    stores = d.daemon.manager.stores
     state_dir = d.settings.state_dir
     with kvstash.Client(d.address) as client:
         s = client.create_session(sampling=SAMPLED, persistent=True)
+        gen(s, "Count the waves", 4)  # under 16 tokens beyond the head (of nothing): journaled
         head = s.info().head_checkpoint_id
-        gen(s, "Count the waves", 4)
-        assert s.info().head_checkpoint_id == head  # 8 tokens: journaled only
         assert journal_bytes(state_dir) > 0
-        gen(s, "", 12)  # past the interval: a head save in the background
-        d.run(d.daemon.manager.settle())  # type: ignore[union-attr]
+        gen(s, "", 12)  # over 16 beyond the head: this turn saves a new one
         assert s.info().head_checkpoint_id != head
         wait_until(lambda: journal_bytes(state_dir) == 0, 10, "the journal empties")
         gen(s, "", 2)
         other = client.create_session(sampling=SAMPLED, persistent=True)
         gen(other, "Another one", 2)
         size = journal_bytes(state_dir)
+        assert stores.journal.file_bytes() == size
+        assert stores.disk.used() >= size
         s.close()
         wait_until(lambda: journal_bytes(state_dir) < size, 10, "the closed session's record leaves")
         assert journal_bytes(state_dir) > 0
-        store = d.daemon.manager.stores  # type: ignore[union-attr]
-        assert store.journal.file_bytes() == journal_bytes(state_dir)
-        assert store.disk.used() >= journal_bytes(state_dir)
         other.close()
         wait_until(lambda: journal_bytes(state_dir) == 0, 10, "the journal empties")

@@ -191,9 +191,9 @@ class Settings:
     head_interval: int = field(
         default=256,
         metadata=spec(
-            "Tokens a persistent session's turns may add (each made durable in the turn journal) "
-            "before its KV blocks are saved as a new head, in the background; after a crash it "
-            "evaluates at most these again.",
+            "Tokens of a persistent session that a crash may leave to evaluate again: its turns "
+            "are made durable in the turn journal, and its KV blocks saved (a new head) by the "
+            "turn that would leave more.",
             low=1,
             high=1 << 20,
         ),

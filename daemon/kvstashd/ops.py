@@ -103,11 +103,6 @@ class Ops:
         if not task.cancelled() and (e := task.exception()) is not None:
             log.debug("an operation ended with %r", e)
 
-    def start(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """Run `coro` as an operation nobody waits for (work in the background); the
-        operations it belongs to keep it until it ends."""
-        return self._start(coro)[1]
-
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` as an operation and return its result."""
         op, task = self._start(coro)

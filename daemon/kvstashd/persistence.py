@@ -1,14 +1,15 @@
 """Persistence: checkpoint stores, persistent sessions' heads, and sessions loaded at start.
 
 A persistent session has a movable *head* manifest (its KV blocks and a manifest), saved
-(delta) when it is created, rewound, restored or spilled, once its turns have added
-`--head-interval` tokens, and on graceful shutdown. Each turn in between is made durable as
-a record in the turn journal (journal.py): the session's manifest without its KV and
-logits, and the head it follows. After a restart the session is listed and continues from
-its head, with the tokens its newest record adds pending (evaluated again on its next
-request). Explicit checkpoints are separate, labelled, immutable manifests. Ephemeral
-sessions keep their checkpoints in RAM; under memory pressure their state may spill to a
-disk area wiped at every start, and nothing of them outlives close, expiry or restart.
+(delta) when it is created, rewound, restored or spilled, by a turn after which more than
+`--head-interval` tokens would be evaluated again, and on graceful shutdown. Each turn in
+between is made durable as a record in the turn journal (journal.py): the session's
+manifest without its KV and logits, and the head it follows. After a restart the session
+is listed and continues from its head, with the tokens its newest record adds pending
+(evaluated again on its next request). Explicit checkpoints are separate, labelled,
+immutable manifests. Ephemeral sessions keep their checkpoints in RAM; under memory
+pressure their state may spill to a disk area wiped at every start, and nothing of them
+outlives close, expiry or restart.
 All catalog and file work runs in worker threads.
 """
 
@@ -80,11 +81,11 @@ class Persistence:
         )
         session.head_checkpoint_id = row.checkpoint_id
         session.dirty = False
-        session.unsaved_tokens = 0
+        session.head_n_kv = stored.n_kv
         self.journal.forget(session.session_id)  # the head covers its turns
         return row.checkpoint_id, stored
 
-    async def record_turn(self, session: Session, n_added: int) -> None:
+    async def record_turn(self, session: Session) -> None:
         """Make a persistent session's turn durable: its record in the journal (the session
         as its manifest would record it, without KV or logits, and the head it follows).
         Returns once it is; StoreWriteFailed or Busy if it cannot be."""
@@ -96,7 +97,6 @@ class Persistence:
         await self.journal.append(
             session.session_id, turn_record(session.head_checkpoint_id, snap, self.durable.key)
         )
-        session.unsaved_tokens += n_added
 
     async def checkpoint(self, session: Session, label: str) -> CheckpointRow:
         """An immutable, labelled checkpoint of the session as it is now."""
@@ -205,7 +205,7 @@ class Persistence:
                 n_kv = _covered(snap, turn)
                 session.apply(turn, n_kv)
                 session.dirty = True
-                session.unsaved_tokens = len(turn.tokens) - n_kv
+                session.head_n_kv = snap.n_kv
                 if n_kv and snap.kv_layout == self.durable.layout_desc:
                     out.append((session, Stored(self.durable, head, snap)))
                 else:
@@ -213,6 +213,7 @@ class Persistence:
                     out.append((session, HistoryOnly("turns since the head change its history")))
                 continue
             session.apply(snap, snap.n_kv)
+            session.head_n_kv = snap.n_kv
             if snap.n_kv and snap.kv_layout == self.durable.layout_desc:
                 where: Placement = Stored(self.durable, head, snap)
             else:

@@ -46,10 +46,10 @@ class Session:
     # Structured output cut short (max_tokens, a stop string...): the next request without a
     # prompt continues within it (see grammar.py).
     constraint: Constraint | None = None
-    # Changed since its last head save, and tokens its turns added since then (persistent
-    # sessions only: those turns are in the journal, their KV not yet stored).
+    # Changed since its last head save, and the tokens its head's state covers (persistent
+    # sessions only: turns since then are in the journal, their KV not yet stored).
     dirty: bool = False
-    unsaved_tokens: int = 0
+    head_n_kv: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     job: Job | None = None
     closed: bool = False

@@ -99,7 +99,6 @@ class SessionManager:
         self.counters = Counters()
         self.invariant_violations = 0
         self._unloaded: set[str] = set()
-        self._saving: set[str] = set()
 
     async def start(self) -> None:
         """Finish set-up: the template's BOS/EOS text, and persistent sessions from disk."""
@@ -150,28 +149,6 @@ class SessionManager:
     async def _save(self, session: Session) -> None:
         async with self.use(session):
             await self.persistence.save_head(session)
-
-    def save_soon(self, session: Session) -> None:
-        """Save a persistent session's head in the background once its journaled turns have
-        added `--head-interval` tokens: the journal then needs none of its records, and a
-        restart after a crash evaluates at most that many tokens again. Its next request
-        waits for the save (the session's lock)."""
-        if session.unsaved_tokens < self.settings.head_interval or session.session_id in self._saving:
-            return
-        self._saving.add(session.session_id)
-
-        async def save() -> None:
-            try:
-                async with self.use(session):
-                    if session.unsaved_tokens >= self.settings.head_interval:
-                        await self.persistence.save_head(session)
-            except KvstashError as e:
-                # The journal still holds its turns; the next turn tries again.
-                log.warning("session %s: its head was not saved: %s", session.session_id, e)
-            finally:
-                self._saving.discard(session.session_id)
-
-        self.ops.start(save())
 
     @contextlib.asynccontextmanager
     async def use(self, session: Session) -> AsyncIterator[None]:
