@@ -194,6 +194,9 @@ def test_acknowledged_turns_survive_kill_9_and_continue_exactly(
         # too), then the prompt and the generated tokens, as any turn evaluates them.
         assert n - at_head < 20 < at_head
         assert done.usage.evaluated_tokens <= (n - at_head + 1) + 2 + 6
+    assert journal_bytes(proc.state_dir) > 0  # the turn after the restart
+    assert proc.terminate() == 0  # a graceful stop saves the head: no record is needed
+    assert journal_bytes(proc.state_dir) == 0
 
 
 def test_concurrent_turns_share_syncs(start_daemon: Callable[..., InProcessDaemon]) -> None:

@@ -227,6 +227,14 @@ class Persistence:
             out.append((session, where))
         return out
 
+    def drop_stale_records(self, replayed: set[str], listed: set[str]) -> None:
+        """Forget journal records found at start that no session continues from: covered by
+        a head, or of a session that is gone (a close cut short before its record left the
+        file; its text leaves now)."""
+        for session_id in self.journal.recovered():
+            if session_id not in replayed:
+                self.journal.forget(session_id, erase=session_id not in listed)
+
     def _recorded_turn(self, session_id: str, head: str, body: bytes | None) -> Snapshot | None:
         """The session's newest journal record, if it follows its head (one older than the
         head is covered by it), checked like any manifest; None otherwise."""
