@@ -301,7 +301,7 @@ def test_sigkill_during_saves_closes_forks_and_imports_loses_nothing(
             time.sleep(rng.uniform(0, 0.400))
         else:
             storm.begun.wait(30)
-            pause = {"autosave": 0.060, "turns": 0.250, "close": 0.040, "import": 0.300}.get(op, 0.150)
+            pause = {"autosave": 0.060, "turns": 0.600, "close": 0.040, "import": 0.300}.get(op, 0.150)
             time.sleep(rng.uniform(0, pause))
         proc.kill()
         kills[op] += 1

@@ -223,10 +223,13 @@ def test_concurrent_turns_share_syncs(start_daemon: Callable[..., InProcessDaemo
             s.complete("Tell me about the sea", max_tokens=2)
         before = (journal.records, journal.syncs)
         errors: list[BaseException] = []
+        # Each round's turns are sent together, so they share engine steps and end together.
+        together = threading.Barrier(len(sessions), timeout=60)
 
         def turns(s: kvstash.Session) -> None:
             try:
                 for _ in range(6):
+                    together.wait()
                     s.complete(" and", max_tokens=4)
             except BaseException as e:
                 errors.append(e)
