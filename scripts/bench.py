@@ -796,7 +796,7 @@ def one_token_turn(s: kvstash.Session, token: int) -> float:
     """Seconds for a turn of a one-token prompt and one generated token, to its last chunk
     (a persistent turn's is sent once the turn is durable)."""
     started = time.perf_counter()
-    for _ in s.generate(prompt_token_ids=[token], max_tokens=1):
+    for _ in s.generate([token], max_tokens=1):
         pass
     return time.perf_counter() - started
 
