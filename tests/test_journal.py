@@ -167,11 +167,11 @@ def journal_bytes(state_dir: Path) -> int:
 def test_acknowledged_turns_survive_kill_9_and_a_torn_record_costs_only_its_turn(
     spawn_daemon: Callable[..., DaemonProcess],
 ) -> None:
-    proc = spawn_daemon(*SPAWN_ARGS, "--slots", "2", "--head-interval", "100")
+    proc = spawn_daemon(*SPAWN_ARGS, "--slots", "2", "--head-interval", "32")
     with kvstash.Client(proc.address, timeout=60) as client:
         s = client.create_session("You are terse.", sampling=SAMPLED, persistent=True)
         created = s.info().head_checkpoint_id
-        gen(s, long_text(12, "journal"), 4)  # over 100 tokens: this turn saves a head
+        gen(s, long_text(3, "journal"), 4)  # over 32 tokens: this turn saves a head
         head = s.info().head_checkpoint_id
         assert head != created
         at_head = s.info().n_tokens
