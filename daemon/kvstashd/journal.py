@@ -152,6 +152,7 @@ class FileJournal:
         self._frames = {key: frame(key, body) for key, body in self._recovered.items()}
         self._size = good
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._dir_synced = True
         self._pending: list[_Append | _Forget] = []
         self._kicked = False
         self._queue: queue.SimpleQueue[list[_Append | _Forget] | None] = queue.SimpleQueue()
@@ -258,6 +259,9 @@ class FileJournal:
                     while view:
                         view = view[os.write(self._fd, view) :]
                     os.fdatasync(self._fd)
+                    if not self._dir_synced:  # a rewrite's rename not yet known durable
+                        fsync_dir(self.path.parent)
+                        self._dir_synced = True
                 except OSError as e:
                     log.error("the turn journal failed: %s", e)
                     # No record of this write may survive: the turns are reported failed.
@@ -308,28 +312,40 @@ class FileJournal:
 
     def _rewrite(self) -> None:
         """The file again with only the live records: written beside it, synced, renamed
-        over it. A failure leaves the old file (its extra records are harmless)."""
+        over it. A failure before the rename leaves the old file (its extra records are
+        harmless); after it, appends go to the new file, and until its directory entry is
+        known durable each write syncs the directory too."""
         with self._lock:
             data = b"".join(self._frames.values())
         tmp = self._tmp
+        fd = -1
         try:
             with self.budget.reserve(len(data)) if self.budget else contextlib.nullcontext():
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view) :]
-                    os.fdatasync(fd)
-                finally:
-                    os.close(fd)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fdatasync(fd)
                 os.replace(tmp, self.path)
-                fsync_dir(self.path.parent)
         except (OSError, Busy) as e:
             log.warning("the turn journal was not compacted: %s", e)
+            if fd >= 0:
+                os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             return
-        old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        # The renamed file is the journal now; its descriptor follows it.
+        old, self._fd = self._fd, fd
         os.close(old)
         with self._lock:
             self._size = len(data)
+        self._sync_dir()
+
+    def _sync_dir(self) -> None:
+        try:
+            fsync_dir(self.path.parent)
+        except OSError as e:
+            log.error("the turn journal's directory could not be synced: %s", e)
+            self._dir_synced = False
+        else:
+            self._dir_synced = True
