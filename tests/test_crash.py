@@ -135,14 +135,15 @@ def _generate_then_checkpoint(session_id: str, label: str, *, mark_autosave: boo
 
 
 def _turns(session_id: str, label: str) -> Callable[..., None]:
-    """STEP one-token turns (empty prompt: each continues the last), then checkpoints."""
+    """STEP one-token turns (empty prompt: each continues the last), then checkpoints. The
+    kill's clock starts once the first turn is acknowledged: it lands in a later one."""
 
     def work(client: kvstash.Client, storm: Storm) -> None:
         session = client.session(session_id)
         for _ in range(STEP):
-            storm.begun.set()
             chunks = list(session.generate("", max_tokens=1, logprobs=1))
             storm.turns += [(t.sampled.token_id, t.sampled.logprob) for c in chunks for t in c.logprobs]
+            storm.begun.set()
         _checkpoints(session, storm, label)
 
     return work
