@@ -20,6 +20,8 @@ compared with, and reported as a ratio: this machine is shared and noisy.
     scripts/bench peer LLAMA_SERVER
                                turns, restores, a restart, streaming and concurrency
                                against llama-server on the same model (bench_peer.py)
+    scripts/bench turns        one-token turns on a ~1,900-token session, persistent vs
+                               ephemeral, and the first turn after a restart and a kill -9
 
 --charts DIR (before the benchmark's name) also draws PNG charts into DIR (matplotlib, in
 kvstash[dev]): checkpoint.png (restore vs re-prefill by context length; checkpoint runs
@@ -1045,6 +1047,84 @@ def bench_prefill(args: argparse.Namespace) -> None:
             )
         )
     table(rows)
+def one_token_turn(s: kvstash.Session, token: int) -> float:
+    """Seconds for a turn of a one-token prompt and one generated token, to its last chunk
+    (a persistent turn's is sent once the turn is durable)."""
+    started = time.perf_counter()
+    for _ in s.generate([token], max_tokens=1):
+        pass
+    return time.perf_counter() - started
+
+
+def bench_turns(args: argparse.Namespace) -> None:
+    """A persistent session of about --tokens tokens and an ephemeral fork of it: one-token
+    turns, interleaved; then the first turn of the persistent session after a graceful
+    restart (its state read from disk) against a restore of its checkpoint from disk and a
+    one-token turn, and the first turn after kill -9."""
+    flags = ("--slots", "4", "--ctx-per-session", "4096", "--threads", str(args.threads), *args.flag)
+    greedy = SamplingParams(temperature=0.0)
+    state = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
+    try:
+        with daemon(*flags, state=state) as (address, _), kvstash.Client(address) as client:
+            persistent = client.create_session(sampling=greedy, persistent=True)
+            probe = persistent.complete(STORY, max_tokens=1).usage.prompt_tokens
+            persistent.complete(STORY * max(1, args.tokens // max(probe, 1) - 1), max_tokens=1)
+            ephemeral = client.fork_session(persistent.session_id)
+            token = persistent.complete(" and", max_tokens=1).token_ids[0]
+            for s in (persistent, ephemeral):  # warm: both hot, their first turns done
+                one_token_turn(s, token)
+            turns: dict[str, list[float]] = {"persistent": [], "ephemeral": []}
+            for _ in range(args.turns):
+                turns["persistent"].append(one_token_turn(persistent, token))
+                turns["ephemeral"].append(one_token_turn(ephemeral, token))
+            n = persistent.info().n_tokens
+            ckpt = persistent.checkpoint("bench")
+            scratch = client.create_session(sampling=greedy, persistent=True)
+
+            def restore_turn() -> float:
+                started = time.perf_counter()
+                scratch.restore(ckpt.checkpoint_id)
+                one_token_turn(scratch, token)
+                return time.perf_counter() - started
+
+            restores = [restore_turn() for _ in range(args.repeat)]
+            scratch.close()
+            sid = persistent.session_id
+        after: dict[str, float] = {}
+        for how in ("restart", "kill -9"):
+            with daemon(*flags, state=state) as (address, s_dir), kvstash.Client(address) as client:
+                s = client.session(sid)
+                after[how] = one_token_turn(s, token)
+                for _ in range(3):  # turns that leave work for a replay after the kill
+                    one_token_turn(s, token)
+                if how == "restart":
+                    os.kill(int((s_dir / "lock").read_text()), signal.SIGKILL)
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    p, e = statistics.median(turns["persistent"]), statistics.median(turns["ephemeral"])
+    r = statistics.median(restores)
+    table(
+        [
+            (f"measure ({n}-token session, {args.threads} threads, medians)", "value", "ratio"),
+            (f"one-token turn, ephemeral ({args.turns} turns)", f"{e * 1e3:.1f} ms", "1x"),
+            (
+                f"one-token turn, persistent ({args.turns} turns)",
+                f"{p * 1e3:.1f} ms",
+                f"{p / e:.2f}x ephemeral",
+            ),
+            (f"restore from disk + one-token turn ({args.repeat})", f"{r * 1e3:.1f} ms", "1x"),
+            (
+                "first turn after a restart",
+                f"{after['restart'] * 1e3:.1f} ms",
+                f"{after['restart'] / r:.2f}x restore",
+            ),
+            (
+                "first turn after kill -9",
+                f"{after['kill -9'] * 1e3:.1f} ms",
+                f"{after['kill -9'] / r:.2f}x restore",
+            ),
+        ]
+    )
 
 
 def main() -> None:
@@ -1089,6 +1169,13 @@ def main() -> None:
     f.add_argument("--repeat", type=int, default=3)
     f.add_argument("--peer", type=Path, default=None, metavar="LLAMA_SERVER", help="a llama-server binary")
     bench_peer.add_parser(sub)
+    t = sub.add_parser("turns")
+    t.add_argument("--tokens", type=int, default=1900)
+    t.add_argument("--turns", type=int, default=60)
+    t.add_argument("--repeat", type=int, default=7)
+    t.add_argument(
+        "--flag", action="append", default=[], help="a daemon flag (repeatable): --flag=--codec=none"
+    )
     args = parser.parse_args()
     benches = {
         "generate": bench_generate,
@@ -1100,6 +1187,7 @@ def main() -> None:
         "routing": bench_routing,
         "prefill": bench_prefill,
         "peer": bench_peer.run,
+        "turns": bench_turns,
     }
     benches[args.what](args)
 

@@ -195,6 +195,16 @@ class Settings:
         metadata=spec("Tokens per KV block of a checkpoint.", low=MIN_BLOCK_TOKENS, high=MAX_BLOCK_TOKENS),
     )
     codec: str = field(default="lz4", metadata=spec("Compression of KV blocks on disk.", choices=CODECS))
+    head_interval: int = field(
+        default=256,
+        metadata=spec(
+            "Tokens of a persistent session that a crash may leave to evaluate again: its turns "
+            "are made durable in the turn journal, and its KV blocks saved (a new head) by the "
+            "turn that would leave more.",
+            low=1,
+            high=1 << 20,
+        ),
+    )
     disk_budget: int = field(
         default=10 << 30,
         metadata=spec(

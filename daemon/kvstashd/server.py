@@ -28,6 +28,7 @@ from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
 from kvstashd.context import ContextConfig, ModelInfo
 from kvstashd.engine import Engine
+from kvstashd.journal import FileJournal, TurnJournal
 from kvstashd.limits import MAX_CONCURRENT_RPCS, MAX_STREAMS_PER_CONNECTION
 from kvstashd.metrics import serve_metrics
 from kvstashd.model import fingerprint
@@ -100,7 +101,8 @@ def store_key(state_dir: Path) -> bytes:
 
 def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: str) -> Stores:
     """durable: catalog and blocks under the state dir; volatile: both in RAM; spill: blocks
-    under the state dir, wiped now, with its catalog in RAM (nothing of it outlives us)."""
+    under the state dir, wiped now, with its catalog in RAM (nothing of it outlives us);
+    the turn journal under the state dir, read back now (torn tail dropped)."""
     key = store_key(state.path)
 
     def make(catalog: Catalog, blocks: BlockStore) -> CheckpointStore:
@@ -119,14 +121,15 @@ def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: 
     durable = make(Catalog(state.path / "catalog.db"), LocalBlockStore(state.path / "blocks"))
     state.wipe_spill()
     spill = make(Catalog(":memory:"), LocalBlockStore(state.spill))
+    journal = FileJournal(state.path / "journal")
     disk = DiskBudget(
         settings.disk_budget,
-        (durable.store.total_bytes, spill.store.total_bytes, durable.catalog.file_bytes),
+        (durable.store.total_bytes, spill.store.total_bytes, durable.catalog.file_bytes, journal.file_bytes),
         lambda target: durable.sweep(target, used=disk.used),
     )
-    durable.budget = spill.budget = disk
+    durable.budget = spill.budget = journal.budget = disk
     volatile = make(Catalog(":memory:"), MemoryBlockStore())
-    return Stores(durable=durable, volatile=volatile, spill=spill, disk=disk)
+    return Stores(durable=durable, volatile=volatile, spill=spill, disk=disk, journal=journal)
 
 
 def load_tenants(settings: Settings) -> Tenants:
@@ -228,6 +231,7 @@ class Daemon:
         self._state: StateDir | None = None
         self._http: HttpDoor | None = None
         self.http_port = 0
+        self._journal: TurnJournal | None = None
 
     async def start(self) -> int:
         """Load the model, start serving, report SERVING. Returns the bound port."""
@@ -242,6 +246,7 @@ class Daemon:
             log.info("loading %s", settings.model_path)
             info = await asyncio.to_thread(self.engine.start)
             stores = await asyncio.to_thread(checkpoint_stores, settings, state, info, fp)
+            self._journal = stores.journal
             orphans = await asyncio.to_thread(stores.durable.remove_orphans)
             if orphans:
                 log.info("removed %d blocks that no checkpoint was committed for", orphans)
@@ -269,6 +274,8 @@ class Daemon:
         except BaseException:
             if self._server is not None:
                 await self._server.stop(0)
+            if self._journal is not None:
+                self._journal.close()  # on the loop: what it queued goes first
             await asyncio.to_thread(self.engine.stop)
             self._release_state()
             raise
@@ -336,6 +343,8 @@ class Daemon:
                 await self._sweeper
         if self.manager is not None:
             await self.manager.shutdown()
+        if self._journal is not None:
+            self._journal.close()  # on the loop: what it queued goes first
         await asyncio.to_thread(self.engine.stop)
         self._release_state()
         log.info("stopped")
