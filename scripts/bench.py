@@ -1047,6 +1047,8 @@ def bench_prefill(args: argparse.Namespace) -> None:
             )
         )
     table(rows)
+
+
 def one_token_turn(s: kvstash.Session, token: int) -> float:
     """Seconds for a turn of a one-token prompt and one generated token, to its last chunk
     (a persistent turn's is sent once the turn is durable)."""
