@@ -315,6 +315,12 @@ class Catalog:
         with self._lock, self._db:
             self._db.executemany("DELETE FROM blocks WHERE block = ?", [(k,) for k in keys])
 
+    def block_bytes(self) -> int:
+        """Bytes of the blocks the catalog records (what a remote store is counted as)."""
+        with self._reading():
+            found = self._db.execute("SELECT COALESCE(SUM(size), 0) FROM blocks").fetchone()
+        return int(found[0])
+
     def known_blocks(self) -> set[str]:
         with self._reading():
             return {r[0] for r in self._db.execute("SELECT block FROM blocks").fetchall()}

@@ -16,7 +16,8 @@ that each error means one thing to a client.
     ├── CorruptCheckpoint             DATA_LOSS
     ├── Unauthenticated               UNAUTHENTICATED
     └── Unavailable                   UNAVAILABLE
-        └── StoreReadFailed               cause store-read-failed
+        ├── StoreReadFailed               cause store-read-failed
+        └── StoreUnreachable              cause store-unreachable
 
 Only service.py turns these into gRPC statuses (by the `code` name), so this module
 does not import grpc.
@@ -99,3 +100,11 @@ class StoreReadFailed(Unavailable):
     data may be intact, so this is not corruption."""
 
     cause = "store-read-failed"
+
+
+class StoreUnreachable(Unavailable):
+    """A remote block store (S3, Redis) refused a write or did not answer in time (the
+    server down, a timeout, an error of its own) after the bounded retries: nothing was
+    saved. It may well answer again soon, so this is not RESOURCE_EXHAUSTED."""
+
+    cause = "store-unreachable"
