@@ -28,7 +28,14 @@ from kvstashd import manifest as mf
 from kvstashd import state as kvstate
 from kvstashd.budget import DiskBudget
 from kvstashd.catalog import Catalog, CheckpointRow
-from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint, KvstashError, NotFound
+from kvstashd.errors import (
+    CorruptCheckpoint,
+    IncompatibleCheckpoint,
+    KvstashError,
+    NotFound,
+    StoreReadFailed,
+    StoreUnreachable,
+)
 from kvstashd.manifest import Snapshot
 from kvstashd.store import BlockStore
 
@@ -139,7 +146,7 @@ class CheckpointStore:
         # At most: the pieces the store lacks, raw and framed, and the manifest (twice: the
         # catalog's write-ahead log holds it until its next checkpoint).
         # One batch per question: a remote store answers in a round trip, not one per piece.
-        held = self.store.present(list(unique))
+        held = self._held(list(unique))
         lacking = [p for p, _ in unique.values() if p.key not in held]
         bound = sum(p.size + blk.FRAME_HEADER for p in lacking) + 2 * len(data) + 4096
         with self.budget.reserve(bound) if self.budget else contextlib.nullcontext(), self._lock:
@@ -148,7 +155,7 @@ class CheckpointStore:
             new_keys: list[str] = []
             try:
                 # Asked again under the lock: a sweep may have dropped blocks meanwhile.
-                held = self.store.present(list(unique))
+                held = self._held(list(unique))
                 for piece, payload in unique.values():
                     size = self.catalog.block_size(piece.key)
                     if size is None or piece.key not in held:
@@ -182,6 +189,18 @@ class CheckpointStore:
                             self.store.delete(key)
                 raise
         return row, snap
+
+    def _held(self, keys: list[str]) -> set[str]:
+        """Which pieces of a save the store holds. A remote store that cannot say fails the
+        save as a write it did not take (StoreUnreachable), as a failed put would."""
+        try:
+            return self.store.present(keys)
+        except StoreReadFailed:
+            if not self.store.remote:
+                raise
+            raise StoreUnreachable(
+                "the block store does not answer (see the daemon's log); nothing was saved"
+            ) from None
 
     def _payloads(
         self, kv: kvstate.SeqKv | None, full: list[_Piece], window: list[_Piece], rec: _Piece | None
@@ -392,14 +411,21 @@ class CheckpointStore:
         used = used or self.store.total_bytes
         freed = 0
         with self._lock:
+            # Counted once, then by the sizes the catalog records: a remote store's bytes are
+            # the catalog's own count, which changes only once the dropped blocks are forgotten.
+            excess = used() - budget_bytes
+            if excess <= 0:
+                return 0
             dropped = []
-            for key, size in self.catalog.unreferenced():
-                if used() <= budget_bytes:
-                    break
-                self.store.delete(key)
-                dropped.append(key)
-                freed += size
-            self.catalog.forget_blocks(dropped)
+            try:
+                for key, size in self.catalog.unreferenced():
+                    if freed >= excess:
+                        break
+                    self.store.delete(key)
+                    dropped.append(key)
+                    freed += size
+            finally:  # what was deleted is forgotten, also when a remote store stops answering
+                self.catalog.forget_blocks(dropped)
         return freed
 
     def remove_orphans(self) -> int:
