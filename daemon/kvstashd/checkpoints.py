@@ -28,7 +28,7 @@ from kvstashd import manifest as mf
 from kvstashd import state as kvstate
 from kvstashd.budget import DiskBudget
 from kvstashd.catalog import Catalog, CheckpointRow
-from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint, NotFound
+from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint, KvstashError, NotFound
 from kvstashd.manifest import Snapshot
 from kvstashd.store import BlockStore
 
@@ -105,6 +105,7 @@ class CheckpointStore:
         kind: str,
         now: float,
         head_of: str | None = None,
+        fence: int = 0,
         foreign_layout: str | None = None,
         boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None,
     ) -> tuple[CheckpointRow, Snapshot]:
@@ -113,7 +114,8 @@ class CheckpointStore:
 
         `boundary`: sliding-window and recurrent sections at an earlier block boundary of the
         same history (the system prompt's), stored and referenced too, so that the prefix
-        cache finds the whole state there (see prefix.py)."""
+        cache finds the whole state there (see prefix.py). `fence`: the lease token a head
+        write is conditioned on (Catalog.add_checkpoint)."""
         n_kv = kv.n if kv is not None else 0
         full, window, rec = self.plan(snap.tokens, n_kv, snap.block_tokens, snap.salt)
         extra: list[tuple[_Piece, Callable[[], bytes]]] = []
@@ -166,11 +168,14 @@ class CheckpointStore:
                     created_at=now,
                     tenant=snap.tenant,
                 )
-                self.catalog.add_checkpoint(row, data, sizes, now, head_of=head_of)
+                self.catalog.add_checkpoint(row, data, sizes, now, head_of=head_of, fence=fence)
             except BaseException:
                 # Blocks this save wrote that no committed checkpoint knows: reclaimed now,
                 # not at the next start.
-                known = self.catalog.present(new_keys) if new_keys else set()
+                try:
+                    known = self.catalog.present(new_keys) if new_keys else set()
+                except KvstashError:  # the catalog is out of reach: the blocks stay, as orphans
+                    known = set(new_keys)
                 for key in new_keys:
                     if key not in known:
                         with contextlib.suppress(OSError):
@@ -379,14 +384,14 @@ class CheckpointStore:
         used = used or self.store.total_bytes
         freed = 0
         with self._lock:
-            dropped = []
             for key, size in self.catalog.unreferenced():
                 if used() <= budget_bytes:
                     break
-                self.store.delete(key)
-                dropped.append(key)
-                freed += size
-            self.catalog.forget_blocks(dropped)
+                # Forgotten first, and only if still unreferenced: with a shared catalog,
+                # another daemon may have referenced it since the list was read.
+                if self.catalog.forget_blocks([key]):
+                    self.store.delete(key)
+                    freed += size
         return freed
 
     def remove_orphans(self) -> int:

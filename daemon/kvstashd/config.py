@@ -21,6 +21,7 @@ import re
 import tomllib
 import types
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,8 @@ class Spec:
     key: str = ""
     # How --help shows a default computed at start (the CPU count, a path).
     shown: str = ""
+    # A URL that may carry a password: --print-config shows it redacted.
+    secret: bool = False
 
 
 def spec(help: str, **bounds: Any) -> dict[str, Spec]:
@@ -113,6 +116,40 @@ def _cpu_count() -> int:
     return min(os.cpu_count() or 1, 512)
 
 
+_CATALOG_PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def catalog_url(url: str) -> tuple[str, str]:
+    """(the URL the Redis client connects to, the key prefix) of a `--catalog` value,
+    `redis://[:PASSWORD@]HOST:PORT/DB?prefix=NAME` (also `rediss://`, `unix://`); the
+    prefix defaults to `kvstash`. ValueError says what is wrong."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(
+            f"must be empty (sqlite) or a redis://, rediss:// or unix:// URL, got {redact(url)!r}"
+        )
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    prefixes = [v for k, v in query if k == "prefix"]
+    prefix = prefixes[-1] if prefixes else "kvstash"
+    if not _CATALOG_PREFIX.match(prefix):
+        raise ValueError(f"prefix must be 1-64 letters, digits, '.', '_' or '-', got {prefix[:80]!r}")
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "prefix"])
+    return urllib.parse.urlunsplit(parts._replace(query=rest)), prefix
+
+
+def redact(url: str) -> str:
+    """A URL with its password, if any, shown as `***` (logs, --print-config)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        password, port = parts.password, parts.port
+    except ValueError:
+        return "(a malformed URL)"
+    if password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{port}" if port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
 def is_local(address: str) -> bool:
     """Whether an address is a unix socket or on loopback."""
     if address.startswith("unix:"):
@@ -138,6 +175,33 @@ class Settings:
         metadata=spec(
             "Where the catalog, blocks and store key live (one daemon's alone).",
             shown="$XDG_STATE_HOME/kvstash",
+        ),
+    )
+    catalog: str = field(
+        default="",
+        metadata=spec(
+            "Where the catalog lives: empty for sqlite in the state directory (one daemon's), or "
+            "redis://[:PASSWORD@]HOST:PORT/DB?prefix=NAME for a Redis or Valkey server that several "
+            "daemons share (keys begin with the prefix, default kvstash).",
+            secret=True,
+        ),
+    )
+    lease_seconds: float = field(
+        default=10.0,
+        metadata=spec(
+            "With a shared catalog: how long a session's lease lasts unrenewed (renewed while held); "
+            "another daemon takes a session over once its holder's lease lapses.",
+            low=0.2,
+            high=600,
+        ),
+    )
+    lease_wait: float = field(
+        default=2.0,
+        metadata=spec(
+            "With a shared catalog: how long a request for a session another daemon holds waits for "
+            "its lease before UNAVAILABLE (with a retry hint).",
+            low=0,
+            high=600,
         ),
     )
     slots: int = field(
@@ -320,6 +384,11 @@ class Settings:
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ConfigError("tls-client-ca", "needs tls-cert and tls-key")
         self.quota()  # raises on a malformed value
+        if self.catalog:
+            try:
+                catalog_url(self.catalog)
+            except ValueError as e:
+                raise ConfigError("catalog", str(e)) from None
         return self
 
     def quota(self) -> tuple[int, int, int]:
@@ -516,6 +585,8 @@ class Resolved:
         lines = ["# kvstash serve: the effective settings; each comment says where the value came from."]
         for option in options():
             value = getattr(self.settings, option.field)
+            if option.spec.secret and isinstance(value, str):
+                value = redact(value)  # NOTE: read back, a redacted password is wrong
             text = f"# {option.key} is not set" if value is None else f"{option.key} = {option.show(value)}"
             lines.append(f"{text:<44} # {self.origins[option.key]}")
         return "\n".join(lines)
