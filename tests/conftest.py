@@ -7,6 +7,8 @@
   the test ends.
 - ``spawn_daemon(*args)``: ``python -m kvstashd`` as a subprocess (DaemonProcess), for signals,
   kill -9 and restarts; its log is attached to the report of a failing test.
+- ``redis_server``, ``start_redis``, ``s3_server``, ``start_haproxy``: real servers on
+  loopback (tests/servers.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import pytest
 from daemons import VIOLATION, DaemonProcess, InProcessDaemon
+from servers import redis_server, s3_server, start_haproxy, start_redis  # noqa: F401  (fixtures)
 
 import kvstash
 
