@@ -231,7 +231,7 @@ def test_the_catalog_setting_takes_redis_urls_and_keeps_passwords_out_of_sight()
     assert catalog_url("redis://127.0.0.1:6379/2?prefix=blue") == ("redis://127.0.0.1:6379/2", "blue")
     assert catalog_url("rediss://h:1/0")[1] == "kvstash"
     assert redact("redis://:hunter2@h:6379/0") == "redis://:***@h:6379/0"
-    with pytest.raises(ConfigError, match="catalog.*redis://"):
+    with pytest.raises(ConfigError, match=r"catalog.*redis://"):
         Settings(catalog="postgres://h/db").validate()
     with pytest.raises(ConfigError, match="prefix"):
         Settings(catalog="redis://h:1/0?prefix=a:b").validate()
