@@ -13,8 +13,9 @@ import pytest
 from servers import RedisServer
 
 from kvstashd.catalog import Catalog, CheckpointRow, SqliteCatalog
-from kvstashd.config import ConfigError, Settings, catalog_url, redact, resolve
+from kvstashd.config import ConfigError, Settings, catalog_url, resolve
 from kvstashd.errors import CatalogUnavailable, SessionElsewhere
+from kvstashd.store import redacted
 
 TTL_MS = 400
 
@@ -230,7 +231,7 @@ def test_a_server_that_is_not_there_stops_the_catalog_at_once(tmp_path: Path) ->
 def test_the_catalog_setting_takes_redis_urls_and_keeps_passwords_out_of_sight() -> None:
     assert catalog_url("redis://127.0.0.1:6379/2?prefix=blue") == ("redis://127.0.0.1:6379/2", "blue")
     assert catalog_url("rediss://h:1/0")[1] == "kvstash"
-    assert redact("redis://:hunter2@h:6379/0") == "redis://:***@h:6379/0"
+    assert redacted("redis://:hunter2@h:6379/0") == "redis://:***@h:6379/0"
     with pytest.raises(ConfigError, match=r"catalog.*redis://"):
         Settings(catalog="postgres://h/db").validate()
     with pytest.raises(ConfigError, match="prefix"):

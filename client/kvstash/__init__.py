@@ -24,6 +24,7 @@ from kvstash._errors import (
     NoChatTemplateError,
     NotFoundError,
     StoreReadError,
+    StoreUnreachableError,
     StoreWriteError,
     UnavailableError,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "Session",
     "SessionInfo",
     "StoreReadError",
+    "StoreUnreachableError",
     "StoreWriteError",
     "Tls",
     "TokenLogprob",

@@ -18,7 +18,8 @@ cause where causes share a status (the daemon names the cause in the trailing me
     ├── CorruptCheckpointError        DATA_LOSS
     ├── AuthError                     UNAUTHENTICATED
     ├── UnavailableError              UNAVAILABLE, DEADLINE_EXCEEDED
-    │   └── StoreReadError                store-read-failed
+    │   ├── StoreReadError                store-read-failed
+    │   └── StoreUnreachableError         store-unreachable
     └── InternalError                 INTERNAL, and any other status
 """
 
@@ -128,6 +129,13 @@ class StoreReadError(UnavailableError):
     cause = "store-read-failed"
 
 
+class StoreUnreachableError(UnavailableError):
+    """The daemon's remote block store (S3, Redis) did not take a write: nothing was
+    saved; try again once it is back."""
+
+    cause = "store-unreachable"
+
+
 class InternalError(KvstashError):
     """The daemon failed, or answered with a status kvstash does not expect."""
 
@@ -154,6 +162,7 @@ _BY_CAUSE: dict[str, type[KvstashError]] = {
         NoChatTemplateError,
         CheckpointInUseError,
         StoreReadError,
+        StoreUnreachableError,
     )
 }
 

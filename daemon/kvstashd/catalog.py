@@ -173,6 +173,10 @@ class Catalog(Protocol):
         returns them: only those may be deleted from the block store."""
         ...
 
+    def block_bytes(self) -> int:
+        """Bytes of the blocks the catalog records (what a remote store is counted as)."""
+        ...
+
     def known_blocks(self) -> set[str]: ...
 
     def take_lease(self, session_id: str, holder: str, ttl_ms: int) -> Lease:
@@ -448,6 +452,12 @@ class SqliteCatalog:
                 if gone.rowcount:
                     forgotten.append(key)
         return forgotten
+
+    def block_bytes(self) -> int:
+        """Bytes of the blocks the catalog records (what a remote store is counted as)."""
+        with self._reading():
+            found = self._db.execute("SELECT COALESCE(SUM(size), 0) FROM blocks").fetchone()
+        return int(found[0])
 
     def known_blocks(self) -> set[str]:
         with self._reading():

@@ -17,6 +17,7 @@ that each error means one thing to a client.
     ├── Unauthenticated               UNAUTHENTICATED
     └── Unavailable                   UNAVAILABLE
         ├── StoreReadFailed               cause store-read-failed
+        ├── StoreUnreachable              cause store-unreachable
         ├── CatalogUnavailable            cause catalog-unavailable
         └── SessionElsewhere              cause session-elsewhere (+ a retry hint)
 
@@ -105,6 +106,14 @@ class StoreReadFailed(Unavailable):
     data may be intact, so this is not corruption."""
 
     cause = "store-read-failed"
+
+
+class StoreUnreachable(Unavailable):
+    """A remote block store (S3, Redis) refused a write or did not answer in time (the
+    server down, a timeout, an error of its own) after the bounded retries: nothing was
+    saved. It may well answer again soon, so this is not RESOURCE_EXHAUSTED."""
+
+    cause = "store-unreachable"
 
 
 class CatalogUnavailable(Unavailable):

@@ -23,6 +23,7 @@ catalog needs one server (or a primary), not a cluster:
     P:blocks             hash: block key -> size
     P:block-refs         hash: block key -> checkpoints referencing it
     P:block-used         zset: block key by last use
+    P:block-bytes        counter: bytes of the blocks in P:blocks
     P:lease:SID          string "HOLDER|TOKEN" with an expiry
     P:fence:SID          counter: the session's newest fencing token
     P:want:SID           set while another daemon asks for a leased session
@@ -44,8 +45,9 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvstashd.catalog import CheckpointRow, Lease
-from kvstashd.config import catalog_url, redact
+from kvstashd.config import catalog_url
 from kvstashd.errors import CatalogUnavailable, SessionElsewhere, StoreReadFailed
+from kvstashd.store import redacted
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +116,9 @@ if kind == 'explicit' then redis.call('HINCRBY', P .. ':explicit', sid, 1) end
 redis.call('INCRBY', P .. ':manifest-bytes', string.len(manifest))
 for i = 15, #ARGV, 2 do
   local b = ARGV[i]
-  redis.call('HSETNX', P .. ':blocks', b, ARGV[i + 1])
+  if redis.call('HSETNX', P .. ':blocks', b, ARGV[i + 1]) == 1 then
+    redis.call('INCRBY', P .. ':block-bytes', ARGV[i + 1])
+  end
   redis.call('ZADD', P .. ':block-used', now, b)
   if redis.call('SADD', P .. ':refs:' .. cid, b) == 1 then redis.call('HINCRBY', P .. ':block-refs', b, 1) end
 end
@@ -167,7 +171,12 @@ local out = {}
 for i = 2, #ARGV do
   local b = ARGV[i]
   if tonumber(redis.call('HGET', P .. ':block-refs', b) or '0') <= 0 then
-    if redis.call('HDEL', P .. ':blocks', b) == 1 then table.insert(out, b) end
+    local size = redis.call('HGET', P .. ':blocks', b)
+    if size then
+      redis.call('HDEL', P .. ':blocks', b)
+      redis.call('DECRBY', P .. ':block-bytes', size)
+      table.insert(out, b)
+    end
     redis.call('ZREM', P .. ':block-used', b)
   end
 end
@@ -224,7 +233,7 @@ class RedisCatalog:
 
     def __init__(self, url: str) -> None:
         target, self.prefix = catalog_url(url)
-        self.where = redact(url)
+        self.where = redacted(url)
         # A few quick retries ride out a reconnect; beyond them the call is UNAVAILABLE
         # (a request waits at most a few socket timeouts, never forever).
         self._db = redis.Redis.from_url(
@@ -415,6 +424,9 @@ class RedisCatalog:
         if not wanted:
             return []
         return [_str(k) for k in self._call(self._forget, args=[self.prefix, *wanted])]
+
+    def block_bytes(self) -> int:
+        return int(self._call(self._db.get, self._k("block-bytes")) or 0)
 
     def known_blocks(self) -> set[str]:
         return {_str(k) for k in self._call(self._db.hkeys, self._k("blocks"))}

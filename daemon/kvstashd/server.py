@@ -36,7 +36,7 @@ from kvstashd.persistence import Stores
 from kvstashd.service import KvStashService
 from kvstashd.sessions import SessionManager
 from kvstashd.statedir import StateDir, fsync_dir
-from kvstashd.store import BlockStore
+from kvstashd.store import BlockStore, open_durable
 from kvstashd.store.local import LocalBlockStore
 from kvstashd.store.memory import MemoryBlockStore
 from kvstashd.tenants import AuthFileError, Quota, Tenants
@@ -118,8 +118,9 @@ def durable_catalog(settings: Settings, state: StateDir, key: bytes) -> Catalog:
 
 
 def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: str) -> Stores:
-    """durable: catalog and blocks under the state dir; volatile: both in RAM; spill: blocks
-    under the state dir, wiped now, with its catalog in RAM (nothing of it outlives us)."""
+    """durable: the catalog under the state dir, blocks there too or in the remote store
+    `--store` names; volatile: both in RAM; spill: blocks under the state dir, wiped now, with
+    its catalog in RAM (nothing of it outlives us)."""
     key = store_key(state.path)
 
     def make(catalog: Catalog, blocks: BlockStore) -> CheckpointStore:
@@ -134,7 +135,16 @@ def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: 
             n_vocab=info.n_vocab,
         )
 
-    durable = make(durable_catalog(settings, state, key), LocalBlockStore(state.path / "blocks"))
+    catalog = durable_catalog(settings, state, key)
+    blocks = open_durable(
+        settings.store,
+        state.path / "blocks",
+        s3_endpoint=settings.s3_endpoint,
+        timeout=settings.store_timeout,
+        retries=settings.store_retries,
+        known_bytes=catalog.block_bytes,
+    )
+    durable = make(catalog, blocks)
     state.wipe_spill()
     # Ephemeral sessions' catalogs stay local and in RAM whatever the durable one is.
     spill = make(SqliteCatalog(":memory:"), LocalBlockStore(state.spill))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from kvstashd.store import check_key
 
 
 class MemoryBlockStore:
+    remote = False
+
     def __init__(self) -> None:
         self._blocks: dict[str, bytes] = {}
         self._bytes = 0
@@ -15,8 +17,14 @@ class MemoryBlockStore:
     def has(self, key: str) -> bool:
         return key in self._blocks
 
+    def present(self, keys: Sequence[str]) -> set[str]:
+        return {k for k in keys if k in self._blocks}
+
     def get(self, key: str) -> bytes:
         return self._blocks[key]
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        return {k: self._blocks[k] for k in keys if k in self._blocks}
 
     def put(self, key: str, data: bytes) -> int:
         if check_key(key) in self._blocks:
