@@ -112,6 +112,7 @@ class CheckpointStore:
         kind: str,
         now: float,
         head_of: str | None = None,
+        fence: int = 0,
         foreign_layout: str | None = None,
         boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None,
     ) -> tuple[CheckpointRow, Snapshot]:
@@ -120,7 +121,8 @@ class CheckpointStore:
 
         `boundary`: sliding-window and recurrent sections at an earlier block boundary of the
         same history (the system prompt's), stored and referenced too, so that the prefix
-        cache finds the whole state there (see prefix.py)."""
+        cache finds the whole state there (see prefix.py). `fence`: the lease token a head
+        write is conditioned on (Catalog.add_checkpoint)."""
         n_kv = kv.n if kv is not None else 0
         full, window, rec = self.plan(snap.tokens, n_kv, snap.block_tokens, snap.salt)
         extra: list[tuple[_Piece, Callable[[], bytes]]] = []
@@ -177,7 +179,7 @@ class CheckpointStore:
                     created_at=now,
                     tenant=snap.tenant,
                 )
-                self.catalog.add_checkpoint(row, data, sizes, now, head_of=head_of)
+                self.catalog.add_checkpoint(row, data, sizes, now, head_of=head_of, fence=fence)
             except BaseException:
                 # Blocks this save wrote that no committed checkpoint knows: reclaimed now,
                 # not at the next start.
@@ -411,21 +413,15 @@ class CheckpointStore:
         used = used or self.store.total_bytes
         freed = 0
         with self._lock:
-            # Counted once, then by the sizes the catalog records: a remote store's bytes are
-            # the catalog's own count, which changes only once the dropped blocks are forgotten.
-            excess = used() - budget_bytes
-            if excess <= 0:
-                return 0
-            dropped = []
-            try:
-                for key, size in self.catalog.unreferenced():
-                    if freed >= excess:
-                        break
+            for key, size in self.catalog.unreferenced():
+                if used() <= budget_bytes:
+                    break
+                # Forgotten first, and only if still unreferenced: with a shared catalog,
+                # another daemon may have referenced it since the list was read (and a
+                # remote store's bytes are what the catalog records).
+                if self.catalog.forget_blocks([key]):
                     self.store.delete(key)
-                    dropped.append(key)
                     freed += size
-            finally:  # what was deleted is forgotten, also when a remote store stops answering
-                self.catalog.forget_blocks(dropped)
         return freed
 
     def remove_orphans(self) -> int:

@@ -21,6 +21,7 @@ import re
 import tomllib
 import types
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,27 @@ def _cpu_count() -> int:
     return min(os.cpu_count() or 1, 512)
 
 
+_CATALOG_PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def catalog_url(url: str) -> tuple[str, str]:
+    """(the URL the Redis client connects to, the key prefix) of a `--catalog` value,
+    `redis://[:PASSWORD@]HOST:PORT/DB?prefix=NAME` (also `rediss://`, `unix://`); the
+    prefix defaults to `kvstash`. ValueError says what is wrong."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(
+            f"must be empty (sqlite) or a redis://, rediss:// or unix:// URL, got {redacted(url)!r}"
+        )
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    prefixes = [v for k, v in query if k == "prefix"]
+    prefix = prefixes[-1] if prefixes else "kvstash"
+    if not _CATALOG_PREFIX.match(prefix):
+        raise ValueError(f"prefix must be 1-64 letters, digits, '.', '_' or '-', got {prefix[:80]!r}")
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "prefix"])
+    return urllib.parse.urlunsplit(parts._replace(query=rest)), prefix
+
+
 def is_local(address: str) -> bool:
     """Whether an address is a unix socket or on loopback."""
     if address.startswith("unix:"):
@@ -141,6 +163,33 @@ class Settings:
         metadata=spec(
             "Where the catalog, blocks and store key live (one daemon's alone).",
             shown="$XDG_STATE_HOME/kvstash",
+        ),
+    )
+    catalog: str = field(
+        default="",
+        metadata=spec(
+            "Where the catalog lives: empty for sqlite in the state directory (one daemon's), or "
+            "redis://[:PASSWORD@]HOST:PORT/DB?prefix=NAME for a Redis or Valkey server that several "
+            "daemons share (keys begin with the prefix, default kvstash).",
+            url=True,
+        ),
+    )
+    lease_seconds: float = field(
+        default=10.0,
+        metadata=spec(
+            "With a shared catalog: how long a session's lease lasts unrenewed (renewed while held); "
+            "another daemon takes a session over once its holder's lease lapses.",
+            low=0.2,
+            high=600,
+        ),
+    )
+    lease_wait: float = field(
+        default=2.0,
+        metadata=spec(
+            "With a shared catalog: how long a request for a session another daemon holds waits for "
+            "its lease before UNAVAILABLE (with a retry hint).",
+            low=0,
+            high=600,
         ),
     )
     slots: int = field(
@@ -356,6 +405,11 @@ class Settings:
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ConfigError("tls-client-ca", "needs tls-cert and tls-key")
         self.quota()  # raises on a malformed value
+        if self.catalog:
+            try:
+                catalog_url(self.catalog)
+            except ValueError as e:
+                raise ConfigError("catalog", str(e)) from None
         return self
 
     def quota(self) -> tuple[int, int, int]:

@@ -20,7 +20,8 @@ from kvstashd.budget import DiskBudget, state_bound
 from kvstashd.catalog import CheckpointRow
 from kvstashd.checkpoints import CheckpointStore, Loaded
 from kvstashd.config import Settings
-from kvstashd.errors import Busy, KvstashError, NotFound
+from kvstashd.errors import Busy, KvstashError, NotFound, SessionElsewhere
+from kvstashd.leases import Leases
 from kvstashd.manifest import Snapshot
 from kvstashd.placement import HistoryOnly, Placement, Residency, Stored, store_write
 from kvstashd.session import Session
@@ -51,6 +52,7 @@ class Persistence:
         self.settings = settings
         self.clock = clock
         self.residency: Residency | None = None
+        self.leases = Leases(stores.durable.catalog, settings.lease_seconds, settings.lease_wait)
 
     def store_of(self, session: Session) -> CheckpointStore:
         return self.durable if session.persistent else self.volatile
@@ -58,17 +60,24 @@ class Persistence:
     async def save_head(self, session: Session) -> tuple[str, Snapshot]:
         """Autosave a persistent session: its new head manifest, writing only new blocks."""
         assert self.residency is not None
+        if not session.lease:  # a new session: nobody else can hold it
+            session.lease = await self.leases.take(session.session_id)
         kv = await self.residency.state_of(session)
         snap = session.snapshot("", self.settings.block_tokens)
-        row, stored = await store_write(
-            self.durable.save,
-            snap,
-            kv,
-            kind="head",
-            now=self.clock(),
-            head_of=session.session_id,
-            boundary=session.boundary,
-        )
+        try:
+            row, stored = await store_write(
+                self.durable.save,
+                snap,
+                kv,
+                kind="head",
+                now=self.clock(),
+                head_of=session.session_id,
+                fence=session.lease,
+                boundary=session.boundary,
+            )
+        except SessionElsewhere:
+            self.leases.fenced(session.session_id)
+            raise
         session.head_checkpoint_id = row.checkpoint_id
         session.dirty = False
         return row.checkpoint_id, stored
@@ -141,8 +150,14 @@ class Persistence:
         """Forget a session's head and checkpoints, in one transaction: the commit point of
         a close."""
         store = self.store_of(session)
-        await store_write(store.catalog.delete_session, session.session_id)
-        if not session.persistent:
+        try:
+            await store_write(store.catalog.delete_session, session.session_id, session.lease)
+        except SessionElsewhere:
+            self.leases.fenced(session.session_id)
+            raise
+        if session.persistent:
+            self.leases.forget(session.session_id)
+        else:
             await asyncio.to_thread(self.volatile.sweep, 0)
 
     async def import_checkpoint(self, spool: BinaryIO, tenant: Tenant) -> CheckpointRow:
@@ -162,22 +177,28 @@ class Persistence:
             if head is None:
                 continue
             try:
-                snap = self.durable.snapshot(head)
+                out.append(self.session_at(session_id, head, new_session))
             except KvstashError as e:
                 log.error("persistent session %s is not loaded: %s", session_id, e)
-                continue
-            session = new_session(snap, session_id)
-            session.apply(snap, snap.n_kv)
-            session.head_checkpoint_id = head
-            if snap.n_kv and snap.kv_layout == self.durable.layout_desc:
-                where: Placement = Stored(self.durable, head, snap)
-            else:
-                if snap.n_kv:
-                    log.info(
-                        "session %s: its state has another layout; its history is evaluated again", session_id
-                    )
-                session.state.n_kv = 0
-                session.state.logits = None
-                where = HistoryOnly("a stored state of another layout")
-            out.append((session, where))
         return out
+
+    def session_at(
+        self, session_id: str, head: str, new_session: Callable[[Snapshot, str], Session]
+    ) -> tuple[Session, Placement]:
+        """A persistent session as its head checkpoint has it, and where its state is
+        (blocking)."""
+        snap = self.durable.snapshot(head)
+        session = new_session(snap, session_id)
+        session.apply(snap, snap.n_kv)
+        session.head_checkpoint_id = head
+        if snap.n_kv and snap.kv_layout == self.durable.layout_desc:
+            where: Placement = Stored(self.durable, head, snap)
+        else:
+            if snap.n_kv:
+                log.info(
+                    "session %s: its state has another layout; its history is evaluated again", session_id
+                )
+            session.state.n_kv = 0
+            session.state.logits = None
+            where = HistoryOnly("a stored state of another layout")
+        return session, where

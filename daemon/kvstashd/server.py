@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import hashlib
 import logging
 import os
 import secrets
@@ -23,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 from kvstashd.budget import DiskBudget
-from kvstashd.catalog import Catalog
+from kvstashd.catalog import Catalog, SqliteCatalog
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
 from kvstashd.context import ContextConfig, ModelInfo
@@ -97,6 +98,25 @@ def store_key(state_dir: Path) -> bytes:
     return key
 
 
+def durable_catalog(settings: Settings, state: StateDir, key: bytes) -> Catalog:
+    """sqlite in the state directory, or the shared Redis catalog `--catalog` names (redis-py
+    imported only then). Daemons sharing a catalog must share the store key (`store.key`):
+    one whose key differs stops here, where it would otherwise refuse every manifest."""
+    if not settings.catalog:
+        return SqliteCatalog(state.path / "catalog.db")
+    from kvstashd.redis_catalog import RedisCatalog
+
+    catalog = RedisCatalog(settings.catalog)
+    key_id = hashlib.blake2b(b"kvstash store key id", key=key, digest_size=16).hexdigest()
+    if catalog.store_key_id(key_id) != key_id:
+        catalog.close()
+        raise OSError(
+            f"the catalog {catalog.where} holds manifests signed with another store key: copy "
+            f"store.key from a daemon of that deployment into {state.path}"
+        )
+    return catalog
+
+
 def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: str) -> Stores:
     """durable: the catalog under the state dir, blocks there too or in the remote store
     `--store` names; volatile: both in RAM; spill: blocks under the state dir, wiped now, with
@@ -115,7 +135,7 @@ def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: 
             n_vocab=info.n_vocab,
         )
 
-    catalog = Catalog(state.path / "catalog.db")
+    catalog = durable_catalog(settings, state, key)
     blocks = open_durable(
         settings.store,
         state.path / "blocks",
@@ -126,14 +146,15 @@ def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: 
     )
     durable = make(catalog, blocks)
     state.wipe_spill()
-    spill = make(Catalog(":memory:"), LocalBlockStore(state.spill))
+    # Ephemeral sessions' catalogs stay local and in RAM whatever the durable one is.
+    spill = make(SqliteCatalog(":memory:"), LocalBlockStore(state.spill))
     disk = DiskBudget(
         settings.disk_budget,
         (durable.store.total_bytes, spill.store.total_bytes, durable.catalog.file_bytes),
         lambda target: durable.sweep(target, used=disk.used),
     )
     durable.budget = spill.budget = disk
-    volatile = make(Catalog(":memory:"), MemoryBlockStore())
+    volatile = make(SqliteCatalog(":memory:"), MemoryBlockStore())
     return Stores(durable=durable, volatile=volatile, spill=spill, disk=disk)
 
 
