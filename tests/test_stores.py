@@ -26,7 +26,7 @@ import redis
 from servers import RedisServer, S3Server, free_port
 
 from kvstashd import blocks as blk
-from kvstashd.catalog import Catalog
+from kvstashd.catalog import SqliteCatalog
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.errors import CorruptCheckpoint, StoreReadFailed, StoreUnreachable
 from kvstashd.store import BlockStore
@@ -153,7 +153,7 @@ def test_keys_that_are_not_digests_are_refused(backend: Backend, bad: str) -> No
 def checkpoints_on(store: BlockStore) -> CheckpointStore:
     """The checkpoint layer over `store`, which checks every block it reads."""
     return CheckpointStore(
-        Catalog(":memory:"),
+        SqliteCatalog(":memory:"),
         store,
         b"k" * 32,
         fingerprint="f",
