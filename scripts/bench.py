@@ -25,6 +25,7 @@ turns.png (the swap turns' latencies).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -795,6 +796,9 @@ def bench_http(args: argparse.Namespace) -> None:
 
 # ---- store -------------------------------------------------------------------------------------
 
+# The moving daemons' lease: the holder renews it, and lets a wanted session go, every third.
+LEASE_SECONDS = 1.5
+
 
 def store_servers(work: Path) -> tuple[Any, Any]:
     """Redis and S3 (weed mini) on loopback, as the tests start them (tests/servers.py)."""
@@ -836,11 +840,12 @@ def restore_times(client: kvstash.Client, text: str, repeat: int) -> dict[str, A
 
 def move_times(
     common: tuple[str, ...], catalog: str, store: tuple[str, ...], text: str, repeat: int
-) -> list[float]:
-    """A persistent session moving between two daemons that share a catalog and a store:
-    each move is the first token of a one-token turn on the daemon that did not have it (it
-    takes the session's lease over and restores its head from the store)."""
-    flags = (*common, "--catalog", catalog, *store)
+) -> tuple[list[float], list[float]]:
+    """A persistent session moving between two daemons that share a catalog and a store, by
+    one-token turns on the daemon that does not have it: (whole requests, the hand-over by
+    the holder's next lease renewal included; requests sent once the holder let it go: the
+    lease taken, the head restored from the store, the first token)."""
+    flags = (*common, "--catalog", catalog, *store, "--lease-seconds", str(LEASE_SECONDS))
     with daemon(*flags) as (a_address, a_state):
         b_root = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
         (b_root / "s").mkdir(mode=0o700)
@@ -852,16 +857,26 @@ def move_times(
         ):
             s = a.create_session(sampling=SamplingParams(temperature=0.0), persistent=True)
             s.complete(text, max_tokens=1)
-            moves = []
-            for i in range(repeat):
-                there = (b, a)[i % 2]
+            whole, moves = [], []
+            for i in range(2 * repeat):
+                address, there = ((b_address, b), (a_address, a))[i % 2]
 
                 def move(there: kvstash.Client = there) -> None:
                     next(iter(there.session(s.session_id).generate("", max_tokens=1)))
 
+                if i < repeat:
+                    whole.append(timed(move)[0])
+                    continue
+                # Asked for and given up at once: the holder lets it go at its next renewal.
+                with (
+                    kvstash.Client(address, timeout=0.05) as asker,
+                    contextlib.suppress(kvstash.KvstashError),
+                ):
+                    asker.session(s.session_id)
+                time.sleep(LEASE_SECONDS / 3 + 0.5)
                 moves.append(timed(move)[0])
         shutil.rmtree(b_root, ignore_errors=True)
-    return moves
+    return whole, moves
 
 
 def bench_store(args: argparse.Namespace) -> None:
@@ -889,7 +904,9 @@ def bench_store(args: argparse.Namespace) -> None:
         for name, flags in stores.items():
             with connected(*common, *flags) as (client, _):
                 runs[name] = restore_times(client, text, args.repeat)
-        moves = move_times(common, f"{redis.url}?prefix=bench", ("--store", redis.url), text, args.repeat)
+        whole, moves = move_times(
+            common, f"{redis.url}?prefix=bench", ("--store", redis.url), text, args.repeat
+        )
     finally:
         weed.stop()
         redis.stop()
@@ -920,15 +937,17 @@ def bench_store(args: argparse.Namespace) -> None:
         rows.append(
             (f"full checkpoint to {name}, {run['bytes'] / 1e6:.1f} MB", f"{run['save'] * 1e3:.0f} ms", "", "")
         )
-    move = statistics.median(moves)
-    rows.append(
-        (
-            f"the session moving between two daemons (Redis catalog and store; median of {args.repeat})",
-            f"{move * 1e3:.1f} ms",
-            f"{move / local:.2f}x (target <= 3x)",
-            f"{prefill / move:.0f}x faster (target >= 50x)",
+    for what, times in (("hand-over included", whole), ("once the holder let it go", moves)):
+        move = statistics.median(times)
+        rows.append(
+            (
+                f"the session moving to the other daemon, {what} (median of {args.repeat})",
+                f"{move * 1e3:.1f} ms",
+                f"{move / local:.2f}x (target <= 3x)",
+                f"{prefill / move:.0f}x faster (target >= 50x)",
+            )
         )
-    )
+    print(f"two daemons: Redis catalog and store, --lease-seconds {LEASE_SECONDS} (renewed every third)")
     table(rows)
 
 

@@ -325,12 +325,12 @@ class CheckpointStore:
         assert lay is not None
         wanted = [*full, *window, *([rec] if rec else [])]
         ours = read == self.store.get
-        if ours:
+        if ours and self.store.remote:
             # All at once: a remote store pipelines or parallelises what one get per piece
             # would wait for in turn.
             frames = self.store.get_many([p.key for p in wanted])
             read = frames.__getitem__  # an absent piece is the KeyError `get` gives
-        # CRC-32 releases the GIL: pieces are checked on every core.
+        # File reads and CRC-32 release the GIL: pieces are read and checked on every core.
         payloads = dict(
             zip(
                 (p.key for p in wanted),
