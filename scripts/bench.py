@@ -916,7 +916,7 @@ def bench_store(args: argparse.Namespace) -> None:
     n = runs["local disk"]["n"]
     rows = [
         (
-            f"{n}-token persistent session, {args.threads} threads",
+            f"{n}-token persistent session ({runs['local disk']['bytes'] / 1e6:.1f} MB), {args.threads} thr.",
             "median",
             "vs local restore",
             "vs re-prefill",
