@@ -46,6 +46,8 @@ class Leases:
         self.lost: set[str] = set()
         self.wanted: set[str] = set()
         self.on_change: Callable[[], None] = lambda: None
+        # Whether the catalog answered the last renewal (or ping): the metrics show it.
+        self.reachable = True
 
     async def take(self, session_id: str) -> int:
         """The session's lease (its fencing token), waiting up to `lease_wait` for another
@@ -91,20 +93,30 @@ class Leases:
         self.on_change()
 
     async def run(self) -> None:
-        """Renew the held leases three times per lease period until cancelled. A lease not
-        renewed (the catalog unreachable) may lapse: the next renewal finds it lost."""
+        """Renew the held leases three times per lease period until cancelled (holding none,
+        ask the catalog whether it answers). A lease not renewed (the catalog unreachable)
+        may lapse: the next renewal finds it lost."""
         if not self.shared:
             return
         while True:
             await asyncio.sleep(self.ttl_ms / 3000)
             held = dict(self.held)
             try:
-                lost, wanted = await asyncio.to_thread(
-                    self.catalog.renew_leases, self.holder, held, self.ttl_ms
-                )
+                if held:
+                    lost, wanted = await asyncio.to_thread(
+                        self.catalog.renew_leases, self.holder, held, self.ttl_ms
+                    )
+                else:
+                    await asyncio.to_thread(self.catalog.ping)
+                    lost, wanted = set(), set()
             except KvstashError as e:
-                log.warning("leases not renewed: %s", e)
+                if self.reachable:
+                    log.warning("the catalog does not answer; leases not renewed: %s", e)
+                self.reachable = False
                 continue
+            if not self.reachable:
+                log.info("the catalog answers again")
+            self.reachable = True
             # A session released or re-taken meanwhile is not lost.
             lost = {sid for sid in lost if self.held.get(sid) == held[sid]}
             for sid in lost:
