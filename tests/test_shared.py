@@ -198,7 +198,7 @@ def test_a_catalog_outage_is_unavailable_loses_nothing_and_ends_by_itself(
     assert reachable() == "kvstash_catalog_reachable 1.0"
     with kvstash.Client(daemon.address, timeout=60) as client:
         s = client.create_session(SYSTEM, persistent=True, sampling=SAMPLING)
-        first = s.chat("When do you open?", max_tokens=8)
+        s.chat("When do you open?", max_tokens=8)
         expected = s.fork(persistent=True).chat("And close?", max_tokens=12)
         acknowledged = s.info().n_tokens
         os.kill(server.proc.pid, signal.SIGSTOP)
@@ -222,6 +222,5 @@ def test_a_catalog_outage_is_unavailable_loses_nothing_and_ends_by_itself(
         again = s.chat("And close?", max_tokens=12)
         assert again.token_ids == expected.token_ids
         assert client.create_session(SYSTEM, persistent=True).info().n_tokens > 0
-        assert first.token_ids
     wait_until(lambda: reachable() == "kvstash_catalog_reachable 1.0", 30, "the catalog to answer again")
     assert daemon.running
