@@ -238,3 +238,18 @@ def test_the_catalog_setting_takes_redis_urls_and_keeps_passwords_out_of_sight()
         Settings(catalog="redis://h:1/0?prefix=a:b").validate()
     shown = resolve({"catalog": "redis://user:hunter2@h:6379/0?prefix=x"}, {}).describe()
     assert "hunter2" not in shown and 'catalog = "redis://user:***@h:6379/0?prefix=x"' in shown
+
+
+def test_a_daemon_with_another_store_key_is_refused_at_start(redis_server: str, tmp_path: Path) -> None:
+    from kvstashd.server import durable_catalog
+    from kvstashd.statedir import StateDir
+
+    settings = Settings(catalog=f"{redis_server}?prefix=test-{secrets.token_hex(6)}")
+    state = StateDir.take(tmp_path / "state")
+    try:
+        durable_catalog(settings, state, b"k" * 32).close()
+        durable_catalog(settings, state, b"k" * 32).close()  # the deployment's key: accepted
+        with pytest.raises(OSError, match=r"another store key: copy store\.key"):
+            durable_catalog(settings, state, b"x" * 32)
+    finally:
+        state.release()

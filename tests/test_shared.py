@@ -135,7 +135,7 @@ def test_a_paused_daemon_loses_the_session_and_never_writes_its_head_again(
         expected = s.fork(persistent=True).chat("Do you sell rye?", max_tokens=12)
         acknowledged = s.info().n_tokens
 
-        running = Background(s, "Tell me about every bread you sell.", max_tokens=400)
+        running = Background(s, "Tell me about every bread you sell.", max_tokens=120)
         os.kill(a.pid, signal.SIGSTOP)  # mid-generation, past its lease
         try:
             time.sleep(LAPSE)
@@ -163,7 +163,7 @@ def test_a_daemon_killed_mid_generation_leaves_its_sessions_to_the_other(
         s.chat("Can I order a cake?", max_tokens=8)
         expected = s.fork(persistent=True).chat("For Friday?", max_tokens=12)
         acknowledged = s.info().n_tokens
-        running = Background(s, "List every cake you make, with details.", max_tokens=400)
+        running = Background(s, "List every cake you make, with details.", max_tokens=120)
         a.kill()
         running.join()
         assert isinstance(running.error, kvstash.UnavailableError)
