@@ -40,25 +40,29 @@ SALT = b"shared-test-salt-0001"
 OTHER_SALT = b"shared-test-salt-0002"
 
 
-def pair(
-    spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, catalog: str, *extra: str
+def shared_pair(
+    spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_url: str, *b_args: str
 ) -> tuple[DaemonProcess, DaemonProcess]:
-    """Two daemons on one shared catalog (and whatever `extra` says), B given A's store key."""
-    args = ("--catalog", catalog, "--lease-seconds", str(LEASE_SECONDS), "--lease-wait", "4", *extra)
+    """Two daemons on one Redis catalog (a prefix of their own) and store, B given A's store
+    key (and `b_args`)."""
+    catalog = f"{redis_url}?prefix=shared-{secrets.token_hex(6)}"
+    args = (
+        "--catalog",
+        catalog,
+        "--store",
+        redis_url,
+        "--lease-seconds",
+        str(LEASE_SECONDS),
+        "--lease-wait",
+        "4",
+    )
     a = spawn_daemon(*args)
     b_state = tmp_path / "state-b"
     b_state.mkdir(mode=0o700)
     shutil.copy(a.state_dir / "store.key", b_state / "store.key")
     (b_state / "store.key").chmod(0o600)
-    b = spawn_daemon(*args, state_dir=b_state)
+    b = spawn_daemon(*args, *b_args, state_dir=b_state)
     return a, b
-
-
-def shared_pair(
-    spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_url: str
-) -> tuple[DaemonProcess, DaemonProcess]:
-    catalog = f"{redis_url}?prefix=shared-{secrets.token_hex(6)}"
-    return pair(spawn_daemon, tmp_path, catalog, "--store", redis_url)
 
 
 def test_a_session_continues_exactly_on_another_daemon(
@@ -157,7 +161,7 @@ def test_a_paused_daemon_loses_the_session_and_never_writes_its_head_again(
 def test_a_daemon_killed_mid_generation_leaves_its_sessions_to_the_other(
     spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_server: str
 ) -> None:
-    a, b = shared_pair(spawn_daemon, tmp_path, redis_server)
+    a, b = shared_pair(spawn_daemon, tmp_path, redis_server, "--lease-wait", "0")
     with kvstash.Client(a.address, timeout=60) as ca, kvstash.Client(b.address, timeout=60) as cb:
         s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING)
         s.chat("Can I order a cake?", max_tokens=8)
@@ -167,15 +171,20 @@ def test_a_daemon_killed_mid_generation_leaves_its_sessions_to_the_other(
         a.kill()
         running.join()
         assert isinstance(running.error, kvstash.UnavailableError)
-        # The lease lapses; until then B waits (--lease-wait) or answers with a retry hint.
+        # Until the dead daemon's lease lapses B answers UNAVAILABLE (it waits --lease-wait,
+        # 0 here) with a retry hint; then it takes the session over.
+        hints = []
         deadline = time.monotonic() + 20
         while True:
             try:
                 moved = cb.session(s.session_id)
                 break
-            except kvstash.UnavailableError as e:
-                assert e.cause == "session-elsewhere"
+            except kvstash.SessionElsewhereError as e:
+                assert e.retry_after is not None and 0 < e.retry_after <= LEASE_SECONDS
+                hints.append(e.retry_after)
                 assert time.monotonic() < deadline
+                time.sleep(e.retry_after)
+        assert hints
         assert moved.info().n_tokens == acknowledged
         assert moved.chat("For Friday?", max_tokens=12).token_ids == expected.token_ids
 
