@@ -129,40 +129,36 @@ class Background:
         assert not self._thread.is_alive()
 
 
-def test_a_paused_daemon_loses_the_session_and_never_writes_its_head_again(
+def test_a_paused_daemon_is_fenced_and_a_killed_ones_sessions_go_on_elsewhere(
     spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_server: str
 ) -> None:
-    a, b = shared_pair(spawn_daemon, tmp_path, redis_server)
+    # One pair for both faults (daemons are slow to start); B waits for no lease.
+    a, b = shared_pair(spawn_daemon, tmp_path, redis_server, "--lease-wait", "0")
     with kvstash.Client(a.address, timeout=120) as ca, kvstash.Client(b.address, timeout=60) as cb:
+        # Paused mid-generation past its lease: B takes over from the last acknowledged turn.
         s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING)
         s.chat("When do you open?", max_tokens=8)
         expected = s.fork(persistent=True).chat("Do you sell rye?", max_tokens=12)
         acknowledged = s.info().n_tokens
-
         running = Background(s, "Tell me about every bread you sell.", max_tokens=120)
-        os.kill(a.pid, signal.SIGSTOP)  # mid-generation, past its lease
+        os.kill(a.pid, signal.SIGSTOP)
         try:
             time.sleep(LAPSE)
-            moved = cb.session(s.session_id)  # B takes over from the last acknowledged turn
+            moved = cb.session(s.session_id)
             assert moved.info().n_tokens == acknowledged
             assert moved.chat("Do you sell rye?", max_tokens=12).token_ids == expected.token_ids
         finally:
             os.kill(a.pid, signal.SIGCONT)
         running.join()
         # A's generation ends, and its autosave is refused: the lease is B's.
-        assert isinstance(running.error, kvstash.UnavailableError), running.error
-        assert running.error.cause == "session-elsewhere"
+        assert isinstance(running.error, kvstash.SessionElsewhereError), running.error
         assert "another daemon" in a.log()
-        n_on_b = moved.info().n_tokens
         # The head is B's: asked again, A takes the session over from B with B's turn.
+        n_on_b = moved.info().n_tokens
         assert ca.session(s.session_id).info().n_tokens == n_on_b
 
-
-def test_a_daemon_killed_mid_generation_leaves_its_sessions_to_the_other(
-    spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_server: str
-) -> None:
-    a, b = shared_pair(spawn_daemon, tmp_path, redis_server, "--lease-wait", "0")
-    with kvstash.Client(a.address, timeout=60) as ca, kvstash.Client(b.address, timeout=60) as cb:
+        # Killed mid-generation: until its lease lapses B answers UNAVAILABLE with a retry
+        # hint; then B takes the session over, from the last acknowledged turn.
         s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING)
         s.chat("Can I order a cake?", max_tokens=8)
         expected = s.fork(persistent=True).chat("For Friday?", max_tokens=12)
@@ -171,8 +167,6 @@ def test_a_daemon_killed_mid_generation_leaves_its_sessions_to_the_other(
         a.kill()
         running.join()
         assert isinstance(running.error, kvstash.UnavailableError)
-        # Until the dead daemon's lease lapses B answers UNAVAILABLE (it waits --lease-wait,
-        # 0 here) with a retry hint; then it takes the session over.
         hints = []
         deadline = time.monotonic() + 20
         while True:

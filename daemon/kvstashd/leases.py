@@ -49,18 +49,20 @@ class Leases:
         # Whether the catalog answered the last renewal (or ping): the metrics show it.
         self.reachable = True
 
-    async def take(self, session_id: str) -> int:
+    async def take(self, session_id: str, wait: bool = True) -> int:
         """The session's lease (its fencing token), waiting up to `lease_wait` for another
-        holder to let it go or for its lease to lapse; SessionElsewhere after that."""
+        holder to let it go or for its lease to lapse; SessionElsewhere after that (without
+        `wait`: 0 at once)."""
         if not self.shared:
             return 1
-        deadline = time.monotonic() + self.wait_seconds
+        deadline = time.monotonic() + (self.wait_seconds if wait else 0)
         while True:
             lease = await asyncio.to_thread(self.catalog.take_lease, session_id, self.holder, self.ttl_ms)
             if lease.token:
                 self.held[session_id] = lease.token
-                self.lost.discard(session_id)
                 return lease.token
+            if not wait:
+                return 0
             left = deadline - time.monotonic()
             if left <= 0:
                 raise SessionElsewhere(

@@ -280,6 +280,8 @@ class SessionManager:
                         log.warning("session %s is kept: its head was not saved: %s", session_id, e)
                         continue
                 lost = session_id in self.leases.lost
+                if lost and await self._lease_again(session):
+                    continue
                 session.closed = session.moved = True
                 self.sessions.pop(session_id, None)
                 await self.residency.forget(session)
@@ -291,6 +293,30 @@ class SessionManager:
                     log.info("session %s handed over to another daemon", session_id)
             self.residency.slot_freed()
         self.publish()
+
+    async def _lease_again(self, session: Session) -> bool:
+        """A lapsed lease that no other daemon made use of (an outage of the catalog, a pause
+        nobody noticed): taken again, the session stays here. True if it does: the head is
+        still this daemon's last one, as of the new lease."""
+        session_id = session.session_id
+        try:
+            row = await asyncio.to_thread(self.durable.catalog.session, session_id)
+            if row is None or row.head != session.head_checkpoint_id:
+                return False  # another daemon moved it on
+            token = await self.leases.take(session_id, wait=False)
+            if not token:
+                return False
+            row = await asyncio.to_thread(self.durable.catalog.session, session_id)
+            if row is None or row.head != session.head_checkpoint_id:
+                await self.leases.release(session_id)
+                return False
+        except KvstashError as e:
+            log.warning("session %s: its lease was not taken again: %s", session_id, e)
+            return False
+        session.lease = token
+        self.leases.lost.discard(session_id)
+        log.info("session %s: its lapsed lease was taken again (nobody else had used it)", session_id)
+        return True
 
     async def view(self, session: Session) -> SessionView:
         """The session as the RPCs report it; NotFound if it was closed meanwhile."""
