@@ -175,7 +175,7 @@ class Settings:
         ),
     )
     lease_seconds: float = field(
-        default=10.0,
+        default=5.0,
         metadata=spec(
             "With a shared catalog: how long a session's lease lasts unrenewed (renewed while held); "
             "another daemon takes a session over once its holder's lease lapses.",

@@ -29,6 +29,9 @@ from kvstashd.errors import KvstashError, SessionElsewhere
 
 log = logging.getLogger(__name__)
 
+#: How often a request waiting for a leased session asks for it again.
+POLL_SECONDS = 0.1
+
 
 class Leases:
     """The leases this daemon holds in one catalog."""
@@ -69,7 +72,8 @@ class Leases:
                     f"session {session_id} is in use on another daemon; retry in {lease.wait_ms} ms",
                     retry_after_ms=max(1, lease.wait_ms),
                 )
-            await asyncio.sleep(min(left, max(0.02, lease.wait_ms / 1000), self.ttl_ms / 4000))
+            # Asked often: a holder hands an idle session over at any of its renewals.
+            await asyncio.sleep(min(left, max(0.02, lease.wait_ms / 1000), POLL_SECONDS))
 
     async def release(self, session_id: str) -> None:
         """Let the lease go (best effort: unreleased, it lapses by itself)."""
