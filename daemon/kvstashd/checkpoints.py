@@ -28,7 +28,14 @@ from kvstashd import manifest as mf
 from kvstashd import state as kvstate
 from kvstashd.budget import DiskBudget
 from kvstashd.catalog import Catalog, CheckpointRow
-from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint, KvstashError, NotFound
+from kvstashd.errors import (
+    CorruptCheckpoint,
+    IncompatibleCheckpoint,
+    KvstashError,
+    NotFound,
+    StoreReadFailed,
+    StoreUnreachable,
+)
 from kvstashd.manifest import Snapshot
 from kvstashd.store import BlockStore
 
@@ -141,7 +148,7 @@ class CheckpointStore:
         # At most: the pieces the store lacks, raw and framed, and the manifest (twice: the
         # catalog's write-ahead log holds it until its next checkpoint).
         # One batch per question: a remote store answers in a round trip, not one per piece.
-        held = self.store.present(list(unique))
+        held = self._held(list(unique))
         lacking = [p for p, _ in unique.values() if p.key not in held]
         bound = sum(p.size + blk.FRAME_HEADER for p in lacking) + 2 * len(data) + 4096
         with self.budget.reserve(bound) if self.budget else contextlib.nullcontext(), self._lock:
@@ -150,7 +157,7 @@ class CheckpointStore:
             new_keys: list[str] = []
             try:
                 # Asked again under the lock: a sweep may have dropped blocks meanwhile.
-                held = self.store.present(list(unique))
+                held = self._held(list(unique))
                 for piece, payload in unique.values():
                     size = self.catalog.block_size(piece.key)
                     if size is None or piece.key not in held:
@@ -184,6 +191,18 @@ class CheckpointStore:
                             self.store.delete(key)
                 raise
         return row, snap
+
+    def _held(self, keys: list[str]) -> set[str]:
+        """Which pieces of a save the store holds. A remote store that cannot say fails the
+        save as a write it did not take (StoreUnreachable), as a failed put would."""
+        try:
+            return self.store.present(keys)
+        except StoreReadFailed:
+            if not self.store.remote:
+                raise
+            raise StoreUnreachable(
+                "the block store does not answer (see the daemon's log); nothing was saved"
+            ) from None
 
     def _payloads(
         self, kv: kvstate.SeqKv | None, full: list[_Piece], window: list[_Piece], rec: _Piece | None
@@ -306,12 +325,12 @@ class CheckpointStore:
         assert lay is not None
         wanted = [*full, *window, *([rec] if rec else [])]
         ours = read == self.store.get
-        if ours:
+        if ours and self.store.remote:
             # All at once: a remote store pipelines or parallelises what one get per piece
             # would wait for in turn.
             frames = self.store.get_many([p.key for p in wanted])
             read = frames.__getitem__  # an absent piece is the KeyError `get` gives
-        # CRC-32 releases the GIL: pieces are checked on every core.
+        # File reads and CRC-32 release the GIL: pieces are read and checked on every core.
         payloads = dict(
             zip(
                 (p.key for p in wanted),

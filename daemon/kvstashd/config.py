@@ -256,7 +256,7 @@ class Settings:
             "Where persistent sessions' KV blocks live: local (files in the state directory), "
             "s3://BUCKET/PREFIX (an S3-compatible store; credentials from AWS_* variables; needs "
             "kvstash[s3]) or redis://[USER:PASSWORD@]HOST:PORT/DB, rediss:// with TLS (Redis or "
-            "Valkey; needs kvstash[redis]).",
+            "Valkey).",
             url=True,
         ),
     )

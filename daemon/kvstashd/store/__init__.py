@@ -88,23 +88,20 @@ def open_durable(
         from kvstashd.store.local import LocalBlockStore
 
         return LocalBlockStore(root)
-    try:
-        if spec.startswith("s3://"):
+    if spec.startswith("s3://"):
+        try:
             from kvstashd.store.s3 import S3BlockStore
+        except ImportError as e:
+            raise OSError(
+                f"--store {spec} needs the S3 extra ({e.name} is missing): pip install 'kvstash[s3]'"
+            ) from None
+        s3 = S3BlockStore(
+            spec, endpoint=s3_endpoint, timeout=timeout, retries=retries, known_bytes=known_bytes
+        )
+        s3.probe()
+        return s3
+    from kvstashd.store.redis import RedisBlockStore  # redis-py is one of the daemon's own
 
-            s3 = S3BlockStore(
-                spec, endpoint=s3_endpoint, timeout=timeout, retries=retries, known_bytes=known_bytes
-            )
-            s3.probe()
-            return s3
-        from kvstashd.store.redis import RedisBlockStore
-
-        kv = RedisBlockStore(spec, timeout=timeout, retries=retries, known_bytes=known_bytes)
-        kv.probe()
-        return kv
-    except ImportError as e:
-        extra = "s3" if spec.startswith("s3://") else "redis"
-        raise OSError(
-            f"--store {redacted(spec)} needs the {extra} extra ({e.name} is missing): "
-            f"pip install 'kvstash[{extra}]'"
-        ) from None
+    kv = RedisBlockStore(spec, timeout=timeout, retries=retries, known_bytes=known_bytes)
+    kv.probe()
+    return kv
