@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from servers import RedisServer
 
-from kvstashd.catalog import Catalog, CheckpointRow, SqliteCatalog
+from kvstashd.catalog import Catalog, CheckpointRow, SessionRow, SqliteCatalog
 from kvstashd.config import ConfigError, Settings, catalog_url, resolve
 from kvstashd.errors import CatalogUnavailable, SessionElsewhere
 from kvstashd.store import redacted
@@ -84,7 +84,7 @@ def test_a_head_replaces_the_previous_one(catalog: Catalog) -> None:
     second = row(s, kind="head", at=4.0)
     assert catalog.add_checkpoint(second, b"two", [(key(2), 10)], now=2.0, head_of=s) == first.checkpoint_id
     assert catalog.get(first.checkpoint_id) is None
-    assert catalog.session(s) == (3.0, second.checkpoint_id)  # created_at stays the first
+    assert catalog.session(s) == SessionRow(3.0, second.checkpoint_id, "")  # created_at stays
     assert catalog.checkpoints(s) == [] and catalog.checkpoints(s, include_heads=True) == [second]
     # The old head's block is no longer referenced; the new one's is.
     assert catalog.unreferenced() == [(key(1), 10)]
@@ -101,7 +101,7 @@ def test_deletes_clear_heads_references_and_sessions(catalog: Catalog) -> None:
     assert catalog.counts() == {}
     assert catalog.unreferenced() == [(key(2), 5)]
     assert catalog.delete(head.checkpoint_id) is True
-    assert catalog.session(s) == (1.0, None)  # the session stays, headless
+    assert catalog.session(s) == SessionRow(1.0, None, "")  # the session stays, headless
     other = row(s, kind="head", at=3.0)
     catalog.add_checkpoint(other, b"h2", [(key(3), 7)], now=3.0, head_of=s)
     catalog.add_checkpoint(row(s, at=4.0), b"e2", [(key(3), 7)], now=4.0)
@@ -189,7 +189,7 @@ def test_a_lease_has_one_holder_and_a_lapsed_holder_is_fenced(redis_server: str)
     with pytest.raises(SessionElsewhere):
         a.add_checkpoint(late, b"a2", [(key(3), 1)], now=3.0, head_of=s, fence=lease_a.token)
     assert a.get(late.checkpoint_id) is None and a.block_size(key(3)) is None
-    assert b.session(s) == (1.0, moved.checkpoint_id)
+    assert b.session(s) == SessionRow(1.0, moved.checkpoint_id, "")
     with pytest.raises(SessionElsewhere):
         a.delete_session(s, fence=lease_a.token)
     assert a.renew_leases("daemon-a", {s: lease_a.token}, TTL_MS) == ({s}, set())
@@ -215,7 +215,7 @@ def test_an_unreachable_server_is_unavailable_until_it_is_back(
     with pytest.raises(CatalogUnavailable):
         catalog.add_checkpoint(row(s, kind="head", at=2.0), b"n", [], now=2.0, head_of=s)
     server.start()  # same port, same append-only file
-    assert catalog.session(s) == (1.0, head.checkpoint_id)
+    assert catalog.session(s) == SessionRow(1.0, head.checkpoint_id, "")
 
 
 def test_a_server_that_is_not_there_stops_the_catalog_at_once(tmp_path: Path) -> None:
@@ -238,3 +238,18 @@ def test_the_catalog_setting_takes_redis_urls_and_keeps_passwords_out_of_sight()
         Settings(catalog="redis://h:1/0?prefix=a:b").validate()
     shown = resolve({"catalog": "redis://user:hunter2@h:6379/0?prefix=x"}, {}).describe()
     assert "hunter2" not in shown and 'catalog = "redis://user:***@h:6379/0?prefix=x"' in shown
+
+
+def test_a_daemon_with_another_store_key_is_refused_at_start(redis_server: str, tmp_path: Path) -> None:
+    from kvstashd.server import durable_catalog
+    from kvstashd.statedir import StateDir
+
+    settings = Settings(catalog=f"{redis_server}?prefix=test-{secrets.token_hex(6)}")
+    state = StateDir.take(tmp_path / "state")
+    try:
+        durable_catalog(settings, state, b"k" * 32).close()
+        durable_catalog(settings, state, b"k" * 32).close()  # the deployment's key: accepted
+        with pytest.raises(OSError, match=r"another store key: copy store\.key"):
+            durable_catalog(settings, state, b"x" * 32)
+    finally:
+        state.release()

@@ -80,6 +80,15 @@ _COLUMNS = (
 
 
 @dataclass(frozen=True)
+class SessionRow:
+    """A persistent session as the catalog records it."""
+
+    created_at: float
+    head: str | None
+    tenant: str
+
+
+@dataclass(frozen=True)
 class Lease:
     """A session's lease as `take_lease` answers: granted with a fencing token (> 0), or
     held by another daemon for `wait_ms` more milliseconds (token 0)."""
@@ -148,8 +157,8 @@ class Catalog(Protocol):
         """Persistent sessions: (session_id, created_at, head checkpoint id or None)."""
         ...
 
-    def session(self, session_id: str) -> tuple[float, str | None] | None:
-        """One persistent session: (created_at, head), or None if the catalog has none."""
+    def session(self, session_id: str) -> SessionRow | None:
+        """One persistent session, or None if the catalog has none."""
         ...
 
     def counts(self) -> dict[str, int]:
@@ -178,6 +187,10 @@ class Catalog(Protocol):
         ...
 
     def known_blocks(self) -> set[str]: ...
+
+    def ping(self) -> None:
+        """One round trip to the catalog (CatalogUnavailable when it cannot be reached)."""
+        ...
 
     def take_lease(self, session_id: str, holder: str, ttl_ms: int) -> Lease:
         """Take (or extend, for its holder) the session's lease; a new holder gets a new,
@@ -397,12 +410,12 @@ class SqliteCatalog:
             ).fetchall()
         return [(r[0], r[1], r[2]) for r in rows]
 
-    def session(self, session_id: str) -> tuple[float, str | None] | None:
+    def session(self, session_id: str) -> SessionRow | None:
         with self._reading():
             found = self._db.execute(
-                "SELECT created_at, head FROM sessions WHERE session_id = ?", (session_id,)
+                "SELECT created_at, head, tenant FROM sessions WHERE session_id = ?", (session_id,)
             ).fetchone()
-        return None if found is None else (float(found[0]), found[1])
+        return None if found is None else SessionRow(float(found[0]), found[1], found[2])
 
     def counts(self) -> dict[str, int]:
         """Explicit checkpoints per session."""
@@ -462,6 +475,9 @@ class SqliteCatalog:
     def known_blocks(self) -> set[str]:
         with self._reading():
             return {r[0] for r in self._db.execute("SELECT block FROM blocks").fetchall()}
+
+    def ping(self) -> None:
+        return None
 
     def take_lease(self, session_id: str, holder: str, ttl_ms: int) -> Lease:
         return Lease(1)

@@ -412,6 +412,8 @@ class CheckpointStore:
         `used` counts) fits the budget. Returns the bytes freed."""
         used = used or self.store.total_bytes
         freed = 0
+        if used() <= budget_bytes:  # within it: the (shared, maybe remote) catalog is not listed
+            return 0
         with self._lock:
             for key, size in self.catalog.unreferenced():
                 if used() <= budget_bytes:

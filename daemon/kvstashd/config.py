@@ -175,7 +175,7 @@ class Settings:
         ),
     )
     lease_seconds: float = field(
-        default=10.0,
+        default=5.0,
         metadata=spec(
             "With a shared catalog: how long a session's lease lasts unrenewed (renewed while held); "
             "another daemon takes a session over once its holder's lease lapses.",
@@ -184,10 +184,11 @@ class Settings:
         ),
     )
     lease_wait: float = field(
-        default=2.0,
+        default=5.0,
         metadata=spec(
             "With a shared catalog: how long a request for a session another daemon holds waits for "
-            "its lease before UNAVAILABLE (with a retry hint).",
+            "its lease before UNAVAILABLE (with a retry hint); an idle session is handed over within "
+            "a third of lease-seconds.",
             low=0,
             high=600,
         ),

@@ -29,6 +29,9 @@ from kvstashd.errors import KvstashError, SessionElsewhere
 
 log = logging.getLogger(__name__)
 
+#: How often a request waiting for a leased session asks for it again.
+POLL_SECONDS = 0.1
+
 
 class Leases:
     """The leases this daemon holds in one catalog."""
@@ -46,26 +49,31 @@ class Leases:
         self.lost: set[str] = set()
         self.wanted: set[str] = set()
         self.on_change: Callable[[], None] = lambda: None
+        # Whether the catalog answered the last renewal (or ping): the metrics show it.
+        self.reachable = True
 
-    async def take(self, session_id: str) -> int:
+    async def take(self, session_id: str, wait: bool = True) -> int:
         """The session's lease (its fencing token), waiting up to `lease_wait` for another
-        holder to let it go or for its lease to lapse; SessionElsewhere after that."""
+        holder to let it go or for its lease to lapse; SessionElsewhere after that (without
+        `wait`: 0 at once)."""
         if not self.shared:
             return 1
-        deadline = time.monotonic() + self.wait_seconds
+        deadline = time.monotonic() + (self.wait_seconds if wait else 0)
         while True:
             lease = await asyncio.to_thread(self.catalog.take_lease, session_id, self.holder, self.ttl_ms)
             if lease.token:
                 self.held[session_id] = lease.token
-                self.lost.discard(session_id)
                 return lease.token
+            if not wait:
+                return 0
             left = deadline - time.monotonic()
             if left <= 0:
                 raise SessionElsewhere(
                     f"session {session_id} is in use on another daemon; retry in {lease.wait_ms} ms",
                     retry_after_ms=max(1, lease.wait_ms),
                 )
-            await asyncio.sleep(min(left, max(0.02, lease.wait_ms / 1000), self.ttl_ms / 4000))
+            # Asked often: a holder hands an idle session over at any of its renewals.
+            await asyncio.sleep(min(left, max(0.02, lease.wait_ms / 1000), POLL_SECONDS))
 
     async def release(self, session_id: str) -> None:
         """Let the lease go (best effort: unreleased, it lapses by itself)."""
@@ -91,20 +99,30 @@ class Leases:
         self.on_change()
 
     async def run(self) -> None:
-        """Renew the held leases three times per lease period until cancelled. A lease not
-        renewed (the catalog unreachable) may lapse: the next renewal finds it lost."""
+        """Renew the held leases three times per lease period until cancelled (holding none,
+        ask the catalog whether it answers). A lease not renewed (the catalog unreachable)
+        may lapse: the next renewal finds it lost."""
         if not self.shared:
             return
         while True:
             await asyncio.sleep(self.ttl_ms / 3000)
             held = dict(self.held)
             try:
-                lost, wanted = await asyncio.to_thread(
-                    self.catalog.renew_leases, self.holder, held, self.ttl_ms
-                )
+                if held:
+                    lost, wanted = await asyncio.to_thread(
+                        self.catalog.renew_leases, self.holder, held, self.ttl_ms
+                    )
+                else:
+                    await asyncio.to_thread(self.catalog.ping)
+                    lost, wanted = set(), set()
             except KvstashError as e:
-                log.warning("leases not renewed: %s", e)
+                if self.reachable:
+                    log.warning("the catalog does not answer; leases not renewed: %s", e)
+                self.reachable = False
                 continue
+            if not self.reachable:
+                log.info("the catalog answers again")
+            self.reachable = True
             # A session released or re-taken meanwhile is not lost.
             lost = {sid for sid in lost if self.held.get(sid) == held[sid]}
             for sid in lost:

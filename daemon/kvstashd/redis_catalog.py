@@ -44,7 +44,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kvstashd.catalog import CheckpointRow, Lease
+from kvstashd.catalog import CheckpointRow, Lease, SessionRow
 from kvstashd.config import catalog_url
 from kvstashd.errors import CatalogUnavailable, SessionElsewhere, StoreReadFailed
 from kvstashd.store import redacted
@@ -380,11 +380,11 @@ class RedisCatalog:
             if f[0] is not None
         ]
 
-    def session(self, session_id: str) -> tuple[float, str | None] | None:
-        found = self._call(self._db.hmget, self._k("session", session_id), ["created_at", "head"])
+    def session(self, session_id: str) -> SessionRow | None:
+        found = self._call(self._db.hmget, self._k("session", session_id), ["created_at", "head", "tenant"])
         if found[0] is None:
             return None
-        return float(found[0]), _str(found[1]) if found[1] else None
+        return SessionRow(float(found[0]), _str(found[1]) if found[1] else None, _str(found[2] or b""))
 
     def counts(self) -> dict[str, int]:
         found = self._call(self._db.hgetall, self._k("explicit"))
@@ -432,6 +432,9 @@ class RedisCatalog:
         return {_str(k) for k in self._call(self._db.hkeys, self._k("blocks"))}
 
     # ---- leases --------------------------------------------------------------------------
+
+    def ping(self) -> None:
+        self._call(self._db.ping)
 
     def take_lease(self, session_id: str, holder: str, ttl_ms: int) -> Lease:
         token, wait = self._call(

@@ -111,7 +111,7 @@ class SessionManager:
         self.shared = self.durable.catalog.shared
         self.leases = self.persistence.leases
         self.leases.on_change = self._leases_changed
-        self._adopting = asyncio.Lock()
+        self._adopting: dict[str, asyncio.Lock] = {}
         self._lease_task: asyncio.Task[None] | None = None
         self._letting_go: asyncio.Task[None] | None = None
 
@@ -221,22 +221,27 @@ class SessionManager:
         return await self.ops.run(self._adopt(session_id, tenant))
 
     async def _adopt(self, session_id: str, tenant: Tenant) -> Session:
+        # One lookup per session at a time (others wait for it, then find it registered).
+        lock = self._adopting.setdefault(session_id, asyncio.Lock())
         async with opsmod.current().waiting():
-            await self._adopting.acquire()
+            await lock.acquire()
         try:
-            found = self.sessions.get(session_id)
-            if found is not None:  # adopted while this request waited
+            if session_id in self.sessions:
                 return self.get(session_id, tenant)
+            # Checked before the lease is asked for: an id that is not the tenant's
+            # persistent session takes nobody's lease and leaves nothing in the catalog.
+            row = await asyncio.to_thread(self.durable.catalog.session, session_id)
+            if row is None or row.head is None or row.tenant != tenant.name:
+                raise NotFound(f"no session {session_id}")
             token = await self.leases.take(session_id)
             try:
+                # The head as of the lease: whoever held it before can no longer move it.
                 row = await asyncio.to_thread(self.durable.catalog.session, session_id)
-                if row is None or row[1] is None:
+                if row is None or row.head is None:
                     raise NotFound(f"no session {session_id}")
                 session, where = await asyncio.to_thread(
-                    self.persistence.session_at, session_id, row[1], self._restored_session
+                    self.persistence.session_at, session_id, row.head, self._restored_session
                 )
-                if session.tenant != tenant.name:
-                    raise NotFound(f"no session {session_id}")
             except BaseException:
                 await self.leases.release(session_id)
                 raise
@@ -247,7 +252,9 @@ class SessionManager:
             self.publish()
             return session
         finally:
-            self._adopting.release()
+            lock.release()
+            if not lock.locked() and self._adopting.get(session_id) is lock:
+                del self._adopting[session_id]
 
     def _leases_changed(self) -> None:
         """Leases lost or asked for: let those sessions go, once each is idle."""
@@ -273,6 +280,8 @@ class SessionManager:
                         log.warning("session %s is kept: its head was not saved: %s", session_id, e)
                         continue
                 lost = session_id in self.leases.lost
+                if lost and await self._lease_again(session):
+                    continue
                 session.closed = session.moved = True
                 self.sessions.pop(session_id, None)
                 await self.residency.forget(session)
@@ -284,6 +293,30 @@ class SessionManager:
                     log.info("session %s handed over to another daemon", session_id)
             self.residency.slot_freed()
         self.publish()
+
+    async def _lease_again(self, session: Session) -> bool:
+        """A lapsed lease that no other daemon made use of (an outage of the catalog, a pause
+        nobody noticed): taken again, the session stays here. True if it does: the head is
+        still this daemon's last one, as of the new lease."""
+        session_id = session.session_id
+        try:
+            row = await asyncio.to_thread(self.durable.catalog.session, session_id)
+            if row is None or row.head != session.head_checkpoint_id:
+                return False  # another daemon moved it on
+            token = await self.leases.take(session_id, wait=False)
+            if not token:
+                return False
+            row = await asyncio.to_thread(self.durable.catalog.session, session_id)
+            if row is None or row.head != session.head_checkpoint_id:
+                await self.leases.release(session_id)
+                return False
+        except KvstashError as e:
+            log.warning("session %s: its lease was not taken again: %s", session_id, e)
+            return False
+        session.lease = token
+        self.leases.lost.discard(session_id)
+        log.info("session %s: its lapsed lease was taken again (nobody else had used it)", session_id)
+        return True
 
     async def view(self, session: Session) -> SessionView:
         """The session as the RPCs report it; NotFound if it was closed meanwhile."""
