@@ -22,6 +22,9 @@ compared with, and reported as a ratio: this machine is shared and noisy.
                                against llama-server on the same model (bench_peer.py)
     scripts/bench turns        one-token turns on a ~1,900-token session, persistent vs
                                ephemeral, and the first turn after a restart and a kill -9
+    scripts/bench store        restore + first token of a 2,000-token persistent session from
+                               local disk, Redis and S3 (servers on loopback) vs re-prefill,
+                               and the session moving between two daemons sharing a catalog
 
 --charts DIR (before the benchmark's name) also draws PNG charts into DIR (matplotlib, in
 kvstash[dev]): checkpoint.png (restore vs re-prefill by context length; checkpoint runs
@@ -1129,6 +1132,159 @@ def bench_turns(args: argparse.Namespace) -> None:
     )
 
 
+# ---- store -------------------------------------------------------------------------------------
+
+# The moving daemons' lease: the holder renews it, and lets a wanted session go, every third.
+LEASE_SECONDS = 1.5
+
+
+def store_servers(work: Path) -> tuple[Any, Any]:
+    """Redis and S3 (weed mini) on loopback, as the tests start them (tests/servers.py)."""
+    missing = [
+        b
+        for b in ("redis-server", "weed")
+        if not (shutil.which(b) or (Path(sys.executable).parent / b).exists())
+    ]
+    if missing:
+        sys.exit(f"scripts/bench store needs {', '.join(missing)}: scripts/servers installs them")
+    sys.path.insert(0, str(ROOT / "tests"))
+    from servers import RedisServer, WeedMini
+
+    redis = RedisServer(work / "redis").start()
+    try:
+        weed = WeedMini(work / "weed").start()
+    except BaseException:
+        redis.stop()
+        raise
+    return redis, weed
+
+
+def restore_times(client: kvstash.Client, text: str, repeat: int) -> dict[str, Any]:
+    """A persistent session of `text`: its prefill, a full checkpoint, and restore + first
+    token of that checkpoint `repeat` times (each restore reads every block from the store)."""
+    s = client.create_session(sampling=SamplingParams(temperature=0.0), persistent=True)
+    prefill, done = timed(lambda: s.complete(text, max_tokens=1))
+    ck = s.checkpoint("full")  # its blocks are the autosave's: written during the prefill
+
+    def restore_first() -> None:
+        s.restore(ck.checkpoint_id)
+        next(iter(s.generate("", max_tokens=1)))
+
+    restores = [timed(restore_first)[0] for _ in range(repeat)]
+    s.close()
+    n = done.usage.prompt_tokens if done.usage else 0
+    return {"n": n, "prefill": prefill, "bytes": ck.bytes_referenced, "restores": restores}
+
+
+def move_times(
+    common: tuple[str, ...], catalog: str, store: tuple[str, ...], text: str, repeat: int
+) -> tuple[list[float], list[float]]:
+    """A persistent session moving between two daemons that share a catalog and a store, by
+    one-token turns on the daemon that does not have it: (whole requests, the hand-over by
+    the holder's next lease renewal included; requests sent once the holder let it go: the
+    lease taken, the head restored from the store, the first token)."""
+    flags = (*common, "--catalog", catalog, *store, "--lease-seconds", str(LEASE_SECONDS))
+    with daemon(*flags) as (a_address, a_state):
+        b_root = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
+        (b_root / "s").mkdir(mode=0o700)
+        shutil.copy(a_state / "store.key", b_root / "s" / "store.key")  # shared manifests' key
+        with (
+            daemon(*flags, state=b_root) as (b_address, _),
+            kvstash.Client(a_address) as a,
+            kvstash.Client(b_address) as b,
+        ):
+            s = a.create_session(sampling=SamplingParams(temperature=0.0), persistent=True)
+            s.complete(text, max_tokens=1)
+            whole, moves = [], []
+            for i in range(2 * repeat):
+                address, there = ((b_address, b), (a_address, a))[i % 2]
+
+                def move(there: kvstash.Client = there) -> None:
+                    next(iter(there.session(s.session_id).generate("", max_tokens=1)))
+
+                if i < repeat:
+                    whole.append(timed(move)[0])
+                    continue
+                # Asked for and given up at once: the holder lets it go at its next renewal.
+                with (
+                    kvstash.Client(address, timeout=0.05) as asker,
+                    contextlib.suppress(kvstash.KvstashError),
+                ):
+                    asker.session(s.session_id)
+                time.sleep(LEASE_SECONDS / 3 + 0.5)
+                moves.append(timed(move)[0])
+        shutil.rmtree(b_root, ignore_errors=True)
+    return whole, moves
+
+
+def bench_store(args: argparse.Namespace) -> None:
+    work = Path(tempfile.mkdtemp(prefix="kvstash-bench-servers-"))
+    redis, weed = store_servers(work)
+    try:
+        os.environ.update(weed.server.env)  # the daemons' S3 credentials (AWS_* variables)
+        common = ("--slots", "4", "--ctx-per-session", "4096", "--threads", str(args.threads))
+        stores = {
+            "local disk": (),
+            "Redis": ("--store", redis.url),
+            "S3 (weed mini)": (
+                "--store",
+                f"s3://{weed.bucket}/bench",
+                "--s3-endpoint",
+                weed.server.endpoint_url,
+            ),
+        }
+        with connected(*common) as (client, _):
+            probe = client.create_session()
+            per_story = probe.complete(STORY, max_tokens=1).usage.prompt_tokens
+            probe.close()
+        text = STORY * max(1, args.tokens // max(per_story, 1))
+        runs = {}
+        for name, flags in stores.items():
+            with connected(*common, *flags) as (client, _):
+                runs[name] = restore_times(client, text, args.repeat)
+        whole, moves = move_times(
+            common, f"{redis.url}?prefix=bench", ("--store", redis.url), text, args.repeat
+        )
+    finally:
+        weed.stop()
+        redis.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    prefill = statistics.median(r["prefill"] for r in runs.values())
+    local = statistics.median(runs["local disk"]["restores"])
+    n = runs["local disk"]["n"]
+    rows = [
+        (
+            f"{n}-token persistent session ({runs['local disk']['bytes'] / 1e6:.1f} MB), {args.threads} thr.",
+            "median",
+            "vs local restore",
+            "vs re-prefill",
+        ),
+        ("re-prefill from text + first token (median of 3 daemons)", f"{prefill * 1e3:,.0f} ms", "", "1x"),
+    ]
+    for name, run in runs.items():
+        restore = statistics.median(run["restores"])
+        rows.append(
+            (
+                f"restore + first token from {name} (median of {args.repeat})",
+                f"{restore * 1e3:.1f} ms",
+                f"{restore / local:.2f}x",
+                f"{prefill / restore:.0f}x faster",
+            )
+        )
+    for what, times in (("hand-over included", whole), ("once the holder let it go", moves)):
+        move = statistics.median(times)
+        rows.append(
+            (
+                f"the session moving to the other daemon, {what} (median of {args.repeat})",
+                f"{move * 1e3:.1f} ms",
+                f"{move / local:.2f}x (target <= 3x)",
+                f"{prefill / move:.0f}x faster (target >= 50x)",
+            )
+        )
+    print(f"two daemons: Redis catalog and store, --lease-seconds {LEASE_SECONDS} (renewed every third)")
+    table(rows)
+
+
 def main() -> None:
     import bench_peer  # imports this module's helpers as `bench`
 
@@ -1178,6 +1334,9 @@ def main() -> None:
     t.add_argument(
         "--flag", action="append", default=[], help="a daemon flag (repeatable): --flag=--codec=none"
     )
+    st = sub.add_parser("store")
+    st.add_argument("--tokens", type=int, default=2000)
+    st.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     benches = {
         "generate": bench_generate,
@@ -1190,6 +1349,7 @@ def main() -> None:
         "prefill": bench_prefill,
         "peer": bench_peer.run,
         "turns": bench_turns,
+        "store": bench_store,
     }
     benches[args.what](args)
 

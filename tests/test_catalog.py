@@ -1,10 +1,262 @@
-"""The catalog's block recency: kept in RAM by a restore, written with the next transaction."""
+"""The catalog, the same tests against each backend: the embedded sqlite one and Redis (a real
+redis-server on loopback, each test under a key prefix of its own). Leases and fencing, which
+only a shared catalog enforces, and outages of the server are tested against Redis."""
 
 from __future__ import annotations
 
+import secrets
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from kvstashd.catalog import Catalog, CheckpointRow
+import pytest
+from servers import RedisServer
+
+from kvstashd.catalog import Catalog, CheckpointRow, SessionRow, SqliteCatalog
+from kvstashd.config import ConfigError, Settings, catalog_url, resolve
+from kvstashd.errors import CatalogUnavailable, SessionElsewhere
+from kvstashd.store import redacted
+
+TTL_MS = 400
+
+
+def redis_catalog(url: str, prefix: str | None = None) -> Catalog:
+    from kvstashd.redis_catalog import RedisCatalog
+
+    return RedisCatalog(f"{url}?prefix={prefix or 'test-' + secrets.token_hex(6)}")
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def catalog(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Catalog]:
+    made: Catalog
+    if request.param == "sqlite":
+        made = SqliteCatalog(tmp_path / "catalog.db")
+    else:
+        made = redis_catalog(request.getfixturevalue("redis_server"))
+    yield made
+    made.close()
+
+
+def sid() -> str:
+    return "s_" + secrets.token_hex(12)
+
+
+def row(session_id: str, kind: str = "explicit", tenant: str = "", at: float = 1.0) -> CheckpointRow:
+    return CheckpointRow(
+        checkpoint_id="c_" + secrets.token_hex(12),
+        session_id=session_id,
+        label=f"label {kind}",
+        kind=kind,
+        n_tokens=128,
+        bytes_written=1000,
+        bytes_referenced=2000,
+        created_at=at,
+        tenant=tenant,
+    )
+
+
+def key(n: int) -> str:
+    return f"{n:064x}"
+
+
+def test_a_checkpoint_is_read_back_as_committed(catalog: Catalog) -> None:
+    s = sid()
+    r = row(s, tenant="acme", at=12.5)
+    catalog.add_checkpoint(r, b"\x00manifest\xff", [(key(1), 10), (key(2), 20)], now=5.0)
+    found = catalog.get(r.checkpoint_id)
+    assert found == (r, b"\x00manifest\xff")
+    assert catalog.get("c_" + "0" * 24) is None
+    assert catalog.checkpoints(s) == [r]
+    assert catalog.tenant_checkpoints("acme") == [r]
+    assert catalog.tenant_checkpoints("other") == []
+    assert catalog.counts() == {s: 1}
+    assert catalog.present([key(1), key(2), key(3)]) == {key(1), key(2)}
+    assert catalog.block_size(key(2)) == 20 and catalog.block_size(key(3)) is None
+    assert catalog.stored_bytes("acme") == 30 and catalog.stored_bytes("other") == 0
+    assert catalog.sessions() == [] and catalog.session(s) is None  # no head: not a session
+
+
+def test_a_head_replaces_the_previous_one(catalog: Catalog) -> None:
+    s = sid()
+    first = row(s, kind="head", at=3.0)
+    assert catalog.add_checkpoint(first, b"one", [(key(1), 10)], now=1.0, head_of=s) is None
+    assert catalog.sessions() == [(s, 3.0, first.checkpoint_id)]
+    second = row(s, kind="head", at=4.0)
+    assert catalog.add_checkpoint(second, b"two", [(key(2), 10)], now=2.0, head_of=s) == first.checkpoint_id
+    assert catalog.get(first.checkpoint_id) is None
+    assert catalog.session(s) == SessionRow(3.0, second.checkpoint_id, "")  # created_at stays
+    assert catalog.checkpoints(s) == [] and catalog.checkpoints(s, include_heads=True) == [second]
+    # The old head's block is no longer referenced; the new one's is.
+    assert catalog.unreferenced() == [(key(1), 10)]
+
+
+def test_deletes_clear_heads_references_and_sessions(catalog: Catalog) -> None:
+    s = sid()
+    head = row(s, kind="head")
+    catalog.add_checkpoint(head, b"h", [(key(1), 10)], now=1.0, head_of=s)
+    explicit = row(s, at=2.0)
+    catalog.add_checkpoint(explicit, b"e", [(key(1), 10), (key(2), 5)], now=2.0)
+    assert catalog.delete(explicit.checkpoint_id) is True
+    assert catalog.delete(explicit.checkpoint_id) is False
+    assert catalog.counts() == {}
+    assert catalog.unreferenced() == [(key(2), 5)]
+    assert catalog.delete(head.checkpoint_id) is True
+    assert catalog.session(s) == SessionRow(1.0, None, "")  # the session stays, headless
+    other = row(s, kind="head", at=3.0)
+    catalog.add_checkpoint(other, b"h2", [(key(3), 7)], now=3.0, head_of=s)
+    catalog.add_checkpoint(row(s, at=4.0), b"e2", [(key(3), 7)], now=4.0)
+    catalog.delete_session(s)
+    assert catalog.sessions() == [] and catalog.checkpoints(s, include_heads=True) == []
+    assert catalog.counts() == {}
+    assert sorted(catalog.unreferenced()) == [(key(1), 10), (key(2), 5), (key(3), 7)]
+
+
+def test_only_unreferenced_blocks_are_forgotten_least_recently_used_first(catalog: Catalog) -> None:
+    s = sid()
+    old, kept = row(s, at=1.0), row(s, at=2.0)
+    catalog.add_checkpoint(old, b"a", [(key(1), 10), (key(2), 20)], now=1.0)
+    catalog.add_checkpoint(kept, b"b", [(key(2), 20), (key(3), 30)], now=2.0)
+    catalog.delete(old.checkpoint_id)
+    assert catalog.unreferenced() == [(key(1), 10)]
+    catalog.touch([key(1)], now=9.0)
+    catalog.delete(kept.checkpoint_id)
+    assert [k for k, _ in catalog.unreferenced()] == [key(2), key(3), key(1)]
+    assert catalog.known_blocks() == {key(1), key(2), key(3)}
+    again = row(s, at=3.0)
+    catalog.add_checkpoint(again, b"c", [(key(3), 30)], now=3.0)  # referenced again
+    assert catalog.forget_blocks([key(1), key(3)]) == [key(1)]
+    assert catalog.known_blocks() == {key(2), key(3)}
+
+
+def test_stored_bytes_count_each_block_once_per_tenant(catalog: Catalog) -> None:
+    a, b = sid(), sid()
+    catalog.add_checkpoint(row(a, tenant="t1"), b"x", [(key(1), 100), (key(2), 50)], now=1.0)
+    catalog.add_checkpoint(row(a, kind="head", tenant="t1"), b"y", [(key(1), 100)], now=1.0, head_of=a)
+    catalog.add_checkpoint(row(b, tenant="t2"), b"z", [(key(1), 100)], now=1.0)
+    assert catalog.stored_bytes("t1") == 150
+    assert catalog.stored_bytes("t2") == 100
+
+
+def test_on_one_daemon_every_lease_is_granted(tmp_path: Path) -> None:
+    catalog = SqliteCatalog(tmp_path / "catalog.db")
+    assert catalog.take_lease(sid(), "a", TTL_MS).token > 0
+    assert catalog.renew_leases("a", {sid(): 1}, TTL_MS) == (set(), set())
+    assert not catalog.shared
+
+
+# ---- Redis only: prefixes, leases and fencing, idempotent retries, outages --------------------
+
+
+def test_prefixes_keep_deployments_apart(redis_server: str) -> None:
+    one, two = redis_catalog(redis_server), redis_catalog(redis_server)
+    s = sid()
+    one.add_checkpoint(row(s, kind="head"), b"m", [(key(1), 1)], now=1.0, head_of=s)
+    assert len(one.sessions()) == 1
+    assert two.sessions() == [] and two.known_blocks() == set() and two.counts() == {}
+
+
+def test_a_retried_commit_counts_once(redis_server: str) -> None:
+    catalog = redis_catalog(redis_server)
+    s = sid()
+    r = row(s)
+    catalog.add_checkpoint(r, b"m", [(key(1), 1)], now=1.0)
+    catalog.add_checkpoint(r, b"m", [(key(1), 1)], now=1.0)  # as after a timeout, retried
+    assert catalog.counts() == {s: 1}
+    catalog.delete(r.checkpoint_id)
+    assert catalog.counts() == {} and catalog.unreferenced() == [(key(1), 1)]
+
+
+def test_a_lease_has_one_holder_and_a_lapsed_holder_is_fenced(redis_server: str) -> None:
+    prefix = "test-" + secrets.token_hex(6)
+    a, b = redis_catalog(redis_server, prefix), redis_catalog(redis_server, prefix)
+    s = sid()
+    lease_a = a.take_lease(s, "daemon-a", TTL_MS)
+    assert lease_a.token > 0
+    head = row(s, kind="head")
+    a.add_checkpoint(head, b"a1", [(key(1), 1)], now=1.0, head_of=s, fence=lease_a.token)
+    refused = b.take_lease(s, "daemon-b", TTL_MS)
+    assert refused.token == 0 and 0 < refused.wait_ms <= TTL_MS
+    # The holder renews, and learns that another daemon asks for the session.
+    assert a.renew_leases("daemon-a", {s: lease_a.token}, TTL_MS) == (set(), {s})
+    assert a.take_lease(s, "daemon-a", TTL_MS).token == lease_a.token  # its own, extended
+    time.sleep(TTL_MS / 1000 + 0.2)  # a stops renewing: its lease lapses
+    lease_b = b.take_lease(s, "daemon-b", TTL_MS)
+    assert lease_b.token > lease_a.token
+    moved = row(s, kind="head", at=2.0)
+    b.add_checkpoint(moved, b"b1", [(key(2), 1)], now=2.0, head_of=s, fence=lease_b.token)
+    # a wakes up: its write of the head is refused, and changes nothing.
+    late = row(s, kind="head", at=3.0)
+    with pytest.raises(SessionElsewhere):
+        a.add_checkpoint(late, b"a2", [(key(3), 1)], now=3.0, head_of=s, fence=lease_a.token)
+    assert a.get(late.checkpoint_id) is None and a.block_size(key(3)) is None
+    assert b.session(s) == SessionRow(1.0, moved.checkpoint_id, "")
+    with pytest.raises(SessionElsewhere):
+        a.delete_session(s, fence=lease_a.token)
+    assert a.renew_leases("daemon-a", {s: lease_a.token}, TTL_MS) == ({s}, set())
+    a.release_lease(s, "daemon-a", lease_a.token)  # not a's: nothing happens
+    assert a.take_lease(s, "daemon-c", TTL_MS).token == 0
+    b.release_lease(s, "daemon-b", lease_b.token)
+    assert a.take_lease(s, "daemon-c", TTL_MS).token > lease_b.token
+    b.delete_session(s, fence=lease_b.token + 1)  # the newest token may delete it
+    assert b.session(s) is None
+
+
+def test_an_unreachable_server_is_unavailable_until_it_is_back(
+    start_redis: Callable[[], RedisServer],
+) -> None:
+    server = start_redis()
+    catalog = redis_catalog(server.url)
+    s = sid()
+    head = row(s, kind="head")
+    catalog.add_checkpoint(head, b"m", [(key(1), 1)], now=1.0, head_of=s)
+    server.stop()
+    with pytest.raises(CatalogUnavailable, match="cannot be reached"):
+        catalog.sessions()
+    with pytest.raises(CatalogUnavailable):
+        catalog.add_checkpoint(row(s, kind="head", at=2.0), b"n", [], now=2.0, head_of=s)
+    server.start()  # same port, same append-only file
+    assert catalog.session(s) == SessionRow(1.0, head.checkpoint_id, "")
+
+
+def test_a_server_that_is_not_there_stops_the_catalog_at_once(tmp_path: Path) -> None:
+    from servers import free_port
+
+    with pytest.raises(CatalogUnavailable):
+        redis_catalog(f"redis://127.0.0.1:{free_port()}/0")
+
+
+# ---- the setting ------------------------------------------------------------------------------
+
+
+def test_the_catalog_setting_takes_redis_urls_and_keeps_passwords_out_of_sight() -> None:
+    assert catalog_url("redis://127.0.0.1:6379/2?prefix=blue") == ("redis://127.0.0.1:6379/2", "blue")
+    assert catalog_url("rediss://h:1/0")[1] == "kvstash"
+    assert redacted("redis://:hunter2@h:6379/0") == "redis://:***@h:6379/0"
+    with pytest.raises(ConfigError, match=r"catalog.*redis://"):
+        Settings(catalog="postgres://h/db").validate()
+    with pytest.raises(ConfigError, match="prefix"):
+        Settings(catalog="redis://h:1/0?prefix=a:b").validate()
+    shown = resolve({"catalog": "redis://user:hunter2@h:6379/0?prefix=x"}, {}).describe()
+    assert "hunter2" not in shown and 'catalog = "redis://user:***@h:6379/0?prefix=x"' in shown
+
+
+def test_a_daemon_with_another_store_key_is_refused_at_start(redis_server: str, tmp_path: Path) -> None:
+    from kvstashd.server import durable_catalog
+    from kvstashd.statedir import StateDir
+
+    settings = Settings(catalog=f"{redis_server}?prefix=test-{secrets.token_hex(6)}")
+    state = StateDir.take(tmp_path / "state")
+    try:
+        durable_catalog(settings, state, b"k" * 32).close()
+        durable_catalog(settings, state, b"k" * 32).close()  # the deployment's key: accepted
+        with pytest.raises(OSError, match=r"another store key: copy store\.key"):
+            durable_catalog(settings, state, b"x" * 32)
+    finally:
+        state.release()
+
+
+# The sqlite catalog keeps block recency (touch, as a restore does) in RAM and writes it
+# with the next transaction.
 
 
 def _add(catalog: Catalog, checkpoint_id: str, blocks: list[str], now: float) -> None:
@@ -12,9 +264,9 @@ def _add(catalog: Catalog, checkpoint_id: str, blocks: list[str], now: float) ->
     catalog.add_checkpoint(row, b"manifest", [(k, 100) for k in blocks], now)
 
 
-def test_touched_blocks_are_dropped_last(tmp_path: Path) -> None:
+def test_sqlite_touched_blocks_are_dropped_last(tmp_path: Path) -> None:
     path = tmp_path / "catalog.db"
-    catalog = Catalog(path)
+    catalog = SqliteCatalog(path)
     _add(catalog, "c_1", ["a" * 64, "b" * 64], now=1.0)
     _add(catalog, "c_2", ["c" * 64], now=2.0)
     catalog.touch(["a" * 64], 3.0)  # as a restore does
@@ -23,15 +275,15 @@ def test_touched_blocks_are_dropped_last(tmp_path: Path) -> None:
     assert order == ["b", "c", "a"]
     catalog.close()
     # The recency went to disk with the deletes' transaction: a restart keeps the order.
-    again = Catalog(path)
+    again = SqliteCatalog(path)
     assert [key[0] for key, _ in again.unreferenced()] == order
     again.forget_blocks(["b" * 64, "c" * 64])
     assert [key for key, _ in again.unreferenced()] == ["a" * 64]
     again.close()
 
 
-def test_recency_is_written_before_the_order_is_read(tmp_path: Path) -> None:
-    catalog = Catalog(tmp_path / "catalog.db")
+def test_sqlite_recency_is_written_before_the_order_is_read(tmp_path: Path) -> None:
+    catalog = SqliteCatalog(tmp_path / "catalog.db")
     _add(catalog, "c_1", ["a" * 64, "b" * 64], now=1.0)
     assert catalog.delete("c_1")
     catalog.touch(["a" * 64], 5.0)  # no write transaction follows

@@ -82,6 +82,7 @@ def test_status_maps_to_error_class(status: grpc.StatusCode, cls: type[Exception
         (grpc.StatusCode.FAILED_PRECONDITION, "checkpoint-in-use", kvstash.CheckpointInUseError),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "store-write-failed", kvstash.StoreWriteError),
         (grpc.StatusCode.UNAVAILABLE, "store-read-failed", kvstash.StoreReadError),
+        (grpc.StatusCode.UNAVAILABLE, "store-unreachable", kvstash.StoreUnreachableError),
         # A cause nobody knows, or one that belongs to another status, leaves the status's class.
         (grpc.StatusCode.FAILED_PRECONDITION, "something-new", kvstash.FailedPreconditionError),
         (grpc.StatusCode.NOT_FOUND, "no-chat-template", kvstash.NotFoundError),

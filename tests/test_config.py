@@ -19,7 +19,7 @@ from daemons import model_path
 
 from kvstashd import config
 
-ORIGIN = re.compile(r"^#?\s*([a-z-]+)\b.*#\s*(.+)$")
+ORIGIN = re.compile(r"^#?\s*([a-z0-9-]+)\b.*#\s*(.+)$")
 
 
 def kvstash_serve(
@@ -141,6 +141,8 @@ def test_every_setting_has_a_flag_a_variable_and_help() -> None:
         ([], {}, "[tenants]\nslots = 4", "tenants (file {file}): no such setting"),
         ([], {}, "slots = ", "config: {file} is not valid TOML"),
         (["--slotz", "4"], {}, None, "No such option '--slotz'"),
+        (["--store", "ftp://host/x"], {}, None, "store (flag --store): must be local, s3://BUCKET/PREFIX"),
+        ([], {"KVSTASH_STORE": "s3://No_Such/x"}, None, "store (environment KVSTASH_STORE): the bucket of"),
     ],
 )
 def test_a_bad_setting_is_one_line_and_a_non_zero_exit(
@@ -158,6 +160,15 @@ def test_a_bad_setting_is_one_line_and_a_non_zero_exit(
         assert len(lines) == 1, result.stderr
         assert lines[0].startswith("error: " + line.format(file=file))
     assert not (tmp_path / "state").exists()
+
+
+def test_print_config_hides_a_remote_stores_password() -> None:
+    values, origins = printed(
+        "--store", "redis://kv:hunter2@127.0.0.1:6379/0", "--s3-endpoint", "http://127.0.0.1:8333"
+    )
+    assert values["store"] == "redis://kv:***@127.0.0.1:6379/0"
+    assert values["s3-endpoint"] == "http://127.0.0.1:8333"
+    assert origins["store"] == "flag --store"
 
 
 def test_a_missing_config_file_is_one_line(tmp_path: Path) -> None:

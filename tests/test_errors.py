@@ -14,7 +14,7 @@ from checkpoint_helpers import own_daemon
 from daemons import InProcessDaemon, check_serving, model_path
 
 import kvstash
-from kvstashd.catalog import Catalog, CheckpointRow
+from kvstashd.catalog import CheckpointRow, SqliteCatalog
 from kvstashd.errors import StoreReadFailed
 
 
@@ -290,7 +290,7 @@ def test_a_block_store_that_cannot_be_read_or_written(
 def test_a_catalog_that_cannot_be_read_stops_the_start_with_one_line(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
     state_dir.mkdir()
-    catalog = Catalog(state_dir / "catalog.db")
+    catalog = SqliteCatalog(state_dir / "catalog.db")
     row = CheckpointRow("c_" + "0" * 24, "s_" + "0" * 24, "", "explicit", 1, 1, 1, 0.0)
     catalog.add_checkpoint(row, b"manifest", [("ab" * 32, 10)], now=0.0)
     catalog.close()
@@ -300,7 +300,7 @@ def test_a_catalog_that_cannot_be_read_stops_the_start_with_one_line(tmp_path: P
     assert len(data) > page
     (state_dir / "catalog.db").write_bytes(data[:page] + b"\xff" * (len(data) - page))
     with pytest.raises(StoreReadFailed, match="cannot be read"):
-        Catalog(state_dir / "catalog.db")
+        SqliteCatalog(state_dir / "catalog.db")
     args = [
         "--state-dir",
         str(state_dir),

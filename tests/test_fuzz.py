@@ -55,7 +55,7 @@ from kvstashd import checkpoints as ckpt
 from kvstashd import manifest as mf
 from kvstashd import pieces
 from kvstashd import state as kvstate
-from kvstashd.catalog import Catalog
+from kvstashd.catalog import SqliteCatalog
 from kvstashd.chat import ChatMessage
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint, KvstashError
@@ -1205,7 +1205,7 @@ IMPORT_LIMIT = 1 << 22
 @contextlib.contextmanager
 def memory_store(layout: StateLayout | None, codec: str = "lz4") -> Iterator[CheckpointStore]:
     """A checkpoint store in RAM, as server.checkpoint_stores makes the volatile one."""
-    catalog = Catalog(":memory:")
+    catalog = SqliteCatalog(":memory:")
     try:
         yield CheckpointStore(
             catalog,

@@ -18,7 +18,10 @@ cause where causes share a status (the daemon names the cause in the trailing me
     ├── CorruptCheckpointError        DATA_LOSS
     ├── AuthError                     UNAUTHENTICATED
     ├── UnavailableError              UNAVAILABLE, DEADLINE_EXCEEDED
-    │   └── StoreReadError                store-read-failed
+    │   ├── StoreReadError                store-read-failed
+    │   ├── StoreUnreachableError         store-unreachable
+    │   ├── CatalogUnavailableError       catalog-unavailable
+    │   └── SessionElsewhereError         session-elsewhere (.retry_after: seconds)
     └── InternalError                 INTERNAL, and any other status
 """
 
@@ -28,6 +31,8 @@ import grpc
 
 #: The trailing-metadata key under which the daemon names an error's cause.
 CAUSE_KEY = "kvstash-error"
+#: The trailing-metadata key of the daemon's retry hint, in milliseconds.
+RETRY_KEY = "kvstash-retry-after-ms"
 
 
 class KvstashError(Exception):
@@ -36,6 +41,8 @@ class KvstashError(Exception):
 
     code: str = "UNKNOWN"
     cause: str = ""
+    #: Seconds after which the daemon says trying again may work (None: no hint).
+    retry_after: float | None = None
 
     def __init__(self, message: str, code: str | None = None) -> None:
         super().__init__(message)
@@ -128,6 +135,27 @@ class StoreReadError(UnavailableError):
     cause = "store-read-failed"
 
 
+class StoreUnreachableError(UnavailableError):
+    """The daemon's remote block store (S3, Redis) did not take a write: nothing was
+    saved; try again once it is back."""
+
+    cause = "store-unreachable"
+
+
+class CatalogUnavailableError(UnavailableError):
+    """The daemons' shared catalog server could not be reached; nothing was changed. Try
+    again: the daemon reconnects by itself."""
+
+    cause = "catalog-unavailable"
+
+
+class SessionElsewhereError(UnavailableError):
+    """Another daemon holds the session (it is advancing it, or took it over); try again
+    after ``retry_after`` seconds, here or where the session's requests are routed."""
+
+    cause = "session-elsewhere"
+
+
 class InternalError(KvstashError):
     """The daemon failed, or answered with a status kvstash does not expect."""
 
@@ -154,18 +182,26 @@ _BY_CAUSE: dict[str, type[KvstashError]] = {
         NoChatTemplateError,
         CheckpointInUseError,
         StoreReadError,
+        StoreUnreachableError,
+        CatalogUnavailableError,
+        SessionElsewhereError,
     )
 }
 
 
-def _cause(e: grpc.RpcError) -> str:
-    """The cause the daemon named in the call's trailing metadata ("" if none)."""
+def _trailing(e: grpc.RpcError, wanted: str) -> str:
+    """A value of the call's trailing metadata ("" if absent)."""
     trailing = getattr(e, "trailing_metadata", None)
     metadata = trailing() if callable(trailing) else None
     for key, value in metadata or ():
-        if key == CAUSE_KEY:
+        if key == wanted:
             return value if isinstance(value, str) else value.decode(errors="replace")
     return ""
+
+
+def _cause(e: grpc.RpcError) -> str:
+    """The cause the daemon named in the call's trailing metadata ("" if none)."""
+    return _trailing(e, CAUSE_KEY)
 
 
 def from_rpc_error(e: grpc.RpcError) -> KvstashError:
@@ -179,4 +215,8 @@ def from_rpc_error(e: grpc.RpcError) -> KvstashError:
     # A cause counts only with its own status: a class never stands for another status.
     if by_cause is not None and issubclass(by_cause, cls):
         cls = by_cause
-    return cls(details or status.name, code=status.name)
+    error = cls(details or status.name, code=status.name)
+    hint = _trailing(e, RETRY_KEY)
+    if hint.isdigit():
+        error.retry_after = int(hint) / 1000
+    return error

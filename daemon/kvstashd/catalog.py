@@ -1,8 +1,13 @@
-"""The checkpoint catalog: sqlite3 (WAL) tables of persistent sessions, checkpoints and
-block references. A checkpoint row, with its manifest and references, is committed in one
-transaction, after the blocks it references are durable. The database file is created
-0600 (it holds conversations in plain text; sqlite gives -wal and -shm its mode). A read
-that fails is StoreReadFailed; a write's sqlite3.Error is left to the caller (store_write).
+"""The checkpoint catalog: persistent sessions, their heads and leases, checkpoints and
+block references. `Catalog` is what the rest of the daemon uses; `SqliteCatalog` (here) is
+the embedded one, `RedisCatalog` (redis_catalog.py) the one several daemons share.
+
+The sqlite catalog is sqlite3 (WAL) tables. A checkpoint row, with its manifest and
+references, is committed in one transaction, after the blocks it references are durable.
+The database file is created 0600 (it holds conversations in plain text; sqlite gives -wal
+and -shm its mode). A read that fails is StoreReadFailed; a write's sqlite3.Error is left to
+the caller (store_write). One daemon holds the state directory (its lock), so it holds every
+session's lease: the lease methods grant them all and fencing tokens are not checked.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from kvstashd.errors import StoreReadFailed
 from kvstashd.statedir import private_file
@@ -73,8 +79,138 @@ _COLUMNS = (
 )
 
 
-class Catalog:
+@dataclass(frozen=True)
+class SessionRow:
+    """A persistent session as the catalog records it."""
+
+    created_at: float
+    head: str | None
+    tenant: str
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A session's lease as `take_lease` answers: granted with a fencing token (> 0), or
+    held by another daemon for `wait_ms` more milliseconds (token 0)."""
+
+    token: int
+    wait_ms: int = 0
+
+
+class Catalog(Protocol):
+    """What a catalog offers; every write is atomic (a transaction or a server-side script),
+    so a crash or an outage leaves it as it was before the write or after it. Methods block;
+    the daemon calls them in worker threads."""
+
+    #: Whether other daemons use this catalog too (sessions are found in it on demand,
+    #: and leases matter).
+    shared: bool
+
+    @property
+    def manifest_bytes(self) -> int:
+        """Bytes of the manifests held (what a catalog in RAM takes, near enough)."""
+        ...
+
+    def file_bytes(self) -> int:
+        """Bytes this catalog takes on the daemon's disk (0 in RAM or on a server)."""
+        ...
+
+    def close(self) -> None: ...
+
+    def add_checkpoint(
+        self,
+        row: CheckpointRow,
+        manifest: bytes,
+        blocks: Iterable[tuple[str, int]],
+        now: float,
+        head_of: str | None = None,
+        fence: int = 0,
+    ) -> str | None:
+        """Commit a checkpoint and its references. With head_of, it becomes that session's
+        head and the previous head is deleted; its id is returned. With a fence (a lease's
+        token), the head moves only if no daemon took the session's lease since: Fenced
+        otherwise, and nothing is written."""
+        ...
+
+    def get(self, checkpoint_id: str) -> tuple[CheckpointRow, bytes] | None: ...
+
+    def checkpoints(self, session_id: str, include_heads: bool = False) -> list[CheckpointRow]: ...
+
+    def tenant_checkpoints(self, tenant: str) -> list[CheckpointRow]:
+        """A tenant's explicit and imported checkpoints, oldest first."""
+        ...
+
+    def stored_bytes(self, tenant: str) -> int:
+        """Bytes of the distinct blocks a tenant's checkpoints reference."""
+        ...
+
+    def delete(self, checkpoint_id: str) -> bool:
+        """Delete a checkpoint (a head it was is cleared); False if there was none."""
+        ...
+
+    def delete_session(self, session_id: str, fence: int = 0) -> None:
+        """Forget a session, its head (if persistent), its lease and all its checkpoints
+        (fenced as add_checkpoint's head is)."""
+        ...
+
+    def sessions(self) -> list[tuple[str, float, str | None]]:
+        """Persistent sessions: (session_id, created_at, head checkpoint id or None)."""
+        ...
+
+    def session(self, session_id: str) -> SessionRow | None:
+        """One persistent session, or None if the catalog has none."""
+        ...
+
+    def counts(self) -> dict[str, int]:
+        """Explicit checkpoints per session."""
+        ...
+
+    def touch(self, keys: Iterable[str], now: float) -> None: ...
+
+    def present(self, keys: list[str]) -> set[str]:
+        """Which of these blocks the catalog knows."""
+        ...
+
+    def block_size(self, key: str) -> int | None: ...
+
+    def unreferenced(self) -> list[tuple[str, int]]:
+        """Blocks no checkpoint references, least recently used first: (key, size)."""
+        ...
+
+    def forget_blocks(self, keys: Iterable[str]) -> list[str]:
+        """Forget those of these blocks that no checkpoint references (now, atomically);
+        returns them: only those may be deleted from the block store."""
+        ...
+
+    def block_bytes(self) -> int:
+        """Bytes of the blocks the catalog records (what a remote store is counted as)."""
+        ...
+
+    def known_blocks(self) -> set[str]: ...
+
+    def ping(self) -> None:
+        """One round trip to the catalog (CatalogUnavailable when it cannot be reached)."""
+        ...
+
+    def take_lease(self, session_id: str, holder: str, ttl_ms: int) -> Lease:
+        """Take (or extend, for its holder) the session's lease; a new holder gets a new,
+        larger fencing token. Refused, the session is marked wanted for its holder."""
+        ...
+
+    def renew_leases(self, holder: str, leases: dict[str, int], ttl_ms: int) -> tuple[set[str], set[str]]:
+        """Extend these leases (session id -> token); returns the sessions whose lease the
+        holder no longer has, and those another daemon asked for since (take_lease)."""
+        ...
+
+    def release_lease(self, session_id: str, holder: str, token: int) -> None:
+        """Let the lease go, if it is still this holder's."""
+        ...
+
+
+class SqliteCatalog:
     """Thread-safe access to one catalog database (a file, or ':memory:')."""
+
+    shared = False
 
     def __init__(self, path: Path | str) -> None:
         self.path = None if str(path) == ":memory:" else Path(path)
@@ -151,6 +287,7 @@ class Catalog:
         blocks: Iterable[tuple[str, int]],
         now: float,
         head_of: str | None = None,
+        fence: int = 0,
     ) -> str | None:
         """Commit a checkpoint and its references. With head_of, it becomes that session's
         head and the previous head is deleted; its id is returned."""
@@ -256,7 +393,7 @@ class Catalog:
             self._delete(checkpoint_id)
             return found is not None
 
-    def delete_session(self, session_id: str) -> None:
+    def delete_session(self, session_id: str, fence: int = 0) -> None:
         """Forget a session, its head (if persistent) and all its checkpoints."""
         with self._transaction():
             self._db.execute(
@@ -275,6 +412,13 @@ class Catalog:
                 "SELECT session_id, created_at, head FROM sessions ORDER BY created_at"
             ).fetchall()
         return [(r[0], r[1], r[2]) for r in rows]
+
+    def session(self, session_id: str) -> SessionRow | None:
+        with self._reading():
+            found = self._db.execute(
+                "SELECT created_at, head, tenant FROM sessions WHERE session_id = ?", (session_id,)
+            ).fetchone()
+        return None if found is None else SessionRow(float(found[0]), found[1], found[2])
 
     def counts(self) -> dict[str, int]:
         """Explicit checkpoints per session."""
@@ -330,10 +474,35 @@ class Catalog:
             ).fetchall()
         return [(r[0], int(r[1])) for r in rows]
 
-    def forget_blocks(self, keys: Iterable[str]) -> None:
+    def forget_blocks(self, keys: Iterable[str]) -> list[str]:
+        forgotten = []
         with self._transaction():  # one transaction, not one (and one fsync) per block
-            self._db.executemany("DELETE FROM blocks WHERE block = ?", [(k,) for k in keys])
+            for key in keys:
+                gone = self._db.execute(
+                    "DELETE FROM blocks WHERE block = ? AND block NOT IN (SELECT block FROM refs)", (key,)
+                )
+                if gone.rowcount:
+                    forgotten.append(key)
+        return forgotten
+
+    def block_bytes(self) -> int:
+        """Bytes of the blocks the catalog records (what a remote store is counted as)."""
+        with self._reading():
+            found = self._db.execute("SELECT COALESCE(SUM(size), 0) FROM blocks").fetchone()
+        return int(found[0])
 
     def known_blocks(self) -> set[str]:
         with self._reading():
             return {r[0] for r in self._db.execute("SELECT block FROM blocks").fetchall()}
+
+    def ping(self) -> None:
+        return None
+
+    def take_lease(self, session_id: str, holder: str, ttl_ms: int) -> Lease:
+        return Lease(1)
+
+    def renew_leases(self, holder: str, leases: dict[str, int], ttl_ms: int) -> tuple[set[str], set[str]]:
+        return set(), set()
+
+    def release_lease(self, session_id: str, holder: str, token: int) -> None:
+        return None

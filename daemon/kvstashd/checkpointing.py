@@ -42,7 +42,7 @@ class Checkpointing:
 
     async def checkpoint(self, session_id: str, tenant: Tenant, label: str) -> CheckpointRow:
         """An immutable, labelled checkpoint of the session as it is now."""
-        session = self.m.get(session_id, tenant)
+        session = await self.m.find(session_id, tenant)
         if len(label) > MAX_LABEL:
             raise InvalidRequest(f"labels have at most {MAX_LABEL} characters")
         return await self.m.ops.run(self._checkpoint(tenant, session, label))
@@ -57,7 +57,7 @@ class Checkpointing:
         """A session's checkpoints, or with no session_id all of the tenant's (imports too)."""
         if not session_id:
             return await self.m.persistence.tenant_checkpoints(tenant)
-        session = self.m.get(session_id, tenant)
+        session = await self.m.find(session_id, tenant)
         return await asyncio.to_thread(self.m.persistence.store_of(session).catalog.checkpoints, session_id)
 
     def _check_checkpoint_id(self, checkpoint_id: str) -> None:
@@ -66,7 +66,7 @@ class Checkpointing:
 
     async def restore(self, session_id: str, checkpoint_id: str, tenant: Tenant) -> tuple[Session, bool]:
         """Roll the session back to a checkpoint. Returns (session, history evaluated again)."""
-        session = self.m.get(session_id, tenant)
+        session = await self.m.find(session_id, tenant)
         self._check_checkpoint_id(checkpoint_id)
         return await self.m.ops.run(self._restore(session, checkpoint_id, tenant))
 
@@ -88,7 +88,7 @@ class Checkpointing:
         if checkpoint_id:
             self._check_checkpoint_id(checkpoint_id)
             return await self.m.ops.run(self._fork_checkpoint(checkpoint_id, persistent, tenant))
-        source = self.m.get(session_id, tenant)
+        source = await self.m.find(session_id, tenant)
         return await self.m.ops.run(self._fork_session(source, persistent, tenant))
 
     async def _fork_checkpoint(

@@ -28,7 +28,14 @@ from kvstashd import manifest as mf
 from kvstashd import state as kvstate
 from kvstashd.budget import DiskBudget
 from kvstashd.catalog import Catalog, CheckpointRow
-from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint, NotFound
+from kvstashd.errors import (
+    CorruptCheckpoint,
+    IncompatibleCheckpoint,
+    KvstashError,
+    NotFound,
+    StoreReadFailed,
+    StoreUnreachable,
+)
 from kvstashd.manifest import Snapshot
 from kvstashd.store import BlockStore
 
@@ -109,6 +116,7 @@ class CheckpointStore:
         kind: str,
         now: float,
         head_of: str | None = None,
+        fence: int = 0,
         foreign_layout: str | None = None,
         boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None,
     ) -> tuple[CheckpointRow, Snapshot]:
@@ -117,7 +125,8 @@ class CheckpointStore:
 
         `boundary`: sliding-window and recurrent sections at an earlier block boundary of the
         same history (the system prompt's), stored and referenced too, so that the prefix
-        cache finds the whole state there (see prefix.py)."""
+        cache finds the whole state there (see prefix.py). `fence`: the lease token a head
+        write is conditioned on (Catalog.add_checkpoint)."""
         n_kv = kv.n if kv is not None else 0
         full, window, rec = self.plan(snap.tokens, n_kv, snap.block_tokens, snap.salt)
         extra: list[tuple[_Piece, Callable[[], bytes]]] = []
@@ -142,16 +151,20 @@ class CheckpointStore:
         data = mf.encode(snap, self.key)
         # At most: the pieces the store lacks, raw and framed, and the manifest (twice: the
         # catalog's write-ahead log holds it until its next checkpoint).
-        lacking = [p for p, _ in unique.values() if not self.store.has(p.key)]
+        # One batch per question: a remote store answers in a round trip, not one per piece.
+        held = self._held(list(unique))
+        lacking = [p for p, _ in unique.values() if p.key not in held]
         bound = sum(p.size + blk.FRAME_HEADER for p in lacking) + 2 * len(data) + 4096
         with self.budget.reserve(bound) if self.budget else contextlib.nullcontext(), self._lock:
             written = referenced = 0
             sizes: list[tuple[str, int]] = []
             new_keys: list[str] = []
             try:
+                # Asked again under the lock: a sweep may have dropped blocks meanwhile.
+                held = self._held(list(unique))
                 for piece, payload in unique.values():
                     size = self.catalog.block_size(piece.key)
-                    if size is None or not self.store.has(piece.key):
+                    if size is None or piece.key not in held:
                         block = blk.frame(payload(), self.codec)
                         if self.store.put(piece.key, block):
                             new_keys.append(piece.key)
@@ -170,17 +183,30 @@ class CheckpointStore:
                     created_at=now,
                     tenant=snap.tenant,
                 )
-                self.catalog.add_checkpoint(row, data, sizes, now, head_of=head_of)
+                self.catalog.add_checkpoint(row, data, sizes, now, head_of=head_of, fence=fence)
             except BaseException:
                 # Blocks this save wrote that no committed checkpoint knows: reclaimed now,
                 # not at the next start.
-                known = self.catalog.present(new_keys) if new_keys else set()
-                for key in new_keys:
-                    if key not in known:
-                        with contextlib.suppress(OSError):
+                # (Best effort: a remote store that failed the write may fail this too.)
+                with contextlib.suppress(OSError, KvstashError):
+                    known = self.catalog.present(new_keys) if new_keys else set()
+                    for key in new_keys:
+                        if key not in known:
                             self.store.delete(key)
                 raise
         return row, snap
+
+    def _held(self, keys: list[str]) -> set[str]:
+        """Which pieces of a save the store holds. A remote store that cannot say fails the
+        save as a write it did not take (StoreUnreachable), as a failed put would."""
+        try:
+            return self.store.present(keys)
+        except StoreReadFailed:
+            if not self.store.remote:
+                raise
+            raise StoreUnreachable(
+                "the block store does not answer (see the daemon's log); nothing was saved"
+            ) from None
 
     def _payloads(
         self, kv: kvstate.SeqKv | None, full: list[_Piece], window: list[_Piece], rec: _Piece | None
@@ -302,11 +328,17 @@ class CheckpointStore:
         lay = self.layout
         assert lay is not None
         wanted = [*full, *window, *([rec] if rec else [])]
+        ours = read == self.store.get
+        if ours and self.store.remote:
+            # All at once: a remote store pipelines or parallelises what one get per piece
+            # would wait for in turn.
+            frames = self.store.get_many([p.key for p in wanted])
+            read = frames.__getitem__  # an absent piece is the KeyError `get` gives
         # File reads and CRC-32 release the GIL: pieces are read and checked on every core.
         payloads = dict(
             zip(
                 (p.key for p in wanted),
-                _READERS.map(lambda p: self.read_block(p.key, p.size, read)[1], wanted),
+                _READERS.map(lambda p: self.read_block(p.key, p.size, read, ours=ours)[1], wanted),
                 strict=True,
             )
         )
@@ -331,9 +363,11 @@ class CheckpointStore:
         limit -= limit % block_tokens
         full, window, rec = self.plan(tokens, limit, block_tokens, salt)
         present = self.catalog.present([p.key for p in full])
+        known = [p.key for p in full if p.key in present]
+        held = self.store.present(known) if known else set()
         n = 0 if full else limit  # a recurrent model has no full-attention blocks
         for p in full:
-            if p.key not in present or not self.store.has(p.key):
+            if p.key not in held:
                 break
             n = p.end
         if self.layout.windowed is None and self.layout.recurrent is None:
@@ -342,7 +376,7 @@ class CheckpointStore:
             _, window, rec = self.plan(tokens, n, block_tokens, salt)
             extra = [p.key for p in [*window, *([rec] if rec else [])]]
             have = self.catalog.present(extra)
-            if all(k in have and self.store.has(k) for k in extra):
+            if all(k in have for k in extra) and len(self.store.present(extra)) == len(set(extra)):
                 return n
             n -= block_tokens
         return 0
@@ -353,11 +387,11 @@ class CheckpointStore:
         return self._read(n, full, window, rec, self.store.get)
 
     def read_block(
-        self, key: str, size: int, read: Callable[[str], bytes]
+        self, key: str, size: int, read: Callable[[str], bytes], *, ours: bool | None = None
     ) -> tuple[bytes, bytes | memoryview]:
         """One block, read once and checked: (its frame, its payload). A damaged block of
-        this store is removed, so that the next checkpoint holding those tokens writes it
-        again instead of reusing it."""
+        this store (`ours`; by default when `read` is the store's) is removed, so that the
+        next checkpoint holding those tokens writes it again instead of reusing it."""
         try:
             data = read(key)
         except KeyError:
@@ -368,9 +402,9 @@ class CheckpointStore:
         try:
             return data, blk.unframe(data, size, checksum=not trusted)
         except CorruptCheckpoint:
-            if read == self.store.get:
+            if ours or (ours is None and read == self.store.get):
                 log.error("removing damaged block %s", key)
-                with self._lock:
+                with self._lock, contextlib.suppress(OSError, KvstashError):
                     self.store.delete(key)
             raise
 
@@ -385,20 +419,27 @@ class CheckpointStore:
         `used` counts) fits the budget. Returns the bytes freed."""
         used = used or self.store.total_bytes
         freed = 0
+        if used() <= budget_bytes:  # within it: the (shared, maybe remote) catalog is not listed
+            return 0
         with self._lock:
-            dropped = []
             for key, size in self.catalog.unreferenced():
                 if used() <= budget_bytes:
                     break
-                self.store.delete(key)
-                dropped.append(key)
-                freed += size
-            self.catalog.forget_blocks(dropped)
+                # Forgotten first, and only if still unreferenced: with a shared catalog,
+                # another daemon may have referenced it since the list was read (and a
+                # remote store's bytes are what the catalog records).
+                if self.catalog.forget_blocks([key]):
+                    self.store.delete(key)
+                    freed += size
         return freed
 
     def remove_orphans(self) -> int:
         """Delete block files no catalog row knows: what a crash left between writing a
         block and committing its manifest. Run at start, before any save."""
+        if self.store.remote:
+            # Listing a bucket or a keyspace is as slow as the store is big, and another
+            # daemon's blocks may be there: a remote store is never listed at start.
+            return 0
         with self._lock:
             known = self.catalog.known_blocks()
             orphans = [key for key in self.store.block_keys() if key not in known]

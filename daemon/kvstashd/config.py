@@ -21,12 +21,14 @@ import re
 import tomllib
 import types
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvstashd.limits import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
+from kvstashd.store import redacted
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
 CODECS = ("lz4", "zstd", "none")
@@ -84,6 +86,8 @@ class Spec:
     key: str = ""
     # How --help shows a default computed at start (the CPU count, a path).
     shown: str = ""
+    # A URL that may carry a password: --print-config shows it as `***`.
+    url: bool = False
 
 
 def spec(help: str, **bounds: Any) -> dict[str, Spec]:
@@ -113,6 +117,27 @@ def _cpu_count() -> int:
     return min(os.cpu_count() or 1, 512)
 
 
+_CATALOG_PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def catalog_url(url: str) -> tuple[str, str]:
+    """(the URL the Redis client connects to, the key prefix) of a `--catalog` value,
+    `redis://[:PASSWORD@]HOST:PORT/DB?prefix=NAME` (also `rediss://`, `unix://`); the
+    prefix defaults to `kvstash`. ValueError says what is wrong."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(
+            f"must be empty (sqlite) or a redis://, rediss:// or unix:// URL, got {redacted(url)!r}"
+        )
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    prefixes = [v for k, v in query if k == "prefix"]
+    prefix = prefixes[-1] if prefixes else "kvstash"
+    if not _CATALOG_PREFIX.match(prefix):
+        raise ValueError(f"prefix must be 1-64 letters, digits, '.', '_' or '-', got {prefix[:80]!r}")
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "prefix"])
+    return urllib.parse.urlunsplit(parts._replace(query=rest)), prefix
+
+
 def is_local(address: str) -> bool:
     """Whether an address is a unix socket or on loopback."""
     if address.startswith("unix:"):
@@ -138,6 +163,34 @@ class Settings:
         metadata=spec(
             "Where the catalog, blocks and store key live (one daemon's alone).",
             shown="$XDG_STATE_HOME/kvstash",
+        ),
+    )
+    catalog: str = field(
+        default="",
+        metadata=spec(
+            "Where the catalog lives: empty for sqlite in the state directory (one daemon's), or "
+            "redis://[:PASSWORD@]HOST:PORT/DB?prefix=NAME for a Redis or Valkey server that several "
+            "daemons share (keys begin with the prefix, default kvstash).",
+            url=True,
+        ),
+    )
+    lease_seconds: float = field(
+        default=5.0,
+        metadata=spec(
+            "With a shared catalog: how long a session's lease lasts unrenewed (renewed while held); "
+            "another daemon takes a session over once its holder's lease lapses.",
+            low=0.2,
+            high=600,
+        ),
+    )
+    lease_wait: float = field(
+        default=5.0,
+        metadata=spec(
+            "With a shared catalog: how long a request for a session another daemon holds waits for "
+            "its lease before UNAVAILABLE (with a retry hint); an idle session is handed over within "
+            "a third of lease-seconds.",
+            low=0,
+            high=600,
         ),
     )
     slots: int = field(
@@ -208,9 +261,37 @@ class Settings:
     disk_budget: int = field(
         default=10 << 30,
         metadata=spec(
-            "Bytes of blocks kept on disk; unreferenced blocks beyond it are dropped.",
+            "Bytes of blocks kept on disk (with a remote --store: its blocks as the catalog records "
+            "them, plus the local spill area and catalog); unreferenced blocks beyond it are dropped.",
             low=0,
             unit="bytes",
+        ),
+    )
+    store: str = field(
+        default="local",
+        metadata=spec(
+            "Where persistent sessions' KV blocks live: local (files in the state directory), "
+            "s3://BUCKET/PREFIX (an S3-compatible store; credentials from AWS_* variables; needs "
+            "kvstash[s3]) or redis://[USER:PASSWORD@]HOST:PORT/DB, rediss:// with TLS (Redis or "
+            "Valkey).",
+            url=True,
+        ),
+    )
+    s3_endpoint: str = field(
+        default="",
+        metadata=spec("URL of the S3-compatible server for an s3:// store (empty: AWS's own).", url=True),
+    )
+    store_timeout: float = field(
+        default=5.0,
+        metadata=spec("Seconds a remote store's request may take before it is retried.", low=0.05, high=600),
+    )
+    store_retries: int = field(
+        default=2,
+        metadata=spec(
+            "Retries of a remote store's request that failed or timed out (with backoff); then the "
+            "request fails with UNAVAILABLE.",
+            low=0,
+            high=20,
         ),
     )
     ram_cache: int = field(
@@ -330,6 +411,11 @@ class Settings:
                 "address",
                 f"without auth-file the daemon listens on loopback or a unix socket only, not {self.address}",
             )
+        problem = store_problem(self.store)
+        if problem:
+            raise ConfigError("store", problem)
+        if self.s3_endpoint and not re.match(r"^https?://[^/\s]+", self.s3_endpoint):
+            raise ConfigError("s3-endpoint", f"must be an http:// or https:// URL, got {self.s3_endpoint!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError(
                 "tls-cert" if self.tls_cert is None else "tls-key", "tls-cert and tls-key go together"
@@ -337,6 +423,11 @@ class Settings:
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ConfigError("tls-client-ca", "needs tls-cert and tls-key")
         self.quota()  # raises on a malformed value
+        if self.catalog:
+            try:
+                catalog_url(self.catalog)
+            except ValueError as e:
+                raise ConfigError("catalog", str(e)) from None
         return self
 
     def quota(self) -> tuple[int, int, int]:
@@ -354,6 +445,29 @@ class Settings:
     @property
     def prompt_limit(self) -> int:
         return self.max_prompt_tokens or self.ctx_per_session
+
+
+# S3's bucket names: 3-63 lower-case letters, digits, dots and hyphens.
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+def store_problem(store: str) -> str:
+    """What is wrong with a --store value ("" if nothing)."""
+    if store == "local":
+        return ""
+    if store.startswith("s3://"):
+        bucket, _, prefix = store.removeprefix("s3://").partition("/")
+        if not _BUCKET.match(bucket):
+            return f"the bucket of an s3:// store must be 3-63 of a-z, 0-9, '.' and '-', got {bucket!r}"
+        if any(c.isspace() for c in prefix) or "//" in prefix.strip("/"):
+            return f"the prefix of an s3:// store must not hold spaces or '//', got {prefix!r}"
+        return ""
+    if store.startswith(("redis://", "rediss://")):
+        host = store.partition("://")[2].rpartition("@")[2]
+        if not re.match(r"^[^/\s]+(/\d+)?/?$", host):
+            return "a redis:// store is redis://[USER:PASSWORD@]HOST[:PORT][/DB]"
+        return ""
+    return "must be local, s3://BUCKET/PREFIX, redis://HOST:PORT/DB or rediss://..."
 
 
 # ---- the declarations, as flags, variables and file keys see them -----------------------------
@@ -457,7 +571,9 @@ class Option:
         return ""
 
     def show(self, value: object) -> str:
-        """A value as TOML writes it."""
+        """A value as TOML writes it (a URL's password as `***`)."""
+        if self.spec.url and isinstance(value, str):
+            value = redacted(value)
         if isinstance(value, bool):
             return "true" if value else "false"
         if isinstance(value, int | float):

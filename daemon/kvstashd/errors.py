@@ -16,7 +16,10 @@ that each error means one thing to a client.
     ├── CorruptCheckpoint             DATA_LOSS
     ├── Unauthenticated               UNAUTHENTICATED
     └── Unavailable                   UNAVAILABLE
-        └── StoreReadFailed               cause store-read-failed
+        ├── StoreReadFailed               cause store-read-failed
+        ├── StoreUnreachable              cause store-unreachable
+        ├── CatalogUnavailable            cause catalog-unavailable
+        └── SessionElsewhere              cause session-elsewhere (+ a retry hint)
 
 Only service.py turns these into gRPC statuses (by the `code` name), so this module
 does not import grpc.
@@ -24,6 +27,8 @@ does not import grpc.
 
 #: The trailing-metadata key that carries an error's `cause`.
 CAUSE_KEY = "kvstash-error"
+#: The trailing-metadata key of a retry hint: milliseconds after which trying again may work.
+RETRY_KEY = "kvstash-retry-after-ms"
 
 
 class KvstashError(Exception):
@@ -32,6 +37,8 @@ class KvstashError(Exception):
     code = "INTERNAL"
     #: What went wrong, for errors whose status other errors share ("" for none).
     cause = ""
+    #: When trying again may work, in milliseconds (0: no hint).
+    retry_after_ms = 0
 
 
 class InvalidRequest(KvstashError):
@@ -99,3 +106,29 @@ class StoreReadFailed(Unavailable):
     data may be intact, so this is not corruption."""
 
     cause = "store-read-failed"
+
+
+class StoreUnreachable(Unavailable):
+    """A remote block store (S3, Redis) refused a write or did not answer in time (the
+    server down, a timeout, an error of its own) after the bounded retries: nothing was
+    saved. It may well answer again soon, so this is not RESOURCE_EXHAUSTED."""
+
+    cause = "store-unreachable"
+
+
+class CatalogUnavailable(Unavailable):
+    """The shared catalog's server cannot be reached (or did not answer in time): nothing
+    that needed it was done; it is tried again on the next request."""
+
+    cause = "catalog-unavailable"
+
+
+class SessionElsewhere(Unavailable):
+    """Another daemon holds the session's lease (it is advancing the session), or took it
+    from this one; retry after `retry_after_ms`, when the lease may have lapsed."""
+
+    cause = "session-elsewhere"
+
+    def __init__(self, message: str, retry_after_ms: int = 0) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms

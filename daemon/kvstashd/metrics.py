@@ -36,6 +36,11 @@ class ManagerCollector:
             "Bytes of blocks in the durable store.",
             value=c.store_bytes,
         )
+        yield GaugeMetricFamily(
+            "kvstash_catalog_reachable",
+            "Whether the catalog answered its last request (1) or not (0); sqlite: always 1.",
+            value=1 if self.manager.leases.reachable else 0,
+        )
         yield CounterMetricFamily("kvstash_swap_ins", "Sessions loaded into a slot.", value=c.swap_ins)
         yield CounterMetricFamily(
             "kvstash_swap_in_seconds", "Time spent loading sessions into slots.", value=c.swap_in_seconds

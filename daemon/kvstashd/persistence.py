@@ -26,8 +26,9 @@ from kvstashd.budget import DiskBudget, state_bound
 from kvstashd.catalog import CheckpointRow
 from kvstashd.checkpoints import CheckpointStore, Loaded
 from kvstashd.config import Settings
-from kvstashd.errors import Busy, CorruptCheckpoint, KvstashError, NotFound
+from kvstashd.errors import Busy, CorruptCheckpoint, KvstashError, NotFound, SessionElsewhere
 from kvstashd.journal import TurnJournal
+from kvstashd.leases import Leases
 from kvstashd.manifest import Snapshot
 from kvstashd.placement import HistoryOnly, Placement, Residency, Stored, store_write
 from kvstashd.session import Session
@@ -61,6 +62,7 @@ class Persistence:
         self.settings = settings
         self.clock = clock
         self.residency: Residency | None = None
+        self.leases = Leases(stores.durable.catalog, settings.lease_seconds, settings.lease_wait)
 
     def store_of(self, session: Session) -> CheckpointStore:
         return self.durable if session.persistent else self.volatile
@@ -68,17 +70,24 @@ class Persistence:
     async def save_head(self, session: Session) -> tuple[str, Snapshot]:
         """Autosave a persistent session: its new head manifest, writing only new blocks."""
         assert self.residency is not None
+        if not session.lease:  # a new session: nobody else can hold it
+            session.lease = await self.leases.take(session.session_id)
         kv = await self.residency.state_of(session)
         snap = session.snapshot("", self.settings.block_tokens)
-        row, stored = await store_write(
-            self.durable.save,
-            snap,
-            kv,
-            kind="head",
-            now=self.clock(),
-            head_of=session.session_id,
-            boundary=session.boundary,
-        )
+        try:
+            row, stored = await store_write(
+                self.durable.save,
+                snap,
+                kv,
+                kind="head",
+                now=self.clock(),
+                head_of=session.session_id,
+                fence=session.lease,
+                boundary=session.boundary,
+            )
+        except SessionElsewhere:
+            self.leases.fenced(session.session_id)
+            raise
         session.head_checkpoint_id = row.checkpoint_id
         session.dirty = False
         session.head_n_kv = stored.n_kv
@@ -166,10 +175,15 @@ class Persistence:
         """Forget a session's head and checkpoints, in one transaction: the commit point of
         a close."""
         store = self.store_of(session)
-        await store_write(store.catalog.delete_session, session.session_id)
+        try:
+            await store_write(store.catalog.delete_session, session.session_id, session.lease)
+        except SessionElsewhere:
+            self.leases.fenced(session.session_id)
+            raise
         if session.persistent:
             self.journal.forget(session.session_id, erase=True)
-        if not session.persistent:
+            self.leases.forget(session.session_id)
+        else:
             await asyncio.to_thread(self.volatile.sweep, 0)
 
     async def import_checkpoint(self, spool: BinaryIO, tenant: Tenant) -> CheckpointRow:
@@ -190,42 +204,51 @@ class Persistence:
             if head is None:
                 continue
             try:
-                snap = self.durable.snapshot(head)
+                out.append(self.session_at(session_id, head, new_session, records.get(session_id)))
             except KvstashError as e:
                 log.error("persistent session %s is not loaded: %s", session_id, e)
                 continue
-            turn = self._recorded_turn(session_id, head, records.get(session_id))
-            if turn is not None and turn.fingerprint != snap.fingerprint:
-                turn = None
-            session = new_session(turn or snap, session_id)
-            session.head_checkpoint_id = head
-            if turn is not None:
-                # The turns since the head: its state, and their tokens pending (evaluated
-                # again on the next request, exactly as they were the first time).
-                n_kv = _covered(snap, turn)
-                session.apply(turn, n_kv)
-                session.dirty = True
-                session.head_n_kv = snap.n_kv
-                if n_kv and snap.kv_layout == self.durable.layout_desc:
-                    out.append((session, Stored(self.durable, head, snap)))
-                else:
-                    session.state.n_kv = 0
-                    out.append((session, HistoryOnly("turns since the head change its history")))
-                continue
-            session.apply(snap, snap.n_kv)
-            session.head_n_kv = snap.n_kv
-            if snap.n_kv and snap.kv_layout == self.durable.layout_desc:
-                where: Placement = Stored(self.durable, head, snap)
-            else:
-                if snap.n_kv:
-                    log.info(
-                        "session %s: its state has another layout; its history is evaluated again", session_id
-                    )
-                session.state.n_kv = 0
-                session.state.logits = None
-                where = HistoryOnly("a stored state of another layout")
-            out.append((session, where))
         return out
+
+    def session_at(
+        self,
+        session_id: str,
+        head: str,
+        new_session: Callable[[Snapshot, str], Session],
+        record: bytes | None = None,
+    ) -> tuple[Session, Placement]:
+        """A persistent session as its head checkpoint has it, continued by its journal
+        record (the turns since the head) where there is one, and where its state is
+        (blocking)."""
+        snap = self.durable.snapshot(head)
+        turn = self._recorded_turn(session_id, head, record)
+        if turn is not None and turn.fingerprint != snap.fingerprint:
+            turn = None
+        session = new_session(turn or snap, session_id)
+        session.head_checkpoint_id = head
+        session.head_n_kv = snap.n_kv
+        if turn is not None:
+            # The turns since the head: its state, and their tokens pending (evaluated
+            # again on the next request, exactly as they were the first time).
+            n_kv = _covered(snap, turn)
+            session.apply(turn, n_kv)
+            session.dirty = True
+            if n_kv and snap.kv_layout == self.durable.layout_desc:
+                return session, Stored(self.durable, head, snap)
+            session.state.n_kv = 0
+            return session, HistoryOnly("turns since the head change its history")
+        session.apply(snap, snap.n_kv)
+        if snap.n_kv and snap.kv_layout == self.durable.layout_desc:
+            where: Placement = Stored(self.durable, head, snap)
+        else:
+            if snap.n_kv:
+                log.info(
+                    "session %s: its state has another layout; its history is evaluated again", session_id
+                )
+            session.state.n_kv = 0
+            session.state.logits = None
+            where = HistoryOnly("a stored state of another layout")
+        return session, where
 
     def drop_stale_records(self, replayed: set[str], listed: set[str]) -> None:
         """Forget journal records found at start that no session continues from: covered by

@@ -59,7 +59,11 @@ class PrefixCache:
         salt = session.salt.hex()
         best_n, best_store = 0, None
         for store in (m.stores.durable, m.stores.volatile):
-            n = await asyncio.to_thread(store.longest_prefix, history, limit, block, salt)
+            try:
+                n = await asyncio.to_thread(store.longest_prefix, history, limit, block, salt)
+            except StoreReadFailed as e:  # a remote store down: the prefix is evaluated
+                log.warning("the cache of prefixes cannot be asked (%s); evaluating the prompt", e)
+                continue
             if n > best_n:
                 best_n, best_store = n, store
         if live is not None and live_n >= best_n and live_n > have:

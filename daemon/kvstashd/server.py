@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import hashlib
 import logging
 import os
 import secrets
@@ -23,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 from kvstashd.budget import DiskBudget
-from kvstashd.catalog import Catalog
+from kvstashd.catalog import Catalog, SqliteCatalog
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
 from kvstashd.context import ContextConfig, ModelInfo
@@ -36,7 +37,7 @@ from kvstashd.persistence import Stores
 from kvstashd.service import KvStashService
 from kvstashd.sessions import SessionManager
 from kvstashd.statedir import StateDir, fsync_dir
-from kvstashd.store import BlockStore
+from kvstashd.store import BlockStore, open_durable
 from kvstashd.store.local import LocalBlockStore
 from kvstashd.store.memory import MemoryBlockStore
 from kvstashd.tenants import AuthFileError, Quota, Tenants
@@ -99,10 +100,30 @@ def store_key(state_dir: Path) -> bytes:
     return key
 
 
+def durable_catalog(settings: Settings, state: StateDir, key: bytes) -> Catalog:
+    """sqlite in the state directory, or the shared Redis catalog `--catalog` names (redis-py
+    imported only then). Daemons sharing a catalog must share the store key (`store.key`):
+    one whose key differs stops here, where it would otherwise refuse every manifest."""
+    if not settings.catalog:
+        return SqliteCatalog(state.path / "catalog.db")
+    from kvstashd.redis_catalog import RedisCatalog
+
+    catalog = RedisCatalog(settings.catalog)
+    key_id = hashlib.blake2b(b"kvstash store key id", key=key, digest_size=16).hexdigest()
+    if catalog.store_key_id(key_id) != key_id:
+        catalog.close()
+        raise OSError(
+            f"the catalog {catalog.where} holds manifests signed with another store key: copy "
+            f"store.key from a daemon of that deployment into {state.path}"
+        )
+    return catalog
+
+
 def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: str) -> Stores:
-    """durable: catalog and blocks under the state dir; volatile: both in RAM; spill: blocks
-    under the state dir, wiped now, with its catalog in RAM (nothing of it outlives us);
-    the turn journal under the state dir, read back now (torn tail dropped)."""
+    """durable: the catalog under the state dir (or the shared one `--catalog` names), blocks
+    there too or in the remote store `--store` names; volatile: both in RAM; spill: blocks
+    under the state dir, wiped now, with its catalog in RAM (nothing of it outlives us); the
+    turn journal under the state dir, read back now (torn tail dropped)."""
     key = store_key(state.path)
 
     def make(catalog: Catalog, blocks: BlockStore) -> CheckpointStore:
@@ -118,9 +139,19 @@ def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: 
             exact=info.exact,
         )
 
-    durable = make(Catalog(state.path / "catalog.db"), LocalBlockStore(state.path / "blocks"))
+    catalog = durable_catalog(settings, state, key)
+    blocks = open_durable(
+        settings.store,
+        state.path / "blocks",
+        s3_endpoint=settings.s3_endpoint,
+        timeout=settings.store_timeout,
+        retries=settings.store_retries,
+        known_bytes=catalog.block_bytes,
+    )
+    durable = make(catalog, blocks)
     state.wipe_spill()
-    spill = make(Catalog(":memory:"), LocalBlockStore(state.spill))
+    # Ephemeral sessions' catalogs stay local and in RAM whatever the durable one is.
+    spill = make(SqliteCatalog(":memory:"), LocalBlockStore(state.spill))
     journal = FileJournal(state.path / "journal")
     disk = DiskBudget(
         settings.disk_budget,
@@ -128,7 +159,7 @@ def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: 
         lambda target: durable.sweep(target, used=disk.used),
     )
     durable.budget = spill.budget = journal.budget = disk
-    volatile = make(Catalog(":memory:"), MemoryBlockStore())
+    volatile = make(SqliteCatalog(":memory:"), MemoryBlockStore())
     return Stores(durable=durable, volatile=volatile, spill=spill, disk=disk, journal=journal)
 
 

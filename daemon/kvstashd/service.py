@@ -19,7 +19,7 @@ from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 from kvstashd import __version__
 from kvstashd.catalog import CheckpointRow
 from kvstashd.chat import ChatMessage, Message
-from kvstashd.errors import CAUSE_KEY, InvalidRequest, KvstashError, Unavailable
+from kvstashd.errors import CAUSE_KEY, RETRY_KEY, InvalidRequest, KvstashError, Unavailable
 from kvstashd.generation import Turn
 from kvstashd.job import Chunk
 from kvstashd.sampling import SamplingParams
@@ -71,7 +71,9 @@ async def send_session_header(context: grpc.aio.ServicerContext[Any, Any], sessi
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: BaseException) -> None:
     if isinstance(error, KvstashError) and type(error) is not KvstashError:
         # Errors that share a status say which cause they are (see errors.py).
-        cause = ((CAUSE_KEY, error.cause),) if error.cause else ()
+        cause: tuple[tuple[str, str], ...] = ((CAUSE_KEY, error.cause),) if error.cause else ()
+        if error.retry_after_ms:
+            cause += ((RETRY_KEY, str(error.retry_after_ms)),)
         await context.abort(grpc.StatusCode[error.code], str(error), trailing_metadata=cause)
     log.error("internal error", exc_info=error)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error (see the daemon's log)")
@@ -185,7 +187,7 @@ class KvStashService(pb_grpc.KvStashServicer):
 
     @unary
     async def GetSession(self, request: pb.GetSessionRequest, context: Any) -> pb.GetSessionResponse:
-        session = self.manager.get(request.session_id, self.tenant(context))
+        session = await self.manager.find(request.session_id, self.tenant(context))
         return pb.GetSessionResponse(session=self._session_pb(await self.manager.view(session)))
 
     @unary

@@ -39,6 +39,8 @@ class Session:
     system_end: int = 0
     boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None
     head_checkpoint_id: str = ""
+    # The fencing token of this daemon's lease on it (persistent sessions; 0: none yet).
+    lease: int = 0
     # What a chat turn that does not fit does (CONTEXT_POLICIES), and what truncating cost.
     context_policy: str = "error"
     truncations: int = 0
@@ -53,6 +55,8 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     job: Job | None = None
     closed: bool = False
+    # Let go to another daemon (a shared catalog): requests still holding it retry there.
+    moved: bool = False
 
     @property
     def busy(self) -> bool:

@@ -24,7 +24,15 @@ from kvstashd.checkpointing import Checkpointing
 from kvstashd.config import Settings
 from kvstashd.context import ModelInfo
 from kvstashd.engine import Engine
-from kvstashd.errors import Busy, ContextFull, InvalidRequest, KvstashError, NoChatTemplate, NotFound
+from kvstashd.errors import (
+    Busy,
+    ContextFull,
+    InvalidRequest,
+    KvstashError,
+    NoChatTemplate,
+    NotFound,
+    SessionElsewhere,
+)
 from kvstashd.generation import Conversations, Turn, check_stop
 from kvstashd.grammar import Grammars
 from kvstashd.job import Chunk
@@ -99,6 +107,13 @@ class SessionManager:
         self.counters = Counters()
         self.invariant_violations = 0
         self._unloaded: set[str] = set()
+        # A shared catalog: sessions are found in it on demand, one lookup at a time.
+        self.shared = self.durable.catalog.shared
+        self.leases = self.persistence.leases
+        self.leases.on_change = self._leases_changed
+        self._adopting: dict[str, asyncio.Lock] = {}
+        self._lease_task: asyncio.Task[None] | None = None
+        self._letting_go: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Finish set-up: the template's BOS/EOS text, and persistent sessions from disk."""
@@ -112,6 +127,11 @@ class SessionManager:
                 )
             )
             self.template = ChatTemplate(self.model.chat_template, bos, eos)
+        if self.shared:
+            # Other daemons' sessions are theirs until asked for (find).
+            self._lease_task = asyncio.create_task(self.leases.run())
+            self.publish()
+            return
         loaded = await asyncio.to_thread(self.persistence.load_persistent, self._restored_session)
         for session, where in loaded:
             self.sessions[session.session_id] = session
@@ -148,6 +168,12 @@ class SessionManager:
                     await self.ops.run(self._save(session))
                 except KvstashError as e:
                     log.error("session %s was not saved at shutdown: %s", session.session_id, e)
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lease_task
+        for session_id in list(self.leases.held):
+            await self.leases.release(session_id)
 
     async def _save(self, session: Session) -> None:
         async with self.use(session):
@@ -160,13 +186,19 @@ class SessionManager:
             await session.lock.acquire()
         try:
             if session.closed:
-                raise NotFound(f"no session {session.session_id}")
+                raise self._gone(session)
             yield
         finally:
             session.lock.release()
             # The session may now give its slot up to a request waiting for one.
             self.residency.slot_freed()
             self.publish()
+
+    @staticmethod
+    def _gone(session: Session) -> KvstashError:
+        if session.moved:
+            return SessionElsewhere(f"session {session.session_id} moved to another daemon; retry", 100)
+        return NotFound(f"no session {session.session_id}")
 
     # ---- registry ----------------------------------------------------------------------------
 
@@ -179,6 +211,115 @@ class SessionManager:
         if session is None or session.closed or session.tenant != tenant.name:
             raise NotFound(f"no session {session_id}")
         return session
+
+    async def find(self, session_id: str, tenant: Tenant) -> Session:
+        """The tenant's session, as `get` finds it; with a shared catalog, a persistent
+        session this daemon does not hold is looked up there and taken over (its lease
+        first, then its head): SessionElsewhere while another daemon holds it."""
+        try:
+            return self.get(session_id, tenant)
+        except NotFound:
+            if not self.shared:
+                raise
+        return await self.ops.run(self._adopt(session_id, tenant))
+
+    async def _adopt(self, session_id: str, tenant: Tenant) -> Session:
+        # One lookup per session at a time (others wait for it, then find it registered).
+        lock = self._adopting.setdefault(session_id, asyncio.Lock())
+        async with opsmod.current().waiting():
+            await lock.acquire()
+        try:
+            if session_id in self.sessions:
+                return self.get(session_id, tenant)
+            # Checked before the lease is asked for: an id that is not the tenant's
+            # persistent session takes nobody's lease and leaves nothing in the catalog.
+            row = await asyncio.to_thread(self.durable.catalog.session, session_id)
+            if row is None or row.head is None or row.tenant != tenant.name:
+                raise NotFound(f"no session {session_id}")
+            token = await self.leases.take(session_id)
+            try:
+                # The head as of the lease: whoever held it before can no longer move it.
+                row = await asyncio.to_thread(self.durable.catalog.session, session_id)
+                if row is None or row.head is None:
+                    raise NotFound(f"no session {session_id}")
+                session, where = await asyncio.to_thread(
+                    self.persistence.session_at, session_id, row.head, self._restored_session
+                )
+            except BaseException:
+                await self.leases.release(session_id)
+                raise
+            session.lease = token
+            self.sessions[session_id] = session
+            self.residency.add(session, where)
+            log.info("session %s taken over from the shared catalog", session_id)
+            self.publish()
+            return session
+        finally:
+            lock.release()
+            if not lock.locked() and self._adopting.get(session_id) is lock:
+                del self._adopting[session_id]
+
+    def _leases_changed(self) -> None:
+        """Leases lost or asked for: let those sessions go, once each is idle."""
+        if self._letting_go is None or self._letting_go.done():
+            self._letting_go = asyncio.get_running_loop().create_task(self.ops.run(self._let_go()))
+
+    async def _let_go(self) -> None:
+        for session_id in sorted(self.leases.lost | self.leases.wanted):
+            session = self.sessions.get(session_id)
+            lost = session_id in self.leases.lost
+            if session is None or session.closed:
+                self.leases.lost.discard(session_id)
+                continue
+            if not lost and session.busy:
+                continue  # in use here: the asker gets UNAVAILABLE and retries
+            async with session.lock:
+                if session.closed:
+                    continue
+                if not lost and session.dirty:
+                    try:
+                        await self.persistence.save_head(session)
+                    except KvstashError as e:
+                        log.warning("session %s is kept: its head was not saved: %s", session_id, e)
+                        continue
+                lost = session_id in self.leases.lost
+                if lost and await self._lease_again(session):
+                    continue
+                session.closed = session.moved = True
+                self.sessions.pop(session_id, None)
+                await self.residency.forget(session)
+                if lost:
+                    self.leases.lost.discard(session_id)
+                    log.warning("session %s dropped: another daemon holds it now", session_id)
+                else:
+                    await self.leases.release(session_id)
+                    log.info("session %s handed over to another daemon", session_id)
+            self.residency.slot_freed()
+        self.publish()
+
+    async def _lease_again(self, session: Session) -> bool:
+        """A lapsed lease that no other daemon made use of (an outage of the catalog, a pause
+        nobody noticed): taken again, the session stays here. True if it does: the head is
+        still this daemon's last one, as of the new lease."""
+        session_id = session.session_id
+        try:
+            row = await asyncio.to_thread(self.durable.catalog.session, session_id)
+            if row is None or row.head != session.head_checkpoint_id:
+                return False  # another daemon moved it on
+            token = await self.leases.take(session_id, wait=False)
+            if not token:
+                return False
+            row = await asyncio.to_thread(self.durable.catalog.session, session_id)
+            if row is None or row.head != session.head_checkpoint_id:
+                await self.leases.release(session_id)
+                return False
+        except KvstashError as e:
+            log.warning("session %s: its lease was not taken again: %s", session_id, e)
+            return False
+        session.lease = token
+        self.leases.lost.discard(session_id)
+        log.info("session %s: its lapsed lease was taken again (nobody else had used it)", session_id)
+        return True
 
     async def view(self, session: Session) -> SessionView:
         """The session as the RPCs report it; NotFound if it was closed meanwhile."""
@@ -267,6 +408,7 @@ class SessionManager:
                 await self.persistence.save_head(session)
             except BaseException:
                 await self.residency.forget(session)
+                await self.leases.release(session.session_id)
                 raise
         self.sessions[session.session_id] = session
         self.publish()
@@ -275,7 +417,7 @@ class SessionManager:
     async def close(self, session_id: str, tenant: Tenant) -> None:
         """Stop the session's generation if any, forget its head and checkpoints, free its
         state. All or nothing: the catalog transaction is the commit point."""
-        session = self.get(session_id, tenant)
+        session = await self.find(session_id, tenant)
         await self.ops.run(self._close(session))
 
     async def _close(self, session: Session) -> None:
@@ -289,7 +431,7 @@ class SessionManager:
 
     async def rewind(self, session_id: str, tenant: Tenant, n_tokens: int) -> Session:
         """Keep the first n_tokens tokens of history; the session continues from there."""
-        session = self.get(session_id, tenant)
+        session = await self.find(session_id, tenant)
         return await self.ops.run(self._rewind(session, n_tokens))
 
     async def _rewind(self, session: Session, n_tokens: int) -> Session:
@@ -309,7 +451,7 @@ class SessionManager:
 
     # ---- generation --------------------------------------------------------------------------
 
-    def generate(
+    async def generate(
         self,
         session_id: str,
         tenant: Tenant,
@@ -320,8 +462,8 @@ class SessionManager:
         turn: Turn,
     ) -> AsyncIterator[Chunk]:
         """Extend the session by a prompt (text or token ids) and stream the continuation."""
-        session = self.get(session_id, tenant)
-        return self.ops.stream(
+        session = await self.find(session_id, tenant)
+        stream: AsyncIterator[Chunk] = self.ops.stream(
             lambda put: self.conversations.generate(
                 session,
                 put,
@@ -331,26 +473,38 @@ class SessionManager:
                 turn=turn,
             )
         )
+        async for chunk in stream:
+            yield chunk
 
-    def chat(self, session_id: str, tenant: Tenant, *, message: str, turn: Turn) -> AsyncIterator[Chunk]:
+    async def chat(
+        self, session_id: str, tenant: Tenant, *, message: str, turn: Turn
+    ) -> AsyncIterator[Chunk]:
         """Add a user message through the chat template and stream the assistant's reply."""
-        session = self.get(session_id, tenant)
         if self.template is None:
+            self.get(session_id, tenant)  # an unknown session is NotFound first
             raise NoChatTemplate("the model has no chat template; use Generate")
-        return self.ops.stream(lambda put: self.conversations.chat(session, put, message=message, turn=turn))
+        session = await self.find(session_id, tenant)
+        stream: AsyncIterator[Chunk] = self.ops.stream(
+            lambda put: self.conversations.chat(session, put, message=message, turn=turn)
+        )
+        async for chunk in stream:
+            yield chunk
 
-    def converse(
+    async def converse(
         self, session_id: str, tenant: Tenant, *, messages: Sequence[Message], whole: bool, turn: Turn
     ) -> AsyncIterator[Chunk]:
         """Add messages of any roles through the chat template and stream the assistant's
         reply; with `whole`, the messages are the whole conversation and the session keeps
         what of its history matches them."""
-        session = self.get(session_id, tenant)
         if self.template is None:
+            self.get(session_id, tenant)
             raise NoChatTemplate("the model has no chat template; use Generate")
-        return self.ops.stream(
+        session = await self.find(session_id, tenant)
+        stream: AsyncIterator[Chunk] = self.ops.stream(
             lambda put: self.conversations.converse(session, put, messages=messages, whole=whole, turn=turn)
         )
+        async for chunk in stream:
+            yield chunk
 
     # ---- counters, expiry, invariants ----------------------------------------------------------
 
@@ -434,7 +588,8 @@ class SessionManager:
         engine_check = asyncio.wrap_future(self.engine.call(lambda e: e.check(owners, deep)))
         catalog = {sid for sid, _, _ in await asyncio.to_thread(self.durable.catalog.sessions)}
         problems += await engine_check
-        if catalog != live and not self.ops.running:
+        # A shared catalog holds other daemons' sessions too.
+        if catalog != live and not self.ops.running and not self.shared:
             problems.append(f"persistent sessions differ from the catalog's: {sorted(catalog ^ live)}")
         return problems
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvstashd.errors import StoreReadFailed
@@ -20,9 +21,13 @@ from kvstashd.store import check_key
 
 log = logging.getLogger(__name__)
 
+# File reads release the GIL: a restore's blocks are read on every core.
+_READERS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kvstash-file")
+
 
 class LocalBlockStore:
     in_process = False
+    remote = False
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -57,6 +62,19 @@ class LocalBlockStore:
         except OSError as e:
             log.error("cannot read block %s: %s", path, e)
             raise StoreReadFailed("the state store cannot be read (see the daemon's log)") from None
+
+    def present(self, keys: Sequence[str]) -> set[str]:
+        return {k for k in keys if self.has(k)}
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        def read(key: str) -> bytes | None:
+            try:
+                return self.get(key)
+            except KeyError:
+                return None
+
+        found = zip(keys, _READERS.map(read, keys), strict=True)
+        return {k: data for k, data in found if data is not None}
 
     def put(self, key: str, data: bytes) -> int:
         path = self._path(key)

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from kvstashd.store import check_key
 
 
 class MemoryBlockStore:
     in_process = True
+    remote = False
 
     def __init__(self) -> None:
         self._blocks: dict[str, bytes] = {}
         self._bytes = 0
 
     def has(self, key: str) -> bool:
-        return key in self._blocks
+        return check_key(key) in self._blocks
+
+    def present(self, keys: Sequence[str]) -> set[str]:
+        return {k for k in keys if self.has(k)}
 
     def get(self, key: str) -> bytes:
-        return self._blocks[key]
+        return self._blocks[check_key(key)]
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        return {k: self._blocks[k] for k in keys if self.has(k)}
 
     def put(self, key: str, data: bytes) -> int:
         if check_key(key) in self._blocks:
@@ -28,7 +35,7 @@ class MemoryBlockStore:
         return len(data)
 
     def delete(self, key: str) -> None:
-        data = self._blocks.pop(key, None)
+        data = self._blocks.pop(check_key(key), None)
         if data is not None:
             self._bytes -= len(data)
 

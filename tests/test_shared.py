@@ -1,0 +1,229 @@
+"""Several daemons, one population of sessions: two daemons (subprocesses, separate state
+directories) share a Redis catalog and a Redis block store on loopback. Any daemon continues
+any persistent session exactly; a session has one writer at a time (a lease with a fencing
+token); a daemon paused or killed mid-generation loses the session to the other, which goes
+on from the last acknowledged turn; a catalog server that stops makes requests UNAVAILABLE
+until it is back, and nothing acknowledged is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from daemons import DaemonProcess, wait_until
+from servers import RedisServer, free_port
+
+import kvstash
+
+LEASE_SECONDS = 1.5
+# Room to spare for a loaded 2-core machine: the lease lapses, then one renewal period.
+LAPSE = LEASE_SECONDS + 1.0
+SAMPLING = kvstash.SamplingParams(seed=1234)  # sampled, not greedy: the RNG position must move too
+SYSTEM = (
+    "You are a helpful assistant for a small bakery. You answer questions about bread, cakes, "
+    "opening hours and orders. Keep every answer short and friendly, and never invent prices. "
+    "When you do not know something, say so and suggest calling the shop. The shop opens at "
+    "seven in the morning and closes at six in the evening, every day except Monday. Orders "
+    "for cakes need two days of notice. The bakery sells sourdough, rye, baguettes, croissants "
+    "and seasonal fruit tarts."
+)
+SALT = b"shared-test-salt-0001"
+OTHER_SALT = b"shared-test-salt-0002"
+
+
+def shared_pair(
+    spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_url: str, *b_args: str
+) -> tuple[DaemonProcess, DaemonProcess]:
+    """Two daemons on one Redis catalog (a prefix of their own) and store, B given A's store
+    key (and `b_args`)."""
+    catalog = f"{redis_url}?prefix=shared-{secrets.token_hex(6)}"
+    args = (
+        "--catalog",
+        catalog,
+        "--store",
+        redis_url,
+        "--lease-seconds",
+        str(LEASE_SECONDS),
+        "--lease-wait",
+        "4",
+    )
+    a = spawn_daemon(*args)
+    b_state = tmp_path / "state-b"
+    b_state.mkdir(mode=0o700)
+    shutil.copy(a.state_dir / "store.key", b_state / "store.key")
+    (b_state / "store.key").chmod(0o600)
+    b = spawn_daemon(*args, *b_args, state_dir=b_state)
+    return a, b
+
+
+def test_a_session_continues_exactly_on_another_daemon(
+    spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_server: str
+) -> None:
+    a, b = shared_pair(spawn_daemon, tmp_path, redis_server)
+    with kvstash.Client(a.address, timeout=60) as ca, kvstash.Client(b.address, timeout=60) as cb:
+        s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING, cache_salt=SALT)
+        s.chat("When do you open?", max_tokens=12)
+        checkpoint = s.checkpoint("after the first turn")
+        twin = s.fork(persistent=True)  # the same state, on A: what A would have said next
+        expected = twin.chat("And on Mondays?", max_tokens=16)
+        before = s.info().n_tokens
+
+        moved = cb.session(s.session_id)  # B finds it in the catalog; A hands it over
+        assert moved.info().n_tokens == before
+        got = moved.chat("And on Mondays?", max_tokens=16)
+        assert got.token_ids == expected.token_ids
+        assert got.usage is not None and expected.usage is not None
+        # Restored from the shared store, not evaluated again.
+        assert got.usage.evaluated_tokens == expected.usage.evaluated_tokens < before
+
+        forked = cb.fork_session(checkpoint_id=checkpoint.checkpoint_id)  # A's checkpoint
+        assert forked.chat("And on Mondays?", max_tokens=16).token_ids == expected.token_ids
+
+        # A's cached system prompt is attached on B for the same salt, and never for another.
+        same = cb.create_session(SYSTEM, sampling=SAMPLING, cache_salt=SALT).chat("Hi", max_tokens=1)
+        other = cb.create_session(SYSTEM, sampling=SAMPLING, cache_salt=OTHER_SALT).chat("Hi", max_tokens=1)
+        assert same.usage is not None and other.usage is not None
+        assert same.usage.reused_tokens >= 64 and other.usage.reused_tokens == 0
+        assert same.token_ids == other.token_ids
+
+        # And back to A, with B's turn in it.
+        back = ca.session(s.session_id)
+        assert back.info().n_tokens == moved.info().n_tokens
+        back.close()
+        with pytest.raises(kvstash.NotFoundError):
+            cb.session(s.session_id)
+
+
+class Background:
+    """A streamed chat in a thread: its first chunk is awaited, its end (or error) kept."""
+
+    def __init__(self, session: kvstash.Session, message: str, max_tokens: int) -> None:
+        self.started = threading.Event()
+        self.error: BaseException | None = None
+        self.chunks: list[kvstash.Chunk] = []
+        self._thread = threading.Thread(target=self._run, args=(session, message, max_tokens), daemon=True)
+        self._thread.start()
+        assert self.started.wait(60), "the generation did not start"
+
+    def _run(self, session: kvstash.Session, message: str, max_tokens: int) -> None:
+        try:
+            for chunk in session.chat_stream(message, max_tokens=max_tokens):
+                self.chunks.append(chunk)
+                self.started.set()
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.started.set()
+
+    def join(self, timeout: float = 120) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive()
+
+
+def test_a_paused_daemon_is_fenced_and_a_killed_ones_sessions_go_on_elsewhere(
+    spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_server: str
+) -> None:
+    # One pair for both faults (daemons are slow to start); B waits for no lease.
+    a, b = shared_pair(spawn_daemon, tmp_path, redis_server, "--lease-wait", "0")
+    with kvstash.Client(a.address, timeout=120) as ca, kvstash.Client(b.address, timeout=60) as cb:
+        # Paused mid-generation past its lease: B takes over from the last acknowledged turn.
+        s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING)
+        s.chat("When do you open?", max_tokens=8)
+        expected = s.fork(persistent=True).chat("Do you sell rye?", max_tokens=12)
+        acknowledged = s.info().n_tokens
+        running = Background(s, "Tell me about every bread you sell.", max_tokens=120)
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            time.sleep(LAPSE)
+            moved = cb.session(s.session_id)
+            assert moved.info().n_tokens == acknowledged
+            assert moved.chat("Do you sell rye?", max_tokens=12).token_ids == expected.token_ids
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        running.join()
+        # A's generation ends, and its autosave is refused: the lease is B's.
+        assert isinstance(running.error, kvstash.SessionElsewhereError), running.error
+        assert "another daemon" in a.log()
+        # The head is B's: asked again, A takes the session over from B with B's turn.
+        n_on_b = moved.info().n_tokens
+        assert ca.session(s.session_id).info().n_tokens == n_on_b
+
+        # Killed mid-generation: until its lease lapses B answers UNAVAILABLE with a retry
+        # hint; then B takes the session over, from the last acknowledged turn.
+        s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING)
+        s.chat("Can I order a cake?", max_tokens=8)
+        expected = s.fork(persistent=True).chat("For Friday?", max_tokens=12)
+        acknowledged = s.info().n_tokens
+        running = Background(s, "List every cake you make, with details.", max_tokens=120)
+        a.kill()
+        running.join()
+        assert isinstance(running.error, kvstash.UnavailableError)
+        hints = []
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                moved = cb.session(s.session_id)
+                break
+            except kvstash.SessionElsewhereError as e:
+                assert e.retry_after is not None and 0 < e.retry_after <= LEASE_SECONDS
+                hints.append(e.retry_after)
+                assert time.monotonic() < deadline
+                time.sleep(e.retry_after)
+        assert hints
+        assert moved.info().n_tokens == acknowledged
+        assert moved.chat("For Friday?", max_tokens=12).token_ids == expected.token_ids
+
+
+def test_a_catalog_outage_is_unavailable_loses_nothing_and_ends_by_itself(
+    spawn_daemon: Callable[..., DaemonProcess], start_redis: Callable[[], RedisServer]
+) -> None:
+    server = start_redis()
+    assert server.proc is not None
+    metrics = f"127.0.0.1:{free_port()}"
+    daemon = spawn_daemon(
+        "--catalog", server.url, "--lease-seconds", str(LEASE_SECONDS), "--metrics-address", metrics
+    )
+
+    def reachable() -> str:
+        with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return next(line for line in text.splitlines() if line.startswith("kvstash_catalog_reachable "))
+
+    assert reachable() == "kvstash_catalog_reachable 1.0"
+    with kvstash.Client(daemon.address, timeout=60) as client:
+        s = client.create_session(SYSTEM, persistent=True, sampling=SAMPLING)
+        s.chat("When do you open?", max_tokens=8)
+        expected = s.fork(persistent=True).chat("And close?", max_tokens=12)
+        acknowledged = s.info().n_tokens
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            with pytest.raises(kvstash.UnavailableError) as failed:
+                s.chat("And close?", max_tokens=12)  # its autosave cannot reach the catalog
+            assert failed.value.cause == "catalog-unavailable"
+            assert "cannot be reached" in str(failed.value)
+            with pytest.raises(kvstash.UnavailableError):
+                client.create_session(SYSTEM, persistent=True)
+            # The lease renewals find it out too (held past 10 s if the machine is slow).
+            while reachable() != "kvstash_catalog_reachable 0.0":
+                assert time.monotonic() - stopped < 60
+                time.sleep(0.2)
+            time.sleep(max(0.0, 10 - (time.monotonic() - stopped)))
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        # Back: no restart; the failed turn was undone, so sent again it gives the same tokens.
+        assert s.info().n_tokens == acknowledged
+        again = s.chat("And close?", max_tokens=12)
+        assert again.token_ids == expected.token_ids
+        assert client.create_session(SYSTEM, persistent=True).info().n_tokens > 0
+    wait_until(lambda: reachable() == "kvstash_catalog_reachable 1.0", 30, "the catalog to answer again")
+    assert daemon.running
