@@ -20,8 +20,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from checkpoint_helpers import GREEDY, PROMPT, SAMPLED, export_bytes, gen, long_text, restore_raw
-from daemons import InProcessDaemon, model_path
+from checkpoint_helpers import (
+    GREEDY,
+    PROMPT,
+    SAMPLED,
+    SPAWN_ARGS,
+    export_bytes,
+    gen,
+    long_text,
+    restore_raw,
+)
+from daemons import DaemonProcess, InProcessDaemon, model_path
 
 import kvstash
 from kvstashd import config
@@ -149,6 +158,27 @@ def test_a_restart_restores_stored_state_in_fast_mode(tmp_path: Path) -> None:
             assert gen(c.session(s.session_id), "", 8) == live
     finally:
         d.stop()
+
+
+def test_a_persistent_session_continues_after_kill9_in_fast_mode(
+    spawn_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """Its acknowledged turns survive the kill; what the store did not hold of its state is
+    evaluated again from its tokens (in compact mode: close to the original, not equal)."""
+    d = spawn_daemon(*SPAWN_ARGS, "--slots", "1", "--flash-attn")
+    with kvstash.Client(d.address, timeout=60) as c:
+        s = c.create_session("You are terse.", persistent=True, sampling=GREEDY)
+        s.chat("Name a colour.", max_tokens=8)
+        s.chat("And another one.", max_tokens=8)
+        n_tokens = s.info().n_tokens
+    d.restart(kill=True)
+    with kvstash.Client(d.address, timeout=60) as c:
+        assert c.info().mode == "compact"
+        again = c.session(s.session_id)
+        assert again.info().n_tokens == n_tokens
+        reply = again.chat("One more.", max_tokens=4)
+        assert reply.finish_reason in ("length", "eos")
+        assert again.info().n_tokens > n_tokens
 
 
 @pytest.mark.parametrize("compact", ["flash-attn", "kv-unified"])
