@@ -160,9 +160,9 @@ def test_a_stopped_server_fails_saves_with_unavailable_and_loses_nothing(
         assert store_of(settings["store"], settings.get("s3_endpoint", "")).present(
             sorted(catalog_blocks(state))
         ) == catalog_blocks(state), "a catalog entry points at a block the server lacks"
-        # The same turn, sent again, is saved (its draws come after the undone turn's: the
-        # sampler's counter goes on, so it is compared through the checkpoint below).
-        gen(s, "", 8)
+        # The same turn, sent again, is saved and draws the same tokens: the undone turn
+        # put the sampler's position back too.
+        assert gen(s, "", 8) == ref[16:24]
         assert s.checkpoint("again").n_tokens == n_tokens + 8
         assert s.restore(good.checkpoint_id).n_tokens == good.n_tokens
         assert gen(s, "", 32) == ref[8:]

@@ -241,6 +241,7 @@ class Conversations:
         job.boundary_at = manager.prefixes.boundary_for(session)
         session.job = job
         before, previous = len(session.state.tokens), session.constraint
+        draws_before = session.state.draws
         reply_before = reply.content if reply is not None else ""
         session.constraint = constraint
         manager.touch(session)
@@ -278,7 +279,7 @@ class Conversations:
                     if job.boundary is not None:
                         session.boundary = job.boundary
                     if session.persistent:
-                        await self._save_turn(session, before, truncated=dropped > 0)
+                        await self._save_turn(session, before, draws_before, truncated=dropped > 0)
                 put(item)
                 if item.finish_reason is not None:
                     return
@@ -296,7 +297,7 @@ class Conversations:
         if session.persistent:
             await self.manager.persistence.check_stored(self.manager.tenants.get(session.tenant))
 
-    async def _save_turn(self, session: Session, n_before: int, *, truncated: bool) -> None:
+    async def _save_turn(self, session: Session, n_before: int, draws_before: int, *, truncated: bool) -> None:
         """Make a persistent session's turn durable, or undo the turn: a client told that
         its request failed may send it again without finding the first reply in the history.
 
@@ -316,6 +317,8 @@ class Conversations:
                 await persistence.record_turn(session)
         except KvstashError as e:
             await self.manager.residency.truncate(session, n_before)
+            # The sampler's position too: the same request sent again draws the same tokens.
+            session.state.draws = draws_before
             undone = "the reply was not kept: the session is as it was before this request"
             raise type(e)(f"{e}; {undone}") from None
 
