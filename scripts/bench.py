@@ -12,6 +12,16 @@ compared with, and reported as a ratio: this machine is shared and noisy.
                                llama.cpp's grammar sampler on the same output
     scripts/bench http         a conversation through the OpenAI-compatible door: resent
                                whole, continued by session_id, and evaluated from scratch
+    scripts/bench routing      two daemons behind HAProxy (deploy/haproxy.cfg) against one
+                               daemon reached directly: calls, turns, streams, exports
+    scripts/bench prefill      prefill tokens/s of one long prompt: exact mode vs
+                               --flash-attn (and, with --peer LLAMA_SERVER, llama-server's
+                               default and -fa off), taken in turns in the same run
+    scripts/bench peer LLAMA_SERVER
+                               turns, restores, a restart, streaming and concurrency
+                               against llama-server on the same model (bench_peer.py)
+    scripts/bench turns        one-token turns on a ~1,900-token session, persistent vs
+                               ephemeral, and the first turn after a restart and a kill -9
     scripts/bench store        restore + first token of a 2,000-token persistent session from
                                local disk, Redis and S3 (servers on loopback) vs re-prefill,
                                and the session moving between two daemons sharing a catalog
@@ -26,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import json
 import os
 import shutil
 import signal
@@ -34,13 +46,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 import kvstash
 from kvstash import SamplingParams
+from kvstash.v1 import kvstash_pb2 as pb
+from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 from kvstashd.config import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -794,6 +811,327 @@ def bench_http(args: argparse.Namespace) -> None:
     table(rows)
 
 
+# ---- routing ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def haproxy(daemons: list[str]) -> Iterator[str]:
+    """HAProxy on deploy/haproxy.cfg in front of two daemons: its address."""
+    import socket
+
+    binary = shutil.which("haproxy")
+    if binary is None:
+        raise SystemExit("haproxy is not installed (scripts/servers installs it)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    env = {
+        **os.environ,
+        "KVSTASH_PROXY_ADDRESS": address,
+        "KVSTASH_DAEMON_1": daemons[0],
+        "KVSTASH_DAEMON_2": daemons[1],
+    }
+    proc = subprocess.Popen(
+        [binary, "-db", "-f", str(ROOT / "deploy" / "haproxy.cfg")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with kvstash.Client(address, timeout=2) as client:
+                    client.info()
+                break
+            except kvstash.KvstashError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("haproxy did not start") from None
+                time.sleep(0.1)
+        yield address
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def bench_routing(args: argparse.Namespace) -> None:
+    """The same calls, interleaved, on two sessions of one daemon: one reached through
+    HAProxy (which routes it by its x-kvstash-session header), one reached directly."""
+    flags = ("--slots", "2", "--ctx-per-session", "2048", "--threads", str(args.threads))
+    greedy = SamplingParams(temperature=0.0)
+    times: dict[str, dict[str, list[float]]] = {"direct": {}, "routed": {}}
+    sizes: dict[str, int] = {}
+    with (
+        daemon(*flags) as (a, _),
+        daemon(*flags) as (b, _),
+        haproxy([a, b]) as proxy,
+        kvstash.Client(proxy, timeout=600) as routed,
+    ):
+        proxied = routed.create_session(sampling=greedy)
+        target = next(d for d in (a, b) if _has_session(d, proxied.session_id))
+        with kvstash.Client(target, timeout=600) as direct:
+            baseline = direct.create_session(sampling=greedy)
+            pairs = {"routed": (routed, proxied), "direct": (direct, baseline)}
+            for _, s in pairs.values():
+                s.complete(STORY * (args.tokens // 20), max_tokens=1)
+            base = {key: s.info().n_tokens for key, (_, s) in pairs.items()}
+            checkpoints = {key: s.checkpoint().checkpoint_id for key, (_, s) in pairs.items()}
+
+            def measure(name: str, fn: Callable[[str, kvstash.Client, kvstash.Session], Any]) -> None:
+                for i in range(args.repeat):
+                    # Alternate which goes first, so that neither always follows the other.
+                    for key, (client, session) in list(pairs.items())[:: 1 if i % 2 else -1]:
+                        elapsed, _ = timed(lambda k=key, c=client, s=session: fn(k, c, s))
+                        times[key].setdefault(name, []).append(elapsed)
+                        if session.info().n_tokens != base[key]:
+                            session.rewind(base[key])  # the same history for every repeat
+
+            channels = {"routed": grpc.insecure_channel(proxy), "direct": grpc.insecure_channel(target)}
+
+            def export(key: str, client: kvstash.Client, session: kvstash.Session) -> None:
+                # An export names only its checkpoint, which the SDK cannot route; sent here
+                # with its session's header, the proxy takes it to the daemon that has it.
+                stub = pb_grpc.KvStashStub(channels[key])
+                request = pb.ExportCheckpointRequest(checkpoint_id=checkpoints[key])
+                metadata = [("x-kvstash-session", session.session_id)]
+                sizes[key] = sum(len(r.data) for r in stub.ExportCheckpoint(request, metadata=metadata))
+
+            measure("GetSession", lambda k, c, s: s.info())
+            measure("one-token turn", lambda k, c, s: s.complete(" and", max_tokens=1))
+            measure("64 tokens, streamed", lambda k, c, s: list(s.generate(" Then", max_tokens=64)))
+            measure("export", export)
+            for channel in channels.values():
+                channel.close()
+    rows = [("measure", "direct (median)", "through HAProxy (median)", "routed / direct")]
+    for name, direct_times in times["direct"].items():
+        d, r = statistics.median(direct_times), statistics.median(times["routed"][name])
+        label = f"export ({sizes['direct'] / 1e6:.1f} MB)" if name == "export" else name
+        rows.append((label, f"{d * 1e3:.2f} ms", f"{r * 1e3:.2f} ms", f"{r / d:.2f}x"))
+    table(rows)
+
+
+def _has_session(address: str, session_id: str) -> bool:
+    with kvstash.Client(address, timeout=30) as client:
+        try:
+            client.session(session_id)
+        except kvstash.NotFoundError:
+            return False
+    return True
+
+
+# ---- prefill ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def llama_server(binary: Path, threads: int, *flags: str) -> Iterator[tuple[str, int]]:
+    """llama-server on the default model and a free port: (its base URL, its pid)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [str(binary), "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-t", str(threads), "-tb", str(threads), "-c", "2048", "-np", "1", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not start: {' '.join(cmd)}")
+            time.sleep(0.2)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def daemon_pid(state: Path) -> int:
+    """The pid of the daemon subprocess serving a state dir (bench's `daemon` starts it)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                args = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(state).encode() in args and b"kvstashd" in args:
+                return int(proc.name)
+    raise RuntimeError(f"no daemon process serves {state}")
+
+
+def server_prefill(url: str, prompt: str) -> int:
+    """The prompt tokens of one /completion with nothing cached."""
+    body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": False}).encode()
+    request = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=1200) as r:
+        answer = json.load(r)
+    return int(answer["timings"]["prompt_n"])
+
+
+def kvstash_prefill(client: kvstash.Client, prompt: str) -> int:
+    """The prompt tokens of one Generate of a fresh session, one token generated."""
+    s = client.create_session(sampling=SamplingParams(temperature=0.0))
+    c = s.complete(prompt, max_tokens=1)
+    s.close()
+    return c.usage.evaluated_tokens
+
+
+def bench_prefill(args: argparse.Namespace) -> None:
+    threads = str(args.threads)
+    flags = ("--slots", "1", "--ctx-per-session", "2048", "--threads", threads, "--no-prefix-cache")
+    with contextlib.ExitStack() as stack:
+        exact, exact_state = stack.enter_context(connected(*flags))
+        fast, fast_state = stack.enter_context(connected(*flags, "--flash-attn"))
+        assert (exact.info().mode, fast.info().mode) == ("exact", "compact")
+        paths: dict[str, tuple[Callable[[str], int], int]] = {
+            "kvstash exact mode": (functools.partial(kvstash_prefill, exact), daemon_pid(exact_state)),
+            "kvstash --flash-attn (compact)": (
+                functools.partial(kvstash_prefill, fast),
+                daemon_pid(fast_state),
+            ),
+        }
+        if args.peer is not None:
+            default, default_pid = stack.enter_context(llama_server(args.peer, args.threads))
+            fa_off, fa_off_pid = stack.enter_context(llama_server(args.peer, args.threads, "-fa", "off"))
+            paths["llama-server (default: -fa auto)"] = (
+                functools.partial(server_prefill, default),
+                default_pid,
+            )
+            paths["llama-server -fa off"] = (functools.partial(server_prefill, fa_off), fa_off_pid)
+        # The prompt's length in tokens, then about --tokens of it.
+        story = STORY * (args.tokens // 20)
+        n = kvstash_prefill(exact, story)
+        prompt = STORY * max(1, round(len(story) / len(STORY) * args.tokens / n))
+        wall: dict[str, list[float]] = {name: [] for name in paths}
+        cpu: dict[str, list[float]] = {name: [] for name in paths}
+        counts: dict[str, int] = {}
+        for _ in range(args.repeat):  # in turns, so that the machine's load falls on all alike
+            for name, (run, pid) in paths.items():
+                started, cpu_before = time.perf_counter(), cpu_seconds(pid)
+                counts[name] = run(prompt)
+                wall[name].append(counts[name] / (time.perf_counter() - started))
+                cpu[name].append(counts[name] / (cpu_seconds(pid) - cpu_before))
+    base, base_cpu = (
+        statistics.median(wall["kvstash exact mode"]),
+        statistics.median(cpu["kvstash exact mode"]),
+    )
+    rows = [
+        (
+            "path",
+            "prompt tokens",
+            f"tokens/s (median of {args.repeat})",
+            "vs exact mode",
+            "tokens per CPU second",
+            "vs exact mode",
+        )
+    ]
+    for name in paths:
+        rate, per_cpu = statistics.median(wall[name]), statistics.median(cpu[name])
+        rows.append(
+            (
+                name,
+                str(counts[name]),
+                f"{rate:.1f}",
+                f"{rate / base:.2f}x",
+                f"{per_cpu:.1f}",
+                f"{per_cpu / base_cpu:.2f}x",
+            )
+        )
+    table(rows)
+
+
+def one_token_turn(s: kvstash.Session, token: int) -> float:
+    """Seconds for a turn of a one-token prompt and one generated token, to its last chunk
+    (a persistent turn's is sent once the turn is durable)."""
+    started = time.perf_counter()
+    for _ in s.generate([token], max_tokens=1):
+        pass
+    return time.perf_counter() - started
+
+
+def bench_turns(args: argparse.Namespace) -> None:
+    """A persistent session of about --tokens tokens and an ephemeral fork of it: one-token
+    turns, interleaved; then the first turn of the persistent session after a graceful
+    restart (its state read from disk) against a restore of its checkpoint from disk and a
+    one-token turn, and the first turn after kill -9."""
+    flags = ("--slots", "4", "--ctx-per-session", "4096", "--threads", str(args.threads), *args.flag)
+    greedy = SamplingParams(temperature=0.0)
+    state = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
+    try:
+        with daemon(*flags, state=state) as (address, _), kvstash.Client(address) as client:
+            persistent = client.create_session(sampling=greedy, persistent=True)
+            probe = persistent.complete(STORY, max_tokens=1).usage.prompt_tokens
+            persistent.complete(STORY * max(1, args.tokens // max(probe, 1) - 1), max_tokens=1)
+            ephemeral = client.fork_session(persistent.session_id)
+            token = persistent.complete(" and", max_tokens=1).token_ids[0]
+            for s in (persistent, ephemeral):  # warm: both hot, their first turns done
+                one_token_turn(s, token)
+            turns: dict[str, list[float]] = {"persistent": [], "ephemeral": []}
+            for _ in range(args.turns):
+                turns["persistent"].append(one_token_turn(persistent, token))
+                turns["ephemeral"].append(one_token_turn(ephemeral, token))
+            n = persistent.info().n_tokens
+            ckpt = persistent.checkpoint("bench")
+            scratch = client.create_session(sampling=greedy, persistent=True)
+
+            def restore_turn() -> float:
+                started = time.perf_counter()
+                scratch.restore(ckpt.checkpoint_id)
+                one_token_turn(scratch, token)
+                return time.perf_counter() - started
+
+            restores = [restore_turn() for _ in range(args.repeat)]
+            scratch.close()
+            sid = persistent.session_id
+        after: dict[str, float] = {}
+        for how in ("restart", "kill -9"):
+            with daemon(*flags, state=state) as (address, s_dir), kvstash.Client(address) as client:
+                s = client.session(sid)
+                after[how] = one_token_turn(s, token)
+                for _ in range(3):  # turns that leave work for a replay after the kill
+                    one_token_turn(s, token)
+                if how == "restart":
+                    os.kill(int((s_dir / "lock").read_text()), signal.SIGKILL)
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    p, e = statistics.median(turns["persistent"]), statistics.median(turns["ephemeral"])
+    r = statistics.median(restores)
+    table(
+        [
+            (f"measure ({n}-token session, {args.threads} threads, medians)", "value", "ratio"),
+            (f"one-token turn, ephemeral ({args.turns} turns)", f"{e * 1e3:.1f} ms", "1x"),
+            (
+                f"one-token turn, persistent ({args.turns} turns)",
+                f"{p * 1e3:.1f} ms",
+                f"{p / e:.2f}x ephemeral",
+            ),
+            (f"restore from disk + one-token turn ({args.repeat})", f"{r * 1e3:.1f} ms", "1x"),
+            (
+                "first turn after a restart",
+                f"{after['restart'] * 1e3:.1f} ms",
+                f"{after['restart'] / r:.2f}x restore",
+            ),
+            (
+                "first turn after kill -9",
+                f"{after['kill -9'] * 1e3:.1f} ms",
+                f"{after['kill -9'] / r:.2f}x restore",
+            ),
+        ]
+    )
+
+
 # ---- store -------------------------------------------------------------------------------------
 
 # The moving daemons' lease: the holder renews it, and lets a wanted session go, every third.
@@ -948,6 +1286,8 @@ def bench_store(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    import bench_peer  # imports this module's helpers as `bench`
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -979,6 +1319,21 @@ def main() -> None:
     h.add_argument("--turns", type=int, default=5)
     h.add_argument("--prompt-tokens", type=int, default=1000)
     h.add_argument("--reply-tokens", type=int, default=16)
+    o = sub.add_parser("routing")
+    o.add_argument("--tokens", type=int, default=1000, help="tokens of each session's history")
+    o.add_argument("--repeat", type=int, default=20)
+    f = sub.add_parser("prefill")
+    f.add_argument("--tokens", type=int, default=1900)
+    f.add_argument("--repeat", type=int, default=3)
+    f.add_argument("--peer", type=Path, default=None, metavar="LLAMA_SERVER", help="a llama-server binary")
+    bench_peer.add_parser(sub)
+    t = sub.add_parser("turns")
+    t.add_argument("--tokens", type=int, default=1900)
+    t.add_argument("--turns", type=int, default=60)
+    t.add_argument("--repeat", type=int, default=7)
+    t.add_argument(
+        "--flag", action="append", default=[], help="a daemon flag (repeatable): --flag=--codec=none"
+    )
     st = sub.add_parser("store")
     st.add_argument("--tokens", type=int, default=2000)
     st.add_argument("--repeat", type=int, default=5)
@@ -990,6 +1345,10 @@ def main() -> None:
         "prefix": bench_prefix,
         "grammar": bench_grammar,
         "http": bench_http,
+        "routing": bench_routing,
+        "prefill": bench_prefill,
+        "peer": bench_peer.run,
+        "turns": bench_turns,
         "store": bench_store,
     }
     benches[args.what](args)

@@ -1,13 +1,16 @@
-"""Crash safety: SIGKILL at random moments during checkpoint, autosave, close, fork and import.
+"""Crash safety: SIGKILL at random moments during checkpoint, autosave, turns, close, fork and
+import.
 
 A daemon (subprocess) holds a persistent session of more than 1,500 tokens (the *main*
-session). Each round runs one of five operations on a thread, over and over, until the daemon
+session). Each round runs one of six operations on a thread, over and over, until the daemon
 is killed with SIGKILL at a random moment:
 
 - ``checkpoint``: explicit checkpoints of the main session, back to back;
-- ``autosave``: 4 tokens generated on the main session (its autosave writes the new blocks
-  and a new head manifest), then checkpoints; killed anywhere, or most likely inside the
-  autosave;
+- ``autosave``: 4 tokens generated on the main session (its autosave appends a journal record;
+  a turn that adds more than ``--head-interval`` tokens writes its blocks and a new head
+  instead), then checkpoints; killed anywhere, or most likely inside the autosave;
+- ``turns``: one-token turns on the main session, each acknowledged once its journal record is
+  durable (its blocks wait for a later head), then checkpoints;
 - ``close``: three persistent forks of the main session, each with a checkpoint of its own,
   closed one after the other;
 - ``fork``: persistent forks of the main session and of its checkpoints;
@@ -20,7 +23,8 @@ After each restart:
 - the catalog is consistent: the sessions listed are the catalog's sessions, each has one
   head, every checkpoint belongs to a listed session (or is an import), its manifest's pieces
   are its references and every referenced block is present;
-- the main session is listed, at the state of its last completed save, and continues exactly;
+- the main session is listed, at the state of its last completed save (after a ``turns``
+  round: every acknowledged turn, and perhaps the one in flight), and continues exactly;
 - every acknowledged checkpoint, fork and import is listed, and restores (or continues)
   exactly like the tokens generated from the same state before the kill (token ids and
   log-probabilities); an acknowledged close is gone, one that was not is all or nothing.
@@ -29,8 +33,8 @@ The expected continuation of each state is recorded before the kill, by forking 
 session (an ephemeral copy; nothing on disk) and generating from the fork. The main session
 only ever grows, so its length names its state.
 
-``KVSTASH_CRASH_ROUNDS`` sets the number of kills (default 10, two per operation; run 200
-by hand).
+``KVSTASH_CRASH_ROUNDS`` sets the number of kills (default 10: the operations in turn, the
+first four twice; run 240 by hand, 40 per operation).
 """
 
 from __future__ import annotations
@@ -54,10 +58,10 @@ from daemons import DaemonProcess
 import kvstash
 
 ROUNDS = int(os.environ.get("KVSTASH_CRASH_ROUNDS", "10"))
-OPERATIONS = ("checkpoint", "autosave", "close", "fork", "import")
+OPERATIONS = ("checkpoint", "autosave", "turns", "close", "fork", "import")
 LOOKAHEAD = 12  # tokens of expected continuation recorded per state
 FOLLOW = 8  # tokens compared after a restore
-STEP = 4  # tokens the autosave storm generates before its checkpoints
+STEP = 4  # tokens the autosave storm generates (the turns storm: turns) before its checkpoints
 DOOMED = 3  # persistent forks a close round closes
 # What the state directory may hold besides block files; anything else is left-over work.
 STATE_FILES = {
@@ -69,6 +73,7 @@ STATE_FILES = {
     "lock",  # held by the running daemon; released by the kernel when it dies
     "blocks",
     "spill",
+    "journal",  # persistent turns since their heads
 }
 
 
@@ -80,6 +85,7 @@ class Storm:
     work: Callable[[kvstash.Client, Storm], None]
     acked: list[Any] = field(default_factory=list)
     generated: Trace | None = None
+    turns: Trace = field(default_factory=list)  # the turns storm's acknowledged tokens
     begun: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -123,6 +129,21 @@ def _generate_then_checkpoint(session_id: str, label: str, *, mark_autosave: boo
             if chunk.finish_reason is not None:
                 assert chunk.finish_reason == "length"
                 storm.generated = got
+        _checkpoints(session, storm, label)
+
+    return work
+
+
+def _turns(session_id: str, label: str) -> Callable[..., None]:
+    """STEP one-token turns (empty prompt: each continues the last), then checkpoints. The
+    kill's clock starts once the first turn is acknowledged: it lands in a later one."""
+
+    def work(client: kvstash.Client, storm: Storm) -> None:
+        session = client.session(session_id)
+        for _ in range(STEP):
+            chunks = list(session.generate("", max_tokens=1, logprobs=1))
+            storm.turns += [(t.sampled.token_id, t.sampled.logprob) for c in chunks for t in c.logprobs]
+            storm.begun.set()
         _checkpoints(session, storm, label)
 
     return work
@@ -255,7 +276,8 @@ def test_sigkill_during_saves_closes_forks_and_imports_loses_nothing(
                 known = expected[n]
                 assert ahead[: len(known)] == known, f"{where}: the head does not continue exactly"
             expected[n] = ahead
-            expected[n + STEP] = ahead[STEP:]
+            for k in range(1, STEP + 1):  # after k tokens, generated or one-token turns
+                expected[n + k] = ahead[k:]
             if op == "close":
                 for _ in range(DOOMED):
                     f = client.fork_session(session_id, persistent=True)
@@ -265,6 +287,8 @@ def test_sigkill_during_saves_closes_forks_and_imports_loses_nothing(
             work = _checkpoints_only(session_id, f"r{round_}")
         elif op == "autosave":
             work = _generate_then_checkpoint(session_id, f"r{round_}", mark_autosave=round_ % 2 == 1)
+        elif op == "turns":
+            work = _turns(session_id, f"r{round_}")
         elif op == "close":
             work = _closes(list(doomed))
         elif op == "fork":
@@ -278,7 +302,8 @@ def test_sigkill_during_saves_closes_forks_and_imports_loses_nothing(
             time.sleep(rng.uniform(0, 0.400))
         else:
             storm.begun.wait(30)
-            time.sleep(rng.uniform(0, {"autosave": 0.060, "close": 0.040, "import": 0.300}.get(op, 0.150)))
+            pause = {"autosave": 0.060, "turns": 0.600, "close": 0.040, "import": 0.300}.get(op, 0.150)
+            time.sleep(rng.uniform(0, pause))
         proc.kill()
         kills[op] += 1
         thread.join(30)
@@ -287,6 +312,8 @@ def test_sigkill_during_saves_closes_forks_and_imports_loses_nothing(
         if storm.generated is not None:
             assert storm.generated == ahead[:STEP], where
             checked["generations acknowledged"] += 1
+        assert storm.turns == ahead[: len(storm.turns)], where
+        checked["turns acknowledged"] += len(storm.turns)
         acks[op] += len(storm.acked)
 
         proc.start()
@@ -298,10 +325,15 @@ def test_sigkill_during_saves_closes_forks_and_imports_loses_nothing(
             n_after = session.info().n_tokens
             # The last completed save: after the storm's generation if it was acknowledged,
             # else before or after it (the kill may land between the save and the reply).
-            assert n_after == n + STEP if storm.generated is not None else n_after in (n, n + STEP), where
+            if op == "turns":  # every acknowledged turn; the one in flight, or not
+                acked_turns = len(storm.turns)
+                assert n + acked_turns <= n_after <= min(n + acked_turns + 1, n + STEP), where
+                checked["turns in flight, kept"] += n_after - n - acked_turns
+            else:
+                assert n_after == n + STEP if storm.generated is not None else n_after in (n, n + STEP), where
             everything = client.list_checkpoints()
             listed_checkpoints = {c.checkpoint_id for c in everything}
-            if op in ("checkpoint", "autosave"):
+            if op in ("checkpoint", "autosave", "turns"):
                 acked += storm.acked
             missing = [c.checkpoint_id for c in acked if c.checkpoint_id not in listed_checkpoints]
             assert not missing, f"{where}: acknowledged checkpoints lost: {missing}"

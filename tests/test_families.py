@@ -161,7 +161,10 @@ def _history(client: kvstash.Client, s: kvstash.Session) -> list[int]:
 def test_persistent_session_resumes_exactly_after_kill9(
     fam: Running, spawn_daemon: Callable[..., DaemonProcess]
 ) -> None:
-    d = spawn_daemon("--model", str(fam.path), "--threads", str(THREADS), "--slots", "2")
+    # Every turn saves its head (not only a journal record): the resumed state is read back.
+    d = spawn_daemon(
+        "--model", str(fam.path), "--threads", str(THREADS), "--slots", "2", "--head-interval", "1"
+    )
     with kvstash.Client(d.address, timeout=120) as client:
         ref = one_call(client, fam.prompt, 24)
         s = client.create_session(sampling=SAMPLED, persistent=True)
@@ -223,7 +226,10 @@ def test_a_shared_system_prompt_is_attached_exactly(fam: Running) -> None:
 def test_the_prefix_cache_survives_a_restart(
     fam: Running, spawn_daemon: Callable[..., DaemonProcess]
 ) -> None:
-    d = spawn_daemon("--model", str(fam.path), "--threads", str(THREADS), "--slots", "2")
+    # The turn saves its head, so its blocks are on disk when the daemon is killed.
+    d = spawn_daemon(
+        "--model", str(fam.path), "--threads", str(THREADS), "--slots", "2", "--head-interval", "1"
+    )
     with kvstash.Client(d.address, timeout=120) as client:
         first = client.create_session(fam.prompt, sampling=SAMPLED, persistent=True)
         a = first.complete(" Go on:", max_tokens=8, logprobs=1)

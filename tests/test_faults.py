@@ -1,5 +1,6 @@
 """Faults injected, nothing lost: a full disk (the state directory on a small tmpfs) and
-fsync failing with EIO, during autosaves, checkpoints, spills and imports.
+fsync failing with EIO, during autosaves (a turn's journal record, or its new head),
+checkpoints, spills and imports.
 
 Each time: the request fails with RESOURCE_EXHAUSTED, the daemon keeps serving, the last
 good checkpoint restores and continues exactly, no temporary file is left, every block file
@@ -23,9 +24,12 @@ from checkpoint_helpers import GREEDY, block_files, gen, ids, long_text, own_dae
 from daemons import InProcessDaemon
 
 import kvstash
+from kvstashd import journal
 from kvstashd.store import local
 
 DISK = 24 << 20
+# Turns of 70 tokens save a head (their blocks), not only a journal record.
+HEAD_INTERVAL = 64
 
 
 @pytest.fixture
@@ -65,7 +69,10 @@ def orphans(d: InProcessDaemon) -> list[str]:
 
 @pytest.fixture
 def on_small_disk(small_disk: Path) -> Iterator[tuple[InProcessDaemon, kvstash.Client, Path]]:
-    with own_daemon(small_disk / "state") as d, kvstash.Client(d.address, timeout=120) as client:
+    with (
+        own_daemon(small_disk / "state", head_interval=HEAD_INTERVAL) as d,
+        kvstash.Client(d.address, timeout=120) as client,
+    ):
         yield d, client, small_disk
 
 
@@ -84,6 +91,11 @@ def test_a_full_disk_fails_autosaves_and_checkpoints_and_loses_nothing(
     with pytest.raises(kvstash.BusyError, match="state store is failing"):
         gen(s, n=70)  # its autosave needs a new block: no room
     assert s.info().n_tokens == n_before  # the turn was undone
+    filler.unlink()
+    filler = fill(disk, keep=0)
+    with pytest.raises(kvstash.BusyError, match="state store is failing"):
+        gen(s, n=2)  # its journal record: no room for it either
+    assert s.info().n_tokens == n_before
     with pytest.raises(kvstash.BusyError, match="state store is failing"):
         client.create_session(persistent=True, sampling=GREEDY).complete(
             long_text(20, topic="orchard"), max_tokens=1
@@ -138,7 +150,8 @@ def test_a_full_disk_drops_a_spill_and_the_session_evaluates_again(small_disk: P
 
 
 class FailingFsync:
-    """`os` as the block store sees it, with fsync failing (EIO) while `failing` is set."""
+    """`os` as the block store and the journal see it, with fsync and fdatasync failing
+    (EIO) while `failing` is set."""
 
     def __init__(self) -> None:
         self.failing = False
@@ -153,13 +166,20 @@ class FailingFsync:
             raise OSError(errno.EIO, "Input/output error (injected)")
         os.fsync(fd)
 
+    def fdatasync(self, fd: int) -> None:
+        if self.failing:
+            self.failed += 1
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        os.fdatasync(fd)
+
 
 def test_fsync_failing_with_eio_fails_the_checkpoint_and_loses_nothing(
     start_daemon: Callable[..., InProcessDaemon], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     faulty = FailingFsync()
     monkeypatch.setattr(local, "os", faulty)
-    d = start_daemon(ctx_per_session=1024)
+    monkeypatch.setattr(journal, "os", faulty)
+    d = start_daemon(ctx_per_session=1024, head_interval=HEAD_INTERVAL)
     with kvstash.Client(d.address, timeout=120) as client:
         s = client.create_session(persistent=True, sampling=GREEDY)
         s.complete(long_text(10), max_tokens=1)
@@ -167,9 +187,11 @@ def test_fsync_failing_with_eio_fails_the_checkpoint_and_loses_nothing(
         expected = ids(gen(s.fork(), n=70))
         faulty.failing = True
         with pytest.raises(kvstash.BusyError, match="state store is failing"):
-            gen(s, n=70)
+            gen(s, n=70)  # a new head
+        with pytest.raises(kvstash.BusyError, match="state store is failing"):
+            gen(s, n=2)  # a journal record
         faulty.failing = False
-        assert faulty.failed >= 1
+        assert faulty.failed >= 2
         assert orphans(d) == []
         assert ids(gen(s, n=70)) == expected
         assert s.checkpoint("after").n_tokens == good.n_tokens + 70

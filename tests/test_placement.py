@@ -61,7 +61,8 @@ def test_a_restart_with_another_kv_type_evaluates_histories_again(
 def test_a_damaged_block_fails_one_request_and_the_session_recovers(
     spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path
 ) -> None:
-    d = spawn_daemon(*SPAWN_ARGS, "--slots", "2")
+    # Every turn saves its head: the damaged block is one of the head's.
+    d = spawn_daemon(*SPAWN_ARGS, "--slots", "2", "--head-interval", "1")
     with kvstash.Client(d.address, timeout=60) as client:
         bad = client.create_session(sampling=SAMPLED, persistent=True)
         gen(bad, "The harbour master counted the boats at dawn and", 8)

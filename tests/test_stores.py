@@ -6,7 +6,8 @@ nothing, absent keys, keys that are not digests refused, damaged and truncated b
 by the checkpoint layer's checks (and removed), concurrent writers and readers. The remote
 ones also: a server that does not answer (a dead port, or stopped) fails a write with
 StoreUnreachable and a read with StoreReadFailed within the bounded timeout and retries, and
-what Redis acknowledged survives its kill -9.
+what Redis acknowledged survives its kill -9; at start, an S3 bucket that does not exist
+stops the daemon, while a server that does not answer is only logged.
 """
 
 from __future__ import annotations
@@ -257,3 +258,13 @@ def test_redis_stopped_and_started_again(start_redis: Callable[[], RedisServer])
     key = new_key()
     assert store.put(key, b"z") == 1
     store.close()
+
+
+def test_s3_at_start_a_missing_bucket_stops_the_daemon_and_a_dead_server_does_not(
+    s3_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = dataclasses.replace(s3_server, bucket=f"no-such-{secrets.token_hex(4)}")
+    with pytest.raises(OSError, match="does not exist"):
+        s3_store(missing, monkeypatch, "x").probe()
+    dead_store("s3", monkeypatch).probe()  # only logged: saves fail until it answers
+    dead_store("redis", monkeypatch).probe()

@@ -260,7 +260,8 @@ def test_checkpoint_sizes_do_not_reveal_another_tenants_blocks(
 
 def test_quotas_hold_per_tenant(start_daemon: Callable[..., InProcessDaemon], tmp_path: Path) -> None:
     quotas = {"alice": {"max_sessions": 2, "max_stored_bytes": 1, "max_parked_bytes": 1}}
-    d = start_daemon(auth_file=write_auth(tmp_path / "auth.toml", TOKENS, quotas), slots=1)
+    # Every persistent turn saves its head (its blocks), not only a journal record.
+    d = start_daemon(auth_file=write_auth(tmp_path / "auth.toml", TOKENS, quotas), slots=1, head_interval=1)
     assert d.daemon is not None and d.daemon.manager is not None
     manager = d.daemon.manager
     with (

@@ -14,7 +14,7 @@ from typing import Any, BinaryIO, TypeVar
 import grpc
 
 from kvstash import _operations as ops
-from kvstash._connection import Tls, aio_channel, auth_metadata, resolve_address
+from kvstash._connection import Tls, aio_channel, auth_metadata, call_metadata, resolve_address
 from kvstash._convert import join_chunks
 from kvstash._errors import from_rpc_error
 from kvstash._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
@@ -82,14 +82,16 @@ class AsyncClient:
 
     async def _unary(self, op: ops.Unary[_T]) -> _T:
         rpc = getattr(self._stub, op.method)
+        metadata = call_metadata(self._metadata, op.session_id)
         try:
-            response = await rpc(op.request, timeout=self.timeout, metadata=self._metadata)
+            response = await rpc(op.request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return op.convert(response)
 
     async def _stream(self, op: ops.Stream[_T]) -> AsyncGenerator[_T, None]:
-        call = getattr(self._stub, op.method)(op.request, metadata=self._metadata)
+        metadata = call_metadata(self._metadata, op.session_id)
+        call = getattr(self._stub, op.method)(op.request, metadata=metadata)
         try:
             async for response in call:
                 yield op.convert(response)

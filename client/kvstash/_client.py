@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstash import _operations as ops
-from kvstash._connection import Tls, auth_metadata, channel, resolve_address
+from kvstash._connection import Tls, auth_metadata, call_metadata, channel, resolve_address
 from kvstash._convert import join_chunks
 from kvstash._errors import from_rpc_error
 from kvstash._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
@@ -80,14 +80,16 @@ class Client:
 
     def _unary(self, op: ops.Unary[_T]) -> _T:
         rpc = getattr(self._stub, op.method)
+        metadata = call_metadata(self._metadata, op.session_id)
         try:
-            response = rpc(op.request, timeout=self.timeout, metadata=self._metadata)
+            response = rpc(op.request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return op.convert(response)
 
     def _stream(self, op: ops.Stream[_T]) -> Generator[_T, None, None]:
-        call = getattr(self._stub, op.method)(op.request, metadata=self._metadata)
+        metadata = call_metadata(self._metadata, op.session_id)
+        call = getattr(self._stub, op.method)(op.request, metadata=metadata)
         try:
             for response in call:
                 yield op.convert(response)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,10 @@ CHANNEL_OPTIONS = [
 ]
 
 Metadata = tuple[tuple[str, str], ...]
+
+#: The metadata key naming the session a call is about; a proxy routes by it.
+SESSION_HEADER = "x-kvstash-session"
+_ROUTABLE_ID = re.compile(r"[!-~]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,19 @@ def auth_metadata(token: str | None) -> Metadata:
     ``$KVSTASH_TOKEN``), or nothing."""
     token = token or os.environ.get("KVSTASH_TOKEN")
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def call_metadata(metadata: Metadata, session_id: str | None) -> Metadata:
+    """``metadata``, plus ``x-kvstash-session: SESSION_ID`` for a call about a session.
+
+    An id that cannot be a header value as it is (anything but visible ASCII, spaces
+    included, or far longer than the daemon's ids) goes without it, so the call still
+    reaches a daemon, which refuses the malformed id with InvalidRequestError, where gRPC
+    or a proxy would refuse the metadata.
+    """
+    if session_id and _ROUTABLE_ID.fullmatch(session_id):
+        return (*metadata, (SESSION_HEADER, session_id))
+    return metadata
 
 
 def channel(address: str, tls: Tls | None) -> grpc.Channel:

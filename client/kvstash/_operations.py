@@ -4,12 +4,18 @@ Client and Session (blocking) and AsyncClient and AsyncSession (asyncio) are two
 these: one calls, the other awaits. An operation here is a value, so building it does no I/O;
 each face sends it the way its channel does. The public methods' docstrings live here too,
 and each face's method takes its own with ``@described_by``.
+
+An operation about one session names it in ``session_id``, and each face sends that in the
+call's ``x-kvstash-session`` metadata: a proxy in front of several daemons routes by it
+(deploy/haproxy.cfg), so all of a session's calls reach the daemon that holds it. A fork
+goes where its parent is; calls about no session (create_session, info, list_sessions) or
+only a checkpoint carry none and may reach any daemon.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import Message as PbMessage
@@ -37,6 +43,7 @@ class Unary(Generic[_T]):
     method: str  # of the KvStash stub
     request: PbMessage
     convert: Callable[[Any], _T]
+    session_id: str | None = None  # what the call is routed by (x-kvstash-session)
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class Stream(Generic[_T]):
     method: str
     request: PbMessage
     convert: Callable[[Any], _T]
+    session_id: str | None = None  # what the call is routed by (x-kvstash-session)
 
 
 def described_by(source: Callable[..., Any] | str) -> Callable[[_F], _F]:
@@ -89,7 +97,7 @@ def create_session(
 
 def session(session_id: str) -> Unary[str]:
     """The session ``session_id``; raises NotFoundError when there is none."""
-    return Unary("GetSession", pb.GetSessionRequest(session_id=session_id), _session_id)
+    return Unary("GetSession", pb.GetSessionRequest(session_id=session_id), _session_id, session_id)
 
 
 def list_sessions() -> Unary[list[SessionInfo]]:
@@ -102,12 +110,13 @@ def fork_session(session_id: str | None, checkpoint_id: str | None, persistent: 
     request = pb.ForkSessionRequest(
         session_id=session_id or "", checkpoint_id=checkpoint_id or "", persistent=persistent
     )
-    return Unary("ForkSession", request, _session_id)
+    return Unary("ForkSession", request, _session_id, session_id or None)
 
 
 def list_checkpoints(session_id: str | None) -> Unary[list[CheckpointInfo]]:
     """The checkpoints of a session; with none, all of the caller's (imports too)."""
-    return Unary("ListCheckpoints", pb.ListCheckpointsRequest(session_id=session_id or ""), _checkpoints)
+    request = pb.ListCheckpointsRequest(session_id=session_id or "")
+    return Unary("ListCheckpoints", request, _checkpoints, session_id or None)
 
 
 def delete_checkpoint(checkpoint_id: str) -> Unary[None]:
@@ -176,7 +185,7 @@ def generate(
         json_schema=json_schema,
         parse_special=parse_special,
     )
-    return Stream("Generate", request, _chunk)
+    return Stream("Generate", request, _chunk, session_id)
 
 
 COMPLETE = "Like generate, but waits for the whole continuation."
@@ -213,7 +222,7 @@ def chat(
         json_schema=json_schema,
         whole=whole,
     )
-    return Stream("Chat", request, _chunk)
+    return Stream("Chat", request, _chunk, session_id)
 
 
 CHAT = "Like chat_stream, but waits for the whole reply."
@@ -221,23 +230,24 @@ CHAT = "Like chat_stream, but waits for the whole reply."
 
 def session_info(session_id: str) -> Unary[SessionInfo]:
     """The session's current state."""
-    return Unary("GetSession", pb.GetSessionRequest(session_id=session_id), _session)
+    return Unary("GetSession", pb.GetSessionRequest(session_id=session_id), _session, session_id)
 
 
 def close_session(session_id: str) -> Unary[None]:
     """End the session: its history, head and checkpoints are deleted (export first to keep one)."""
-    return Unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), _nothing)
+    return Unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), _nothing, session_id)
 
 
 def rewind(session_id: str, n_tokens: int) -> Unary[SessionInfo]:
     """Keep only the first ``n_tokens`` tokens of the session's history."""
-    return Unary("Rewind", pb.RewindRequest(session_id=session_id, n_tokens=n_tokens), _session)
+    request = pb.RewindRequest(session_id=session_id, n_tokens=n_tokens)
+    return Unary("Rewind", request, _session, session_id)
 
 
 def checkpoint(session_id: str, label: str | None) -> Unary[CheckpointInfo]:
     """Save the session's current state."""
     request = pb.CheckpointRequest(session_id=session_id, label=label or "")
-    return Unary("Checkpoint", request, _checkpoint)
+    return Unary("Checkpoint", request, _checkpoint, session_id)
 
 
 CHECKPOINTS = "The session's checkpoints."
@@ -246,13 +256,14 @@ CHECKPOINTS = "The session's checkpoints."
 def restore(session_id: str, checkpoint_id: str) -> Unary[SessionInfo]:
     """Put the session back in the state a checkpoint saved."""
     request = pb.RestoreCheckpointRequest(session_id=session_id, checkpoint_id=checkpoint_id)
-    return Unary("RestoreCheckpoint", request, _session)
+    return Unary("RestoreCheckpoint", request, _session, session_id)
 
 
 def fork(session_id: str, checkpoint_id: str | None, persistent: bool) -> Unary[str]:
     """A new session copied from this one's current state, or from ``checkpoint_id``."""
     if checkpoint_id is not None:
-        return fork_session(None, checkpoint_id, persistent)
+        # The request names only the checkpoint; routed by this session, whose daemon has it.
+        return replace(fork_session(None, checkpoint_id, persistent), session_id=session_id)
     return fork_session(session_id, None, persistent)
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
 from collections.abc import Sequence
 
 import lz4.frame
 import numpy as np
 import zstandard
+from isal.isal_zlib import crc32
 
 from kvstashd.errors import CorruptCheckpoint
 
@@ -89,11 +89,12 @@ def frame(payload: bytes, codec: str) -> bytes:
         body = payload
     if code and len(body) > len(payload) * (1 - _MIN_SAVING):
         code, body = 0, payload
-    return _HEADER.pack(MAGIC, code, len(payload), zlib.crc32(payload)) + body
+    return _HEADER.pack(MAGIC, code, len(payload), crc32(payload)) + body
 
 
-def unframe(data: bytes, expect_len: int) -> bytes | memoryview:
-    """The payload of a framed block, checked; CorruptCheckpoint if anything is off."""
+def unframe(data: bytes, expect_len: int, *, checksum: bool = True) -> bytes | memoryview:
+    """The payload of a framed block, checked (its checksum too, unless told otherwise);
+    CorruptCheckpoint if anything is off."""
     if len(data) < _HEADER.size:
         raise CorruptCheckpoint("a KV block is truncated")
     magic, code, length, crc = _HEADER.unpack_from(data)
@@ -114,7 +115,7 @@ def unframe(data: bytes, expect_len: int) -> bytes | memoryview:
             payload = body
     except (RuntimeError, ValueError, zstandard.ZstdError) as e:
         raise CorruptCheckpoint(f"a KV block does not decode: {e}") from None
-    if len(payload) != length or zlib.crc32(payload) != crc:
+    if len(payload) != length or (checksum and crc32(payload) != crc):
         raise CorruptCheckpoint("a KV block fails its checksum")
     return payload
 

@@ -1,7 +1,7 @@
 """The disk budget: every byte the daemon keeps on disk, held under `--disk-budget`.
 
-What counts: the durable store's blocks, the spill area's blocks and the catalog database
-(manifests with their logits, and its write-ahead log). A write reserves what it may add
+What counts: the durable store's blocks, the spill area's blocks, the catalog database
+(manifests with their logits, and its write-ahead log) and the turn journal. A write reserves what it may add
 before it starts (an upper bound: the pieces the store lacks, raw, and the manifest); when
 that would pass the budget, blocks no checkpoint references are dropped, least recently
 used first, and a write that still does not fit is refused with Busy. Writes of different

@@ -218,6 +218,8 @@ class SqliteCatalog:
             private_file(self.path)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
+        # Blocks used since the last write transaction, and when (see touch).
+        self._touched: dict[str, float] = {}
         with self._reading():  # a catalog that cannot be read stops the daemon's start
             if str(path) != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
@@ -268,6 +270,7 @@ class SqliteCatalog:
             try:
                 with self._db:
                     self._db.execute("BEGIN IMMEDIATE")
+                    self._write_touched()
                     yield
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
@@ -426,8 +429,21 @@ class SqliteCatalog:
         return {r[0]: int(r[1]) for r in rows}
 
     def touch(self, keys: Iterable[str], now: float) -> None:
-        with self._lock, self._db:
-            self._db.executemany("UPDATE blocks SET last_used = ? WHERE block = ?", [(now, k) for k in keys])
+        """Mark blocks used at `now`. Only the order in which unreferenced blocks are dropped
+        reads it, so it is kept in RAM and written with the next write transaction (or before
+        that order is read): a restore commits nothing and waits for no fsync (one per block,
+        it was). A crash loses only this recency."""
+        with self._lock:
+            for key in keys:
+                self._touched[key] = now
+
+    def _write_touched(self) -> None:
+        """Within a write transaction, holding the lock."""
+        if self._touched:
+            self._db.executemany(
+                "UPDATE blocks SET last_used = ? WHERE block = ?", [(t, k) for k, t in self._touched.items()]
+            )
+            self._touched.clear()
 
     def present(self, keys: list[str]) -> set[str]:
         """Which of these blocks the catalog knows."""
@@ -448,6 +464,9 @@ class SqliteCatalog:
 
     def unreferenced(self) -> list[tuple[str, int]]:
         """Blocks no checkpoint references, least recently used first: (key, size)."""
+        if self._touched:
+            with self._transaction():
+                pass  # the recency kept in RAM, written first
         with self._reading():
             rows = self._db.execute(
                 "SELECT block, size FROM blocks WHERE block NOT IN (SELECT block FROM refs) "
@@ -457,7 +476,7 @@ class SqliteCatalog:
 
     def forget_blocks(self, keys: Iterable[str]) -> list[str]:
         forgotten = []
-        with self._lock, self._db:
+        with self._transaction():  # one transaction, not one (and one fsync) per block
             for key in keys:
                 gone = self._db.execute(
                     "DELETE FROM blocks WHERE block = ? AND block NOT IN (SELECT block FROM refs)", (key,)

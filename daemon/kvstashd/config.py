@@ -223,6 +223,13 @@ class Settings:
     kv_unified: bool = field(
         default=False, metadata=spec("One KV buffer shared by all slots: compact, not bit-exact.")
     )
+    flash_attn: bool = field(
+        default=False,
+        metadata=spec(
+            "Flash attention with f16 K/V: faster prefill, compact mode (logits depend on how tokens "
+            "were batched; restores of stored KV stay exact). Always on with q8_0/q4_0 K/V."
+        ),
+    )
     max_prompt_tokens: int = field(
         default=0, metadata=spec("Largest prompt in tokens (0: the session's context).", low=0, high=1 << 20)
     )
@@ -241,6 +248,16 @@ class Settings:
         metadata=spec("Tokens per KV block of a checkpoint.", low=MIN_BLOCK_TOKENS, high=MAX_BLOCK_TOKENS),
     )
     codec: str = field(default="lz4", metadata=spec("Compression of KV blocks on disk.", choices=CODECS))
+    head_interval: int = field(
+        default=256,
+        metadata=spec(
+            "Tokens of a persistent session that a crash may leave to evaluate again: its turns "
+            "are made durable in the turn journal, and its KV blocks saved (a new head) by the "
+            "turn that would leave more.",
+            low=1,
+            high=1 << 20,
+        ),
+    )
     disk_budget: int = field(
         default=10 << 30,
         metadata=spec(
@@ -360,7 +377,7 @@ class Settings:
     @property
     def exact(self) -> bool:
         """Whether the engine runs in the bit-exact mode (see DESIGN: exact vs compact)."""
-        return self.kv_type == "f16" and not self.kv_unified
+        return self.kv_type == "f16" and not self.kv_unified and not self.flash_attn
 
     def validate(self) -> Settings:
         """Check every bound; raise ConfigError naming the setting."""

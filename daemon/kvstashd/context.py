@@ -1,16 +1,19 @@
 """LlamaContext: the llama.cpp model and context, and the only module that imports llama_cpp.
 
-Every method runs on the engine thread. The context runs one KV stream per slot
+Every method runs on the engine thread. By default the context runs one KV stream per slot
 (`kv_unified=false`), flash attention off and f16 K/V: the "exact" mode, in which a
 sequence's logits do not depend on what else shares the batch, on prefill chunking, or on
-which slot holds it. `swa_full` keeps every position of a sliding-window cache in its own
-cell (nothing is overwritten), which is what makes the cell layout of an uninterrupted run
-and of an import the same (see state.py).
+which slot holds it (the start-up probe checks it). Flash attention (`--flash-attn`, and
+always with quantized K/V) or one shared KV buffer is the "compact" mode: faster or smaller,
+with logits that depend on the batch's shape. `swa_full` keeps every position of a
+sliding-window cache in its own cell (nothing is overwritten), which is what makes the cell
+layout of an uninterrupted run and of an import the same (see state.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import warnings
@@ -34,8 +37,29 @@ llama_log = logging.getLogger("kvstashd.llama_cpp")
 
 KV_TYPE_IDS = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0, "q4_0": llama.GGML_TYPE_Q4_0}
 _PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the recurrent part of a hybrid's state
+# The start-up exactness probe (see LlamaContext.batch_dependence): one sequence this long,
+# evaluated in one chunk, then in chunks of these sizes and one token at a time to its end,
+# its last PROBE_BESIDE tokens beside another sequence's.
+PROBE_TOKENS = 260
+PROBE_CHUNKS = (1, 36, 4, 4, 19, 128, 64)
+PROBE_SINGLES = 4
+PROBE_BESIDE = 2
 # Sliding-window caches whose window is not "the last n_swa positions" (chunked attention).
 _OTHER_WINDOWS = {"llama4"}
+
+
+def probe_plan(n: int, batch: int) -> list[int]:
+    """The probe's chunk sizes for a sequence of n tokens: PROBE_CHUNKS (each at most a
+    batch), then single tokens, at least PROBE_SINGLES of them."""
+    sizes: list[int] = []
+    at = 0
+    for size in PROBE_CHUNKS:
+        size = min(size, batch, n - PROBE_SINGLES - at)
+        if size <= 0:
+            break
+        sizes.append(size)
+        at += size
+    return sizes + [1] * (n - at)
 
 
 @dataclass(frozen=True)
@@ -50,11 +74,17 @@ class ContextConfig:
     gpu_layers: int
     kv_type: str
     kv_unified: bool
+    flash_attn: bool = False
+
+    @property
+    def flash_attention(self) -> bool:
+        """Flash attention is on: asked for, or needed by quantized K/V."""
+        return self.flash_attn or self.kv_type != "f16"
 
     @property
     def exact(self) -> bool:
         """f16 K/V, a stream per slot, flash attention off: the bit-exact mode."""
-        return self.kv_type == "f16" and not self.kv_unified
+        return self.kv_type == "f16" and not self.kv_unified and not self.flash_attn
 
 
 @dataclass(frozen=True)
@@ -78,7 +108,8 @@ class ModelInfo:
     # checkpoint their token history only and restore by evaluating it again.
     layout: kvlayout.StateLayout | None
     layout_note: str
-    # Logits do not depend on how a session's tokens were batched (see probe_exact).
+    # The exact mode: configured so, and the start-up probe found that a token's logits do
+    # not depend on how its sequence was batched (see batch_dependence). False in compact mode.
     exact: bool
     # The longest text of one token, in bytes: a prompt of more than prompt_limit times this
     # many bytes has too many tokens, whatever they are (checked before tokenizing).
@@ -126,11 +157,10 @@ class LlamaContext:
         cparams.n_threads_batch = cfg.threads
         cparams.kv_unified = cfg.kv_unified
         cparams.swa_full = True
-        quantized = cfg.kv_type != "f16"
-        # Flash attention changes logits with batch neighbours; quantized K/V requires it.
-        cparams.flash_attn_type = (
-            llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if quantized else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
+        # Flash attention makes logits depend on the batch's shape (its kernels differ for one
+        # query, for 64 and more, and for one sequence or several); quantized K/V requires it.
+        enabled, disabled = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED, llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.flash_attn_type = enabled if cfg.flash_attention else disabled
         cparams.type_k = KV_TYPE_IDS[cfg.kv_type]
         cparams.type_v = KV_TYPE_IDS[cfg.kv_type]
         cparams.no_perf = True
@@ -184,7 +214,7 @@ class LlamaContext:
             memory=layout.kind if layout is not None else self._memory_guess(),
             layout=layout,
             layout_note=note,
-            exact=self.probe_exact(),
+            exact=self._probe_exact(),
             max_token_bytes=max(1, *(len(self.piece(t, True)) for t in range(self.n_vocab))),
         )
 
@@ -220,36 +250,64 @@ class LlamaContext:
             self.clear(0)
         return layout, "checkpoints carry the model's computed state"
 
-    def probe_exact(self) -> bool:
-        """Whether a token's logits are the same however its sequence was batched: alone, in
-        one chunk, or in chunks of other sizes (below and above the 8-row threshold of
-        ggml's tiled kernels).
+    def _probe_exact(self) -> bool:
+        if not self.cfg.exact:
+            return False
+        found = self.batch_dependence()
+        if found is not None:
+            log.warning("a token's logits depend on how it was batched: %s", found)
+        return found is None
 
-        Sampling, resumes and restores by re-evaluation are bit-exact only then. It fails
-        with llama.cpp's tinyBLAS (GGML_LLAMAFILE) kernels, which serve products of 2+
-        columns only, with repacked or tiled K-quant kernels, and in the compact modes.
+    def batch_dependence(self) -> str | None:
+        """Where the probe found a token's logits depend on how its sequence was batched;
+        None: nowhere it looked.
+
+        Sampling, resumes and restores by re-evaluation are bit-exact only when they do not.
+        One sequence of PROBE_TOKENS is evaluated twice in slot 0: as one chunk, and as
+        chunks of 1 to 128 tokens then one token at a time, the last ones beside a token of
+        another sequence (slot 1). Each chunk's last logits must equal the first run's.
+        The sizes reach every kernel choice seen to depend on the batch: tinyBLAS
+        (GGML_LLAMAFILE) serves 2+ columns only; repacked weights take a gemv for one column;
+        ggml's tiled K-quant matmul starts at 8 rows; flash attention has one kernel below 64
+        queries and a tiled one from 64, and for a single query over 512 KV cells or more
+        (past 256 positions) it splits the cells among threads, unless another sequence
+        shares the batch.
         """
-        tokens = [int(t) for t in np.random.default_rng(0).integers(0, self.n_vocab, 64)]
-        n = len(tokens)
+        n = min(PROBE_TOKENS, self.cfg.ctx_per_session)
+        batch = self.cfg.batch_size
+        tokens = [int(t) for t in np.random.default_rng(0).integers(0, self.n_vocab, n)]
+        plan = probe_plan(n, batch)
+        marks = {end - 1 for end in itertools.accumulate(plan)}
+        beside_from = len(plan) - PROBE_BESIDE if self.cfg.slots > 1 else len(plan)
         try:
-            reference = self._probe_run(tokens, [n])
-            for split in ([n - 1, 1], [5] * 12 + [4], [16] * 4, [37, 4, 4, 19]):
-                if not np.array_equal(self._probe_run(tokens, split), reference):
-                    return False
+            reference: dict[int, Logits] = {}
+            for at in range(0, n, batch):
+                part = range(at, min(at + batch, n))
+                rows = self.decode([BatchItem(0, tokens[p], p, p in marks) for p in part])
+                reference.update(zip(sorted(marks.intersection(part)), rows, strict=True))
+            self.clear(0)
+            at = 0
+            for k, size in enumerate(plan):
+                last = at + size - 1
+                items = [BatchItem(0, tokens[p], p, p == last) for p in range(at, last + 1)]
+                if k >= beside_from:
+                    q = k - beside_from
+                    items.append(BatchItem(1, tokens[q], q, False))
+                row = self.decode(items)[0]
+                if not np.array_equal(row, reference[last]):
+                    how = f"in a chunk of {size}" if size > 1 else "alone"
+                    how = "beside another sequence's token" if k >= beside_from else how
+                    delta = float(np.max(np.abs(row - reference[last])))
+                    return (
+                        f"position {last} evaluated {how} (after chunks of {plan[:k]}) has logits "
+                        f"up to {delta:.3g} away from those of one chunk of {n}"
+                    )
+                at = last + 1
         finally:
             self.clear(0)
-        return True
-
-    def _probe_run(self, tokens: Sequence[int], split: Sequence[int]) -> Logits:
-        self.clear(0)
-        at = 0
-        rows: list[Logits] = []
-        for size in split:
-            rows = self.decode(
-                [BatchItem(0, tokens[p], p, p == len(tokens) - 1) for p in range(at, at + size)]
-            )
-            at += size
-        return rows[0]
+            if self.cfg.slots > 1:
+                self.clear(1)
+        return None
 
     # ---- tokens -----------------------------------------------------------------------------
 

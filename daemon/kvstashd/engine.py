@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+
 from kvstashd import layout as kvlayout
 from kvstashd import pieces, steps
 from kvstashd import state as kvstate
@@ -42,6 +44,10 @@ class _Call:
 
 _STOP = object()
 
+# The most memory mapped at start for assembling states (twice: see Engine._main); a larger
+# state grows the buffer when it first comes.
+_PREMAPPED = 256 << 20
+
 
 class Engine:
     """Owns llama.cpp. `start()` loads the model on the engine thread; `stop()` frees it."""
@@ -61,6 +67,9 @@ class Engine:
         # context is not freed while one runs.
         self._readers = 0
         self._readers_done = threading.Condition()
+        # Where states are assembled for llama.cpp, which copies them in at once: reused, so
+        # a load writes to memory already mapped instead of faulting in tens of MB.
+        self._scratch = np.empty(0, dtype=np.uint8)
 
     @property
     def ctx(self) -> LlamaContext:
@@ -127,6 +136,15 @@ class Engine:
                 self._ctx.close()
             ready.set_exception(e)
             return
+        if info.layout is not None:
+            # Mapped now, not by the first restore after a start: a state of one full slot,
+            # up to a limit (np.zeros would leave the pages unmapped until written).
+            bound = min(pieces.blob_bound(info.layout, self.config.ctx_per_session), _PREMAPPED)
+            self._scratch = np.empty(bound, np.uint8)
+            self._scratch.fill(0)
+            # As much again, freed at once: glibc keeps it (server.keep_freed_memory), so the
+            # first export and block reads after a start find memory mapped, as later ones do.
+            np.empty(bound, np.uint8).fill(0)
         ready.set_result(info)
         try:
             self._loop()
@@ -207,7 +225,13 @@ class Engine:
             return
         if kv.layout != self.layout:
             raise KvstashError("internal: KV of another layout")
-        if not ctx.set_state(slot, pieces.assemble(kv)):
+        into = None
+        if kv.raw is None:
+            size = pieces.blob_size(kv)
+            if self._scratch.size < size:
+                self._scratch = np.empty(size, dtype=np.uint8)
+            into = self._scratch[:size]
+        if not ctx.set_state(slot, pieces.assemble(kv, into=into)):
             ctx.clear(slot)
             state.logits = None
             raise CorruptCheckpoint("llama.cpp did not take the session's state")

@@ -3,8 +3,10 @@
 Both run inside an operation holding the session's lock: the prompt is tokenized (chat:
 through the model's template, message content never parsed for control tokens), checked
 against the context, the session is given a slot, and one engine job streams the reply.
-A persistent session is saved before the last chunk goes out, so a client that saw the end
-of a generation can rely on it surviving a crash.
+A persistent session's turn is recorded in the journal before the last chunk goes out, so
+a client that saw the end of a generation can rely on it surviving a crash; its KV blocks
+are saved (a new head) only once the turns since the last head add `--head-interval`
+tokens, or a turn truncates the conversation.
 """
 
 from __future__ import annotations
@@ -276,7 +278,7 @@ class Conversations:
                     if job.boundary is not None:
                         session.boundary = job.boundary
                     if session.persistent:
-                        await self._save_turn(session, before)
+                        await self._save_turn(session, before, truncated=dropped > 0)
                 put(item)
                 if item.finish_reason is not None:
                     return
@@ -294,11 +296,24 @@ class Conversations:
         if session.persistent:
             await self.manager.persistence.check_stored(self.manager.tenants.get(session.tenant))
 
-    async def _save_turn(self, session: Session, n_before: int) -> None:
-        """Autosave a persistent session's turn, or undo the turn: a client told that its
-        request failed may send it again without finding the first reply in the history."""
+    async def _save_turn(self, session: Session, n_before: int, *, truncated: bool) -> None:
+        """Make a persistent session's turn durable, or undo the turn: a client told that
+        its request failed may send it again without finding the first reply in the history.
+
+        Durable is a journal record, or a new head where a crash would otherwise evaluate
+        more than `--head-interval` tokens again: the tokens since the head, or the whole
+        history after a truncation (its kept turns moved). Such turns evaluated at least
+        that many tokens, so the head's cost is small beside theirs."""
+        persistence = self.manager.persistence
+        due = len(session.state.tokens) - session.head_n_kv >= self.manager.settings.head_interval
+        # The journal is this machine's file: on a shared catalog another daemon continues
+        # the session from its head alone, so every turn saves one.
+        due = due or persistence.durable.catalog.shared
         try:
-            await self.manager.persistence.save_head(session)
+            if due or truncated:
+                await persistence.save_head(session)
+            else:
+                await persistence.record_turn(session)
         except KvstashError as e:
             await self.manager.residency.truncate(session, n_before)
             undone = "the reply was not kept: the session is as it was before this request"

@@ -45,6 +45,16 @@ class ManagerCollector:
         yield CounterMetricFamily(
             "kvstash_swap_in_seconds", "Time spent loading sessions into slots.", value=c.swap_in_seconds
         )
+        yield CounterMetricFamily(
+            "kvstash_journal_records",
+            "Persistent turns made durable in the turn journal.",
+            value=c.journal_records,
+        )
+        yield CounterMetricFamily(
+            "kvstash_journal_syncs",
+            "fdatasync calls of the turn journal (shared by turns that end together).",
+            value=c.journal_syncs,
+        )
         tokens = CounterMetricFamily("kvstash_tokens", "Tokens by what happened to them.", labels=["kind"])
         for kind, n in (
             ("evaluated", c.tokens_evaluated),

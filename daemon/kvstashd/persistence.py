@@ -1,10 +1,15 @@
 """Persistence: checkpoint stores, persistent sessions' heads, and sessions loaded at start.
 
-A persistent session has a movable *head* manifest, saved (delta) when a generation ends,
-on graceful shutdown and when it is created; after a restart it is listed and continues
-from its head. Explicit checkpoints are separate, labelled, immutable manifests. Ephemeral
-sessions keep their checkpoints in RAM; under memory pressure their state may spill to a
-disk area wiped at every start, and nothing of them outlives close, expiry or restart.
+A persistent session has a movable *head* manifest (its KV blocks and a manifest), saved
+(delta) when it is created, rewound, restored or spilled, by a turn after which more than
+`--head-interval` tokens would be evaluated again, and on graceful shutdown. Each turn in
+between is made durable as a record in the turn journal (journal.py): the session's
+manifest without its KV and logits, and the head it follows. After a restart the session
+is listed and continues from its head, with the tokens its newest record adds pending
+(evaluated again on its next request). Explicit checkpoints are separate, labelled,
+immutable manifests. Ephemeral sessions keep their checkpoints in RAM; under memory
+pressure their state may spill to a disk area wiped at every start, and nothing of them
+outlives close, expiry or restart.
 All catalog and file work runs in worker threads.
 """
 
@@ -16,11 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from kvstashd import manifest as mf
 from kvstashd.budget import DiskBudget, state_bound
 from kvstashd.catalog import CheckpointRow
 from kvstashd.checkpoints import CheckpointStore, Loaded
 from kvstashd.config import Settings
-from kvstashd.errors import Busy, KvstashError, NotFound, SessionElsewhere
+from kvstashd.errors import Busy, CorruptCheckpoint, KvstashError, NotFound, SessionElsewhere
+from kvstashd.journal import TurnJournal
 from kvstashd.leases import Leases
 from kvstashd.manifest import Snapshot
 from kvstashd.placement import HistoryOnly, Placement, Residency, Stored, store_write
@@ -34,12 +41,14 @@ log = logging.getLogger(__name__)
 class Stores:
     """durable: persistent sessions and imports (disk); volatile: ephemeral sessions'
     checkpoints (RAM); spill: ephemeral sessions' state under memory pressure (disk, wiped
-    at start); disk: the budget durable and spill writes share."""
+    at start); disk: the budget durable, spill and journal writes share; journal:
+    persistent sessions' turns since their heads."""
 
     durable: CheckpointStore
     volatile: CheckpointStore
     spill: CheckpointStore
     disk: DiskBudget
+    journal: TurnJournal
 
 
 class Persistence:
@@ -49,6 +58,7 @@ class Persistence:
         self.stores = stores
         self.durable = stores.durable
         self.volatile = stores.volatile
+        self.journal = stores.journal
         self.settings = settings
         self.clock = clock
         self.residency: Residency | None = None
@@ -80,7 +90,22 @@ class Persistence:
             raise
         session.head_checkpoint_id = row.checkpoint_id
         session.dirty = False
+        session.head_n_kv = stored.n_kv
+        self.journal.forget(session.session_id)  # the head covers its turns
         return row.checkpoint_id, stored
+
+    async def record_turn(self, session: Session) -> None:
+        """Make a persistent session's turn durable: its record in the journal (the session
+        as its manifest would record it, without KV or logits, and the head it follows).
+        Returns once it is; StoreWriteFailed or Busy if it cannot be."""
+        snap = session.snapshot("", self.settings.block_tokens)
+        snap.logits = None
+        snap.n_kv = 0
+        snap.fingerprint = self.durable.fingerprint
+        snap.saved_at = self.clock()
+        await self.journal.append(
+            session.session_id, turn_record(session.head_checkpoint_id, snap, self.durable.key)
+        )
 
     async def checkpoint(self, session: Session, label: str) -> CheckpointRow:
         """An immutable, labelled checkpoint of the session as it is now."""
@@ -156,6 +181,7 @@ class Persistence:
             self.leases.fenced(session.session_id)
             raise
         if session.persistent:
+            self.journal.forget(session.session_id, erase=True)
             self.leases.forget(session.session_id)
         else:
             await asyncio.to_thread(self.volatile.sweep, 0)
@@ -173,24 +199,45 @@ class Persistence:
     ) -> list[tuple[Session, Placement]]:
         """Persistent sessions from the catalog, each with where its state is (blocking)."""
         out: list[tuple[Session, Placement]] = []
+        records = self.journal.recovered()
         for session_id, _created, head in self.durable.catalog.sessions():
             if head is None:
                 continue
             try:
-                out.append(self.session_at(session_id, head, new_session))
+                out.append(self.session_at(session_id, head, new_session, records.get(session_id)))
             except KvstashError as e:
                 log.error("persistent session %s is not loaded: %s", session_id, e)
+                continue
         return out
 
     def session_at(
-        self, session_id: str, head: str, new_session: Callable[[Snapshot, str], Session]
+        self,
+        session_id: str,
+        head: str,
+        new_session: Callable[[Snapshot, str], Session],
+        record: bytes | None = None,
     ) -> tuple[Session, Placement]:
-        """A persistent session as its head checkpoint has it, and where its state is
+        """A persistent session as its head checkpoint has it, continued by its journal
+        record (the turns since the head) where there is one, and where its state is
         (blocking)."""
         snap = self.durable.snapshot(head)
-        session = new_session(snap, session_id)
-        session.apply(snap, snap.n_kv)
+        turn = self._recorded_turn(session_id, head, record)
+        if turn is not None and turn.fingerprint != snap.fingerprint:
+            turn = None
+        session = new_session(turn or snap, session_id)
         session.head_checkpoint_id = head
+        session.head_n_kv = snap.n_kv
+        if turn is not None:
+            # The turns since the head: its state, and their tokens pending (evaluated
+            # again on the next request, exactly as they were the first time).
+            n_kv = _covered(snap, turn)
+            session.apply(turn, n_kv)
+            session.dirty = True
+            if n_kv and snap.kv_layout == self.durable.layout_desc:
+                return session, Stored(self.durable, head, snap)
+            session.state.n_kv = 0
+            return session, HistoryOnly("turns since the head change its history")
+        session.apply(snap, snap.n_kv)
         if snap.n_kv and snap.kv_layout == self.durable.layout_desc:
             where: Placement = Stored(self.durable, head, snap)
         else:
@@ -202,3 +249,55 @@ class Persistence:
             session.state.logits = None
             where = HistoryOnly("a stored state of another layout")
         return session, where
+
+    def drop_stale_records(self, replayed: set[str], listed: set[str]) -> None:
+        """Forget journal records found at start that no session continues from: covered by
+        a head, or of a session that is gone (a close cut short before its record left the
+        file; its text leaves now)."""
+        for session_id in self.journal.recovered():
+            if session_id not in replayed:
+                self.journal.forget(session_id, erase=session_id not in listed)
+
+    def _recorded_turn(self, session_id: str, head: str, body: bytes | None) -> Snapshot | None:
+        """The session's newest journal record, if it follows its head (one older than the
+        head is covered by it), checked like any manifest; None otherwise."""
+        if body is None:
+            return None
+        try:
+            base, snap = read_turn_record(body, self.durable.key, self.durable.n_vocab)
+            if snap.session_id != session_id:
+                raise CorruptCheckpoint("the record names another session")
+            mf.check_limits(snap, self.settings.ctx_per_session)
+        except (CorruptCheckpoint, KvstashError) as e:
+            log.error(
+                "session %s: its journal record is not used (%s); it continues from its head", session_id, e
+            )
+            return None
+        return snap if base == head else None
+
+
+def turn_record(head: str, snap: Snapshot, key: bytes) -> bytes:
+    """A journal record: the head it follows, then the manifest (with its HMAC)."""
+    h = head.encode()
+    return bytes([len(h)]) + h + mf.encode(snap, key)
+
+
+def read_turn_record(body: bytes, key: bytes, n_vocab: int) -> tuple[str, Snapshot]:
+    """(head, snapshot) of a journal record; CorruptCheckpoint unless it is intact."""
+    if not body or len(body) < 1 + body[0]:
+        raise CorruptCheckpoint("the journal record is truncated")
+    try:
+        head = body[1 : 1 + body[0]].decode("ascii")
+    except UnicodeDecodeError:
+        raise CorruptCheckpoint("the journal record's head is malformed") from None
+    return head, mf.decode(body[1 + body[0] :], key, n_vocab)
+
+
+def _covered(head: Snapshot, turn: Snapshot) -> int:
+    """How much of the turn's history the head's state covers: its whole state when the
+    turn's history extends the head's state (and leaves a token pending, for its logits),
+    else nothing."""
+    n = head.n_kv
+    if n < len(turn.tokens) and turn.tokens[:n] == head.tokens[:n]:
+        return n
+    return 0

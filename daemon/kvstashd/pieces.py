@@ -159,14 +159,32 @@ def _slice(cells: KvCells, a: int, b: int) -> KvCells:
 # ---- assembly -------------------------------------------------------------------------------
 
 
-def assemble(kv: SeqKv, seq_id: int = 0) -> bytes | bytearray | memoryview:
+def blob_size(kv: SeqKv) -> int:
+    """The bytes of `assemble(kv)` (a state without a raw blob)."""
+    return 8 + sum(_section_size(s, kv.n) for s in kv.sections)
+
+
+def blob_bound(layout: StateLayout, n: int) -> int:
+    """The most bytes an assembled state of n positions of this layout takes."""
+    size = 8
+    for s in layout.sections:
+        if isinstance(s, RecurrentLayout):
+            size += 4 + 8 + 8 + 12 * len(s.rows) + s.nbytes
+        else:
+            size += 4 + 4 * s.n_stream + 12 * n + 8 + s.n_layer * 24 + n * s.cell_bytes
+    return size
+
+
+def assemble(kv: SeqKv, seq_id: int = 0, into: Bytes | None = None) -> bytes | bytearray | memoryview:
     """One blob that llama_state_seq_set_data accepts for any slot of this context, with
-    every KV cell at the index of its position (cells below a window zero-filled)."""
+    every KV cell at the index of its position (cells below a window zero-filled); written
+    into `into` (a uint8 array of blob_size(kv) bytes) when given."""
     if kv.raw is not None:
         return kv.raw
-    size = 8 + sum(_section_size(s, kv.n) for s in kv.sections)
+    size = blob_size(kv)
     # np.empty: unlike bytearray, it does not zero the tens of MB that are overwritten anyway.
-    out = np.empty(size, dtype=np.uint8)
+    out = np.empty(size, dtype=np.uint8) if into is None else into
+    assert out.shape == (size,)
     blob = memoryview(out.data)
     struct.pack_into("<Ii", blob, 0, SEQ_MAGIC, seq_id)
     at = 8

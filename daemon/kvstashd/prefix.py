@@ -8,12 +8,13 @@ longest prefix first: another live session's state (in its slot, or parked in RA
 history begins the same way, and the block stores (persistent sessions' heads and
 checkpoints on disk, which outlive restarts, and ephemeral checkpoints in RAM).
 
-Every source holds the cells the session would compute itself (exact mode: a token's cells
+In exact mode every source holds the cells the session would compute itself (a token's cells
 do not depend on how it was batched), so a session that attached a prefix continues exactly
-as one that evaluated it. At least the last token of the history is always evaluated, for
-its logits. Sliding-window and recurrent models attach only where the whole state at a block
-boundary exists: sessions keep it at their system prompt's last block boundary (see
-`boundary_for`), and their saves store it beside their blocks.
+as one that evaluated it; in compact mode the cells are as valid, not the same. At least the
+last token of the history is always evaluated, for its logits. Sliding-window and recurrent
+models attach only where the whole state at a block boundary exists: sessions keep it at
+their system prompt's last block boundary (see `boundary_for`), and their saves store it
+beside their blocks.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
 from kvstashd.context import ContextConfig, ModelInfo
 from kvstashd.engine import Engine
+from kvstashd.journal import FileJournal, TurnJournal
 from kvstashd.limits import MAX_CONCURRENT_RPCS, MAX_STREAMS_PER_CONNECTION
 from kvstashd.metrics import serve_metrics
 from kvstashd.model import fingerprint
@@ -59,6 +60,7 @@ def engine_config(settings: Settings) -> ContextConfig:
         gpu_layers=settings.gpu_layers,
         kv_type=settings.kv_type,
         kv_unified=settings.kv_unified,
+        flash_attn=settings.flash_attn,
     )
 
 
@@ -118,9 +120,10 @@ def durable_catalog(settings: Settings, state: StateDir, key: bytes) -> Catalog:
 
 
 def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: str) -> Stores:
-    """durable: the catalog under the state dir, blocks there too or in the remote store
-    `--store` names; volatile: both in RAM; spill: blocks under the state dir, wiped now, with
-    its catalog in RAM (nothing of it outlives us)."""
+    """durable: the catalog under the state dir (or the shared one `--catalog` names), blocks
+    there too or in the remote store `--store` names; volatile: both in RAM; spill: blocks
+    under the state dir, wiped now, with its catalog in RAM (nothing of it outlives us); the
+    turn journal under the state dir, read back now (torn tail dropped)."""
     key = store_key(state.path)
 
     def make(catalog: Catalog, blocks: BlockStore) -> CheckpointStore:
@@ -133,6 +136,7 @@ def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: 
             block_tokens=settings.block_tokens,
             codec=settings.codec,
             n_vocab=info.n_vocab,
+            exact=info.exact,
         )
 
     catalog = durable_catalog(settings, state, key)
@@ -148,14 +152,15 @@ def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: 
     state.wipe_spill()
     # Ephemeral sessions' catalogs stay local and in RAM whatever the durable one is.
     spill = make(SqliteCatalog(":memory:"), LocalBlockStore(state.spill))
+    journal = FileJournal(state.path / "journal")
     disk = DiskBudget(
         settings.disk_budget,
-        (durable.store.total_bytes, spill.store.total_bytes, durable.catalog.file_bytes),
+        (durable.store.total_bytes, spill.store.total_bytes, durable.catalog.file_bytes, journal.file_bytes),
         lambda target: durable.sweep(target, used=disk.used),
     )
-    durable.budget = spill.budget = disk
+    durable.budget = spill.budget = journal.budget = disk
     volatile = make(SqliteCatalog(":memory:"), MemoryBlockStore())
-    return Stores(durable=durable, volatile=volatile, spill=spill, disk=disk)
+    return Stores(durable=durable, volatile=volatile, spill=spill, disk=disk, journal=journal)
 
 
 def load_tenants(settings: Settings) -> Tenants:
@@ -257,6 +262,7 @@ class Daemon:
         self._state: StateDir | None = None
         self._http: HttpDoor | None = None
         self.http_port = 0
+        self._journal: TurnJournal | None = None
 
     async def start(self) -> int:
         """Load the model, start serving, report SERVING. Returns the bound port."""
@@ -271,6 +277,7 @@ class Daemon:
             log.info("loading %s", settings.model_path)
             info = await asyncio.to_thread(self.engine.start)
             stores = await asyncio.to_thread(checkpoint_stores, settings, state, info, fp)
+            self._journal = stores.journal
             orphans = await asyncio.to_thread(stores.durable.remove_orphans)
             if orphans:
                 log.info("removed %d blocks that no checkpoint was committed for", orphans)
@@ -298,6 +305,8 @@ class Daemon:
         except BaseException:
             if self._server is not None:
                 await self._server.stop(0)
+            if self._journal is not None:
+                self._journal.close()  # on the loop: what it queued goes first
             await asyncio.to_thread(self.engine.stop)
             self._release_state()
             raise
@@ -316,7 +325,7 @@ class Daemon:
             self.address,
             settings.slots,
             info.n_ctx_seq,
-            "exact" if settings.exact and info.exact else "compact",
+            "exact" if info.exact else "compact",
             info.memory,
             info.layout_note,
         )
@@ -365,6 +374,8 @@ class Daemon:
                 await self._sweeper
         if self.manager is not None:
             await self.manager.shutdown()
+        if self._journal is not None:
+            self._journal.close()  # on the loop: what it queued goes first
         await asyncio.to_thread(self.engine.stop)
         self._release_state()
         log.info("stopped")

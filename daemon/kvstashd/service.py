@@ -43,6 +43,31 @@ RESIDENCY = {"hot": pb.RESIDENCY_HOT, "warm": pb.RESIDENCY_WARM, "cold": pb.RESI
 ROLES = {"system": pb.ROLE_SYSTEM, "user": pb.ROLE_USER, "assistant": pb.ROLE_ASSISTANT}
 
 
+#: The metadata key a client names the session of its call in; a proxy in front of several
+#: daemons routes by it (deploy/haproxy.cfg). CreateSession and ForkSession answer with the
+#: new session's id under the same key, so the proxy learns where the session lives.
+SESSION_HEADER = "x-kvstash-session"
+
+
+def _check_routing(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    """A call routed by one session must be about that session: where the request names a
+    session and the metadata another, the proxy sent it to the other's daemon, so refuse it
+    (a request that names none, such as a fork of a checkpoint, may be routed by any)."""
+    session_id = getattr(request, "session_id", "")
+    if not session_id:
+        return
+    routed = next((v for k, v in context.invocation_metadata() or () if k == SESSION_HEADER), None)
+    if routed is not None and routed != session_id:
+        raise InvalidRequest(
+            f"the {SESSION_HEADER} metadata names another session ({str(routed)[:80]!r}) than the request"
+        )
+
+
+async def send_session_header(context: grpc.aio.ServicerContext[Any, Any], session_id: str) -> None:
+    """Name a session that this call made in the response's metadata."""
+    await context.send_initial_metadata(((SESSION_HEADER, session_id),))
+
+
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: BaseException) -> None:
     if isinstance(error, KvstashError) and type(error) is not KvstashError:
         # Errors that share a status say which cause they are (see errors.py).
@@ -62,6 +87,7 @@ def unary(
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]) -> Resp:
         try:
+            _check_routing(request, context)
             return await fn(self, request, context)
         except Exception as e:
             await _abort(context, e)
@@ -80,6 +106,7 @@ def streaming(
         self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]
     ) -> AsyncGenerator[Resp, None]:
         try:
+            _check_routing(request, context)
             async with contextlib.aclosing(fn(self, request, context)) as stream:
                 async for item in stream:
                     yield item
@@ -123,7 +150,7 @@ class KvStashService(pb_grpc.KvStashServicer):
             slots=m.settings.slots,
             ctx_per_session=m.model.n_ctx_seq,
             kv_type=m.settings.kv_type,
-            mode="exact" if m.settings.exact and m.model.exact else "compact",
+            mode="exact" if m.model.exact else "compact",
             has_chat_template=m.template is not None,
             slots_in_use=c.slots_in_use,
             sessions=c.sessions,
@@ -155,6 +182,7 @@ class KvStashService(pb_grpc.KvStashServicer):
             persistent=request.persistent,
             context_policy=request.context_policy,
         )
+        await send_session_header(context, session.session_id)
         return pb.CreateSessionResponse(session=self._session_pb(await self.manager.view(session)))
 
     @unary
@@ -242,6 +270,7 @@ class KvStashService(pb_grpc.KvStashServicer):
         session, reprefilled = await self.manager.checkpoints.fork(
             request.session_id, request.checkpoint_id, request.persistent, self.tenant(context)
         )
+        await send_session_header(context, session.session_id)
         view = await self.manager.view(session)
         return pb.ForkSessionResponse(session=self._session_pb(view), reprefilled=reprefilled)
 

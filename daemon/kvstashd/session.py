@@ -48,8 +48,10 @@ class Session:
     # Structured output cut short (max_tokens, a stop string...): the next request without a
     # prompt continues within it (see grammar.py).
     constraint: Constraint | None = None
-    # Changed since its last save (persistent sessions only).
+    # Changed since its last head save, and the tokens its head's state covers (persistent
+    # sessions only: turns since then are in the journal, their KV not yet stored).
     dirty: bool = False
+    head_n_kv: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     job: Job | None = None
     closed: bool = False
@@ -166,3 +168,7 @@ class Counters:
     swap_in_seconds: float = 0.0
     parked_bytes: int = 0
     store_bytes: int = 0
+    # Persistent turns made durable in the journal, and the syncs that did it (group commit:
+    # fewer syncs than records when turns end together).
+    journal_records: int = 0
+    journal_syncs: int = 0

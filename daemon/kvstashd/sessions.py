@@ -140,6 +140,9 @@ class SessionManager:
         known = {s.session_id for s, _ in loaded}
         sessions = await asyncio.to_thread(self.durable.catalog.sessions)
         self._unloaded = {sid for sid, _, _ in sessions if sid not in known}
+        # Sessions that continue from a journal record are the ones with turns since their head.
+        replayed = {s.session_id for s, _ in loaded if s.dirty}
+        self.persistence.drop_stale_records(replayed, {sid for sid, _, _ in sessions})
         if loaded:
             log.info("loaded %d persistent sessions", len(loaded))
         self.publish()
@@ -549,6 +552,8 @@ class SessionManager:
             swap_in_seconds=self.residency.swap_in_seconds,
             parked_bytes=self.residency.ram_bytes(),
             store_bytes=self.stores.disk.used(),
+            journal_records=self.stores.journal.records,
+            journal_syncs=self.stores.journal.syncs,
         )
         return self.counters
 

@@ -21,6 +21,9 @@ KEY = re.compile(r"^[0-9a-f]{64}$")
 class BlockStore(Protocol):
     """Durable (or not) key -> bytes storage for framed blocks."""
 
+    # True for a store in this process's memory: its blocks were framed (or checked, when
+    # imported) here and never left, so a read need not check their checksums again.
+    in_process: bool
     #: Whether the blocks live on a server (listing them is expensive; they outlive this
     #: machine's disk). Remote stores' failures are StoreUnreachable / StoreReadFailed.
     remote: bool

@@ -26,6 +26,7 @@ _READERS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_na
 
 
 class LocalBlockStore:
+    in_process = False
     remote = False
 
     def __init__(self, root: Path) -> None:

@@ -8,6 +8,7 @@ from kvstashd.store import check_key
 
 
 class MemoryBlockStore:
+    in_process = True
     remote = False
 
     def __init__(self) -> None:

@@ -34,6 +34,7 @@ _BATCH = 24
 
 class RedisBlockStore:
     remote = True
+    in_process = False
 
     def __init__(self, url: str, *, timeout: float, retries: int, known_bytes: Callable[[], int]) -> None:
         """`url`: redis:// or rediss:// (TLS), with its database number; `known_bytes()`:

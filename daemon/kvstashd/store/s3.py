@@ -35,6 +35,7 @@ _ABSENT = ("404", "NoSuchKey", "NotFound")
 
 class S3BlockStore:
     remote = True
+    in_process = False
 
     def __init__(
         self,
