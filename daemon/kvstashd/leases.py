@@ -130,5 +130,5 @@ class Leases:
                 self.held.pop(sid, None)
             self.lost |= lost
             self.wanted = {sid for sid in wanted if sid in self.held}
-            if lost or self.wanted:
+            if self.lost or self.wanted:  # new ones, or ones a busy moment left
                 self.on_change()

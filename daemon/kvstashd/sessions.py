@@ -111,7 +111,8 @@ class SessionManager:
         self.shared = self.durable.catalog.shared
         self.leases = self.persistence.leases
         self.leases.on_change = self._leases_changed
-        self._adopting: dict[str, asyncio.Lock] = {}
+        # Per session being looked up: its lock and how many requests use it.
+        self._adopting: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._lease_task: asyncio.Task[None] | None = None
         self._letting_go: asyncio.Task[None] | None = None
 
@@ -225,9 +226,14 @@ class SessionManager:
 
     async def _adopt(self, session_id: str, tenant: Tenant) -> Session:
         # One lookup per session at a time (others wait for it, then find it registered).
-        lock = self._adopting.setdefault(session_id, asyncio.Lock())
-        async with opsmod.current().waiting():
-            await lock.acquire()
+        lock, users = self._adopting.setdefault(session_id, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with opsmod.current().waiting():
+                await lock.acquire()
+        except BaseException:
+            self._unuse(session_id, users)
+            raise
         try:
             if session_id in self.sessions:
                 return self.get(session_id, tenant)
@@ -256,8 +262,12 @@ class SessionManager:
             return session
         finally:
             lock.release()
-            if not lock.locked() and self._adopting.get(session_id) is lock:
-                del self._adopting[session_id]
+            self._unuse(session_id, users)
+
+    def _unuse(self, session_id: str, users: list[int]) -> None:
+        users[0] -= 1
+        if not users[0]:
+            del self._adopting[session_id]
 
     def _leases_changed(self) -> None:
         """Leases lost or asked for: let those sessions go, once each is idle."""
