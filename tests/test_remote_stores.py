@@ -36,7 +36,9 @@ from kvstashd.store.redis import RedisBlockStore
 from kvstashd.store.s3 import S3BlockStore
 
 #: Remote requests in these tests: a stopped server fails a request in about a second.
-REMOTE = {"store_timeout": 0.5, "store_retries": 1}
+# head_interval 1: every turn saves a head, so turns write blocks to the store (otherwise
+# most turns are a record in the turn journal, a local file, and reach no server).
+REMOTE = {"store_timeout": 0.5, "store_retries": 1, "head_interval": 1}
 
 
 def catalog_blocks(state_dir: Path) -> set[str]:

@@ -297,7 +297,9 @@ class Conversations:
         if session.persistent:
             await self.manager.persistence.check_stored(self.manager.tenants.get(session.tenant))
 
-    async def _save_turn(self, session: Session, n_before: int, draws_before: int, *, truncated: bool) -> None:
+    async def _save_turn(
+        self, session: Session, n_before: int, draws_before: int, *, truncated: bool
+    ) -> None:
         """Make a persistent session's turn durable, or undo the turn: a client told that
         its request failed may send it again without finding the first reply in the history.
 
