@@ -9,11 +9,14 @@ import the classes from here.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +38,12 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 #: Greedy sampling: the same prompt gives the same tokens.
 GREEDY = kvstash.SamplingParams(temperature=0.0)
 
+#: The exactness probe's results, shared by every daemon of a test run: probes.py keys them by
+#: llama.cpp build, model, context settings and machine, so each configuration is probed once
+#: (about 5 s of CPU for SmolLM2) instead of at every start.
+PROBE_CACHE = Path(tempfile.mkdtemp(prefix="kvstash-probes-")) / "probes.json"
+atexit.register(shutil.rmtree, PROBE_CACHE.parent, ignore_errors=True)
+
 #: Settings every test daemon starts from; small so that the suite stays fast on two cores.
 #: One llama.cpp thread: with two, each decode step spins on ggml barriers, and when anything
 #: else uses a core (another daemon of the suite, a compiler) one step can take seconds, not
@@ -47,6 +56,7 @@ TEST_DEFAULTS: dict[str, Any] = {
     "threads": 1,
     "grace_seconds": 1.0,
     "check_invariants": True,
+    "probe_cache": str(PROBE_CACHE),
 }
 
 #: What a daemon run with --check-invariants logs when slots, placements, the engine's
@@ -206,6 +216,8 @@ class DaemonProcess:
             "--threads",
             str(TEST_DEFAULTS["threads"]),
             "--check-invariants",
+            "--probe-cache",
+            str(PROBE_CACHE),
             *self.args,
         ]
 

@@ -70,6 +70,7 @@ STATE_FILES = {
     "catalog.db-shm",
     "store.key",
     "fingerprints.json",
+    "probes.json",  # unless the tests keep it elsewhere (KVSTASH_PROBE_CACHE)
     "lock",  # held by the running daemon; released by the kernel when it dies
     "blocks",
     "spill",

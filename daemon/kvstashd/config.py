@@ -230,6 +230,15 @@ class Settings:
             "were batched; restores of stored KV stay exact). Always on with q8_0/q4_0 K/V."
         ),
     )
+    probe_cache: str = field(
+        default="",
+        metadata=spec(
+            "Where the start-up exactness probe's results are kept, by llama.cpp build, model file, "
+            "context settings, CPU and devices (a daemon started again on the same ones skips the "
+            "probe): empty for probes.json in the state directory, a file several daemons may "
+            "share, or 'none' to probe at every start."
+        ),
+    )
     max_prompt_tokens: int = field(
         default=0, metadata=spec("Largest prompt in tokens (0: the session's context).", low=0, high=1 << 20)
     )

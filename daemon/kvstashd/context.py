@@ -18,16 +18,18 @@ import logging
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import llama_cpp as llama
 import llguidance
 import numpy as np
+from llama_cpp import _ggml as llama_ggml
 from llguidance.llamacpp import lltokenizer_from_vocab
 
 from kvstashd import layout as kvlayout
+from kvstashd import probes
 from kvstashd import state as kvstate
 from kvstashd.errors import InvalidRequest, KvstashError
 from kvstashd.sampling import Logits
@@ -75,6 +77,8 @@ class ContextConfig:
     kv_type: str
     kv_unified: bool
     flash_attn: bool = False
+    # Where the exactness probe's results are kept (probes.py); None: probe at every start.
+    probe_cache: Path | None = None
 
     @property
     def flash_attention(self) -> bool:
@@ -253,10 +257,45 @@ class LlamaContext:
     def _probe_exact(self) -> bool:
         if not self.cfg.exact:
             return False
-        found = self.batch_dependence()
+        key = probes.machine_key(
+            replace(self.cfg, probe_cache=None),
+            self.cfg.model_path,
+            build=self._build_facts(),
+            probe={
+                "tokens": PROBE_TOKENS,
+                "chunks": PROBE_CHUNKS,
+                "singles": PROBE_SINGLES,
+                "beside": PROBE_BESIDE,
+            },
+        )
+        found = probes.cached(self.cfg.probe_cache, key, self.batch_dependence)
         if found is not None:
             log.warning("a token's logits depend on how it was batched: %s", found)
         return found is None
+
+    @staticmethod
+    def _build_facts() -> dict[str, Any]:
+        """What the loaded llama.cpp says of itself: version, library files, the CPU
+        features it was built for, and ggml's devices (name and description)."""
+        lib = Path(llama.__file__).parent / "lib"
+        files = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(lib.glob("*"))]
+        ggml = llama_ggml.libggml
+        count, get = ggml.ggml_backend_dev_count, ggml.ggml_backend_dev_get
+        name, desc = ggml.ggml_backend_dev_name, ggml.ggml_backend_dev_description
+        count.restype, count.argtypes = ctypes.c_size_t, []
+        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        for fn in (name, desc):
+            fn.restype, fn.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+        devices = []
+        for i in range(count()):
+            dev = get(i)
+            devices.append([(fn(dev) or b"").decode("utf-8", "replace") for fn in (name, desc)])
+        return {
+            "version": llama.__version__,
+            "libraries": files,
+            "system": llama.llama_print_system_info().decode("utf-8", "replace"),
+            "devices": devices,
+        }
 
     def batch_dependence(self) -> str | None:
         """Where the probe found a token's logits depend on how its sequence was batched;

@@ -61,7 +61,15 @@ def engine_config(settings: Settings) -> ContextConfig:
         kv_type=settings.kv_type,
         kv_unified=settings.kv_unified,
         flash_attn=settings.flash_attn,
+        probe_cache=probe_cache(settings),
     )
+
+
+def probe_cache(settings: Settings) -> Path | None:
+    """The file of the exactness probe's results (see probes.py); None: probe every start."""
+    if settings.probe_cache == "none":
+        return None
+    return Path(settings.probe_cache) if settings.probe_cache else settings.state_dir / "probes.json"
 
 
 def keep_freed_memory() -> None:

@@ -11,6 +11,7 @@ by an fsync of the directory that holds it.
       lock                the holder's pid
       store.key           the HMAC key of manifests
       fingerprints.json   model fingerprints by path, size and mtime
+      probes.json         the exactness probe's results (unless --probe-cache puts them elsewhere)
       catalog.db(-wal, -shm)
       blocks/             persistent sessions' and checkpoints' KV blocks
       spill/              ephemeral sessions' blocks: wiped at every start and graceful stop
