@@ -274,8 +274,21 @@ class FakeDaemon(pb_grpc.KvStashServicer):
         self.blob = bytes(range(256)) * 9000  # > 2 MiB, so export and import take several chunks
         self.imported = b""
         self.closed: list[str] = []
+        # Calls about session "moving" that are refused, as another daemon's, before it is here.
+        self.elsewhere = 0
+        self.refused = 0
+
+    def _held_elsewhere(self, context: grpc.ServicerContext) -> None:
+        if self.refused < self.elsewhere:
+            self.refused += 1
+            hint = (("kvstash-error", "session-elsewhere"), ("kvstash-retry-after-ms", "20"))
+            context.set_trailing_metadata(hint)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "session moving is held by another daemon")
 
     def _session(self, session_id: str, context: grpc.ServicerContext) -> pb.SessionInfo:
+        if session_id == "moving":
+            self._held_elsewhere(context)
+            return pb.SessionInfo(session_id="moving", n_tokens=3, n_ctx=256, residency=pb.RESIDENCY_COLD)
         if session_id != "s1":
             context.abort(grpc.StatusCode.NOT_FOUND, f"no session {session_id!r}")
         return pb.SessionInfo(session_id="s1", n_tokens=3, n_ctx=256, residency=pb.RESIDENCY_HOT)
@@ -295,6 +308,10 @@ class FakeDaemon(pb_grpc.KvStashServicer):
         return pb.CloseSessionResponse()
 
     def Chat(self, request: Any, context: Any) -> Iterator[pb.ChatResponse]:
+        if request.session_id == "moving":
+            if request.message == "late":  # refused after a chunk: the client must not send it again
+                yield pb.ChatResponse(chunk=pb.GenerationChunk(text="partial"))
+            self._held_elsewhere(context)
         if request.message == "overflow":
             yield pb.ChatResponse(chunk=pb.GenerationChunk(text="partial"))
             context.abort(grpc.StatusCode.OUT_OF_RANGE, "the context is full")
@@ -349,6 +366,55 @@ def test_chat_and_errors_through_a_server(fake: tuple[FakeDaemon, str]) -> None:
         # An error in the middle of a stream is converted too.
         with pytest.raises(kvstash.ContextFullError, match="context is full"):
             list(session.chat_stream("overflow"))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_call_about_a_session_held_elsewhere_is_sent_again_after_each_hint(
+    fake: tuple[FakeDaemon, str], asynchronous: bool
+) -> None:
+    daemon, address = fake
+
+    async def calls(client: kvstash.AsyncClient) -> tuple[int, str]:
+        session = await client.session("moving")
+        n = (await session.info()).n_tokens
+        daemon.refused = 0
+        return n, (await session.chat("hi")).text
+
+    def run(**kw: Any) -> tuple[int, str]:
+        if asynchronous:
+
+            async def main() -> tuple[int, str]:
+                async with kvstash.AsyncClient(address, timeout=5, **kw) as client:
+                    return await calls(client)
+
+            return asyncio.run(main())
+        with kvstash.Client(address, timeout=5, **kw) as client:
+            session = client.session("moving")
+            n = session.info().n_tokens
+            daemon.refused = 0
+            return n, session.chat("hi").text
+
+    daemon.elsewhere = 3
+    assert run() == (3, "echo: hi")  # three refusals each, then answered
+    assert daemon.refused == 3
+    daemon.refused = 0
+    for wait in (0, 0.01):  # no wait, or less than the hint: raised at the first refusal
+        with pytest.raises(kvstash.SessionElsewhereError) as refused:
+            run(elsewhere_wait=wait)
+        assert refused.value.retry_after == 0.02 and daemon.refused == 1
+        daemon.refused = 0
+
+
+def test_a_stream_refused_after_its_first_chunk_is_not_sent_again(fake: tuple[FakeDaemon, str]) -> None:
+    daemon, address = fake
+    with kvstash.Client(address, timeout=5) as client:
+        session = client.session("moving")
+        daemon.elsewhere = 1
+        chunks: list[str] = []
+        with pytest.raises(kvstash.SessionElsewhereError):
+            for chunk in session.chat_stream("late"):
+                chunks.append(chunk.text)
+    assert chunks == ["partial"] and daemon.refused == 1
 
 
 def test_leaving_a_stream_early_cancels_the_call(fake: tuple[FakeDaemon, str]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, BinaryIO, TypeVar
@@ -16,7 +17,7 @@ import grpc
 from kvstash import _operations as ops
 from kvstash._connection import Tls, aio_channel, auth_metadata, call_metadata, resolve_address
 from kvstash._convert import join_chunks
-from kvstash._errors import from_rpc_error
+from kvstash._errors import ELSEWHERE_WAIT, elsewhere_pause, from_rpc_error
 from kvstash._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
 from kvstash._operations import described_by
 from kvstash._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo
@@ -55,9 +56,11 @@ class AsyncClient:
         timeout: float | None = None,
         token: str | None = None,
         tls: Tls | None = None,
+        elsewhere_wait: float = ELSEWHERE_WAIT,
     ) -> None:
         self.address = resolve_address(address)
         self.timeout = timeout
+        self.elsewhere_wait = elsewhere_wait
         self._metadata = auth_metadata(token)
         self._channel = aio_channel(self.address, tls)
         self._stub = pb_grpc.KvStashStub(self._channel)
@@ -83,23 +86,40 @@ class AsyncClient:
     async def _unary(self, op: ops.Unary[_T]) -> _T:
         rpc = getattr(self._stub, op.method)
         metadata = call_metadata(self._metadata, op.session_id)
-        try:
-            response = await rpc(op.request, timeout=self.timeout, metadata=metadata)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        return op.convert(response)
+        deadline = time.monotonic() + self.elsewhere_wait
+        while True:
+            try:
+                response = await rpc(op.request, timeout=self.timeout, metadata=metadata)
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+                pause = elsewhere_pause(error, deadline)
+                if pause is None:
+                    raise error from None
+                await asyncio.sleep(pause)
+                continue
+            return op.convert(response)
 
     async def _stream(self, op: ops.Stream[_T]) -> AsyncGenerator[_T, None]:
         metadata = call_metadata(self._metadata, op.session_id)
-        call = getattr(self._stub, op.method)(op.request, metadata=metadata)
-        try:
-            async for response in call:
-                yield op.convert(response)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            # The consumer may stop early or be cancelled: stop the daemon's work.
-            call.cancel()
+        deadline = time.monotonic() + self.elsewhere_wait
+        while True:
+            call = getattr(self._stub, op.method)(op.request, metadata=metadata)
+            answered = False
+            try:
+                async for response in call:
+                    answered = True
+                    yield op.convert(response)
+                return
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+                # Sent again only while nothing of it was answered (see Client).
+                pause = None if answered else elsewhere_pause(error, deadline)
+                if pause is None:
+                    raise error from None
+            finally:
+                # The consumer may stop early or be cancelled: stop the daemon's work.
+                call.cancel()
+            await asyncio.sleep(pause)
 
     @described_by(ops.info)
     async def info(self) -> Info:

@@ -6,6 +6,7 @@ answer; this module only makes the calls.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Mapping, Sequence
 from functools import partial
 from types import TracebackType
@@ -16,7 +17,7 @@ import grpc
 from kvstash import _operations as ops
 from kvstash._connection import Tls, auth_metadata, call_metadata, channel, resolve_address
 from kvstash._convert import join_chunks
-from kvstash._errors import from_rpc_error
+from kvstash._errors import ELSEWHERE_WAIT, elsewhere_pause, from_rpc_error
 from kvstash._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
 from kvstash._operations import described_by
 from kvstash._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo
@@ -44,6 +45,12 @@ class Client:
     that returns one answer; streamed calls (generation, export, import) take as long as they
     need. Making a client does not connect: the first call does, and calls fail at once with
     UnavailableError while the daemon is down. Every failed call raises a KvstashError.
+
+    With several daemons, a call about a session another daemon holds is answered with
+    SessionElsewhereError and a hint of when to try again (the holder hands an idle session
+    over; a dead one's lease lapses). The client sends such a call again after each hint for
+    up to ``elsewhere_wait`` seconds (0: raise at once); a stream, only while none of it has
+    arrived.
     """
 
     def __init__(
@@ -53,9 +60,11 @@ class Client:
         timeout: float | None = None,
         token: str | None = None,
         tls: Tls | None = None,
+        elsewhere_wait: float = ELSEWHERE_WAIT,
     ) -> None:
         self.address = resolve_address(address)
         self.timeout = timeout
+        self.elsewhere_wait = elsewhere_wait
         self._metadata = auth_metadata(token)
         self._channel = channel(self.address, tls)
         self._stub = pb_grpc.KvStashStub(self._channel)
@@ -81,23 +90,41 @@ class Client:
     def _unary(self, op: ops.Unary[_T]) -> _T:
         rpc = getattr(self._stub, op.method)
         metadata = call_metadata(self._metadata, op.session_id)
-        try:
-            response = rpc(op.request, timeout=self.timeout, metadata=metadata)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        return op.convert(response)
+        deadline = time.monotonic() + self.elsewhere_wait
+        while True:
+            try:
+                response = rpc(op.request, timeout=self.timeout, metadata=metadata)
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+                pause = elsewhere_pause(error, deadline)
+                if pause is None:
+                    raise error from None
+                time.sleep(pause)
+                continue
+            return op.convert(response)
 
     def _stream(self, op: ops.Stream[_T]) -> Generator[_T, None, None]:
         metadata = call_metadata(self._metadata, op.session_id)
-        call = getattr(self._stub, op.method)(op.request, metadata=metadata)
-        try:
-            for response in call:
-                yield op.convert(response)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            # The consumer may stop early (break, an exception, Ctrl-C): stop the daemon's work.
-            call.cancel()
+        deadline = time.monotonic() + self.elsewhere_wait
+        while True:
+            call = getattr(self._stub, op.method)(op.request, metadata=metadata)
+            answered = False
+            try:
+                for response in call:
+                    answered = True
+                    yield op.convert(response)
+                return
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+                # Sent again only while nothing of it was answered: a consumer never sees
+                # a chunk twice.
+                pause = None if answered else elsewhere_pause(error, deadline)
+                if pause is None:
+                    raise error from None
+            finally:
+                # The consumer may stop early (break, an exception, Ctrl-C): stop the daemon's work.
+                call.cancel()
+            time.sleep(pause)
 
     @described_by(ops.info)
     def info(self) -> Info:
