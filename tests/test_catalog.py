@@ -13,8 +13,9 @@ import pytest
 from servers import RedisServer
 
 from kvstashd.catalog import Catalog, CheckpointRow, SessionRow, SqliteCatalog
-from kvstashd.config import ConfigError, Settings, catalog_url, resolve
+from kvstashd.config import ConfigError, Settings, catalog_url
 from kvstashd.errors import CatalogUnavailable, SessionElsewhere
+from kvstashd.resolution import resolve
 from kvstashd.store import redacted
 
 TTL_MS = 400
