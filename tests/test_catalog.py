@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 from servers import RedisServer
 
-from kvstashd.catalog import Catalog, CheckpointRow, SessionRow, SqliteCatalog
-from kvstashd.config import ConfigError, Settings, catalog_url, resolve
+from kvstashd.catalog import Catalog, CheckpointRow, SessionRow
+from kvstashd.config import ConfigError, Settings, catalog_url
 from kvstashd.errors import CatalogUnavailable, SessionElsewhere
+from kvstashd.resolution import resolve
+from kvstashd.sqlite_catalog import SqliteCatalog
 from kvstashd.store import redacted
 
 TTL_MS = 400

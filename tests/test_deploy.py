@@ -14,7 +14,7 @@ import click
 import pytest
 from daemons import InProcessDaemon, model_path
 
-from kvstashd import cli, config
+from kvstashd import cli, config, resolution
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 UNIT = DEPLOY / "kvstash.service"
@@ -63,7 +63,7 @@ def test_the_unit_starts_kvstash_serve_with_valid_settings(tmp_path: Path) -> No
     assert argv[0].endswith("/bin/kvstash") and argv[1] == "serve"
     env = dict(a.split("=", 1) for v in service["Environment"] for a in shlex.split(v))
     assert all(k in {o.env for o in config.options()} for k in env)
-    resolved = config.resolve(serve_flags(argv[2:]), {**env, "KVSTASH_MODEL": str(model_path())})
+    resolved = resolution.resolve(serve_flags(argv[2:]), {**env, "KVSTASH_MODEL": str(model_path())})
     settings = resolved.settings
     assert settings.state_dir == tmp_path / "state"
     assert config.is_local(settings.address)  # no auth file: loopback only
@@ -133,7 +133,7 @@ def test_the_container_runs_kvstash_serve_as_a_user_with_valid_settings(tmp_path
     auth.write_text('[tenants.a]\ntokens = ["a-token-of-32-characters-or-more-000"]\n')
     here = {**env, "KVSTASH_MODEL": str(model_path()), "KVSTASH_AUTH_FILE": str(auth)}
     here["KVSTASH_STATE_DIR"] = str(tmp_path / "state")
-    settings = config.resolve(serve_flags(argv[2:]), here).settings
+    settings = resolution.resolve(serve_flags(argv[2:]), here).settings
     assert not config.is_local(settings.address) and settings.auth_file == auth
     # The build uses scripts/setup (and so its llama.cpp flags).
     assert any("scripts/setup --daemon" in line for line in logical_lines(CONTAINERFILE))

@@ -14,8 +14,9 @@ from checkpoint_helpers import own_daemon
 from daemons import InProcessDaemon, check_serving, model_path
 
 import kvstash
-from kvstashd.catalog import CheckpointRow, SqliteCatalog
+from kvstashd.catalog import CheckpointRow
 from kvstashd.errors import StoreReadFailed
+from kvstashd.sqlite_catalog import SqliteCatalog
 
 
 @pytest.fixture

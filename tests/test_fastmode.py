@@ -33,7 +33,7 @@ from checkpoint_helpers import (
 from daemons import DaemonProcess, InProcessDaemon, model_path
 
 import kvstash
-from kvstashd import config
+from kvstashd import resolution
 from kvstashd.context import PROBE_BESIDE, PROBE_SINGLES, ContextConfig, LlamaContext, probe_plan
 
 #: Over 256 tokens: the KV view of a sequence grows to 512 cells there, where flash
@@ -63,11 +63,11 @@ def fast_client(fast: InProcessDaemon) -> Iterator[kvstash.Client]:
 def test_flash_attn_is_a_setting_that_leaves_exact_mode(
     flags: dict[str, str], environ: dict[str, str], origin: str
 ) -> None:
-    resolved = config.resolve(flags, environ)
+    resolved = resolution.resolve(flags, environ)
     assert resolved.settings.flash_attn and not resolved.settings.exact
     line = next(x for x in resolved.describe().splitlines() if x.startswith("flash-attn"))
     assert line.startswith("flash-attn = true") and origin in line
-    assert config.resolve({}, {}).settings.exact
+    assert resolution.resolve({}, {}).settings.exact
 
 
 @pytest.mark.parametrize(("n", "batch"), [(260, 512), (256, 512), (260, 32)])

@@ -55,7 +55,6 @@ from kvstashd import checkpoints as ckpt
 from kvstashd import manifest as mf
 from kvstashd import pieces
 from kvstashd import state as kvstate
-from kvstashd.catalog import SqliteCatalog
 from kvstashd.chat import ChatMessage
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint, KvstashError
@@ -70,6 +69,7 @@ from kvstashd.layout import (
 )
 from kvstashd.manifest import Snapshot
 from kvstashd.sampling import SamplingParams
+from kvstashd.sqlite_catalog import SqliteCatalog
 from kvstashd.state import KvCells, RecurrentCells, SeqKv
 from kvstashd.store.memory import MemoryBlockStore
 

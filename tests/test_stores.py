@@ -27,9 +27,9 @@ import redis
 from servers import RedisServer, S3Server, free_port
 
 from kvstashd import blocks as blk
-from kvstashd.catalog import SqliteCatalog
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.errors import CorruptCheckpoint, StoreReadFailed, StoreUnreachable
+from kvstashd.sqlite_catalog import SqliteCatalog
 from kvstashd.store import BlockStore
 from kvstashd.store.local import LocalBlockStore
 from kvstashd.store.memory import MemoryBlockStore

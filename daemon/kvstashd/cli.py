@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
-from kvstashd import config
+from kvstashd import config, resolution
 from kvstashd.config import ConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -25,7 +25,7 @@ USAGE = 2
 
 
 def setting_options(f: F) -> F:
-    """One flag per setting. Each is None unless given, so that `config.resolve` knows which
+    """One flag per setting. Each is None unless given, so that `resolution.resolve` knows which
     came from the command line; click reads no environment variables for them."""
     for option in reversed(config.options()):
         facts = [f"default: {option.shown_default()}", option.bounds(), f"env {option.env}"]
@@ -71,7 +71,7 @@ def serve(config_file: Path | None, print_config: bool, ready_file: Path | None,
     KiB, MiB, GiB or TiB suffixes.
     """
     try:
-        resolved = config.resolve(flags, os.environ, config_file)
+        resolved = resolution.resolve(flags, os.environ, config_file)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     if print_config:

@@ -1,33 +1,24 @@
-"""Settings: one frozen value, built once from flags > environment (KVSTASH_*) > config file
-> defaults.
+"""Settings: every setting the daemon has, declared once, and one frozen value of them.
 
-Each setting is declared once, as a field of `Settings` made with `setting(...)`: its
-default, help, and bounds or choices. The flags of `kvstash serve` (kvstashd.cli), the
-environment and the TOML file are all read through those declarations by `resolve`, which
-says where each value came from; `Settings.validate` checks the bounds whoever built the
-value. A new setting is one new field. Only `resolve` (called by `kvstash serve`) reads the
-environment.
+Each setting is a field of `Settings` made with `spec(...)` (kvstashd.option): its default,
+help, and bounds or choices. A new setting is one new field. `Settings.validate` checks the
+bounds and how settings go together, whoever built the value. The flags of `kvstash serve`
+(kvstashd.cli), the environment and the TOML file are read through these declarations by
+kvstashd.resolution, the only reader of the environment.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
-import json
-import math
 import os
 import re
-import tomllib
-import types
-import typing
 import urllib.parse
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kvstashd.limits import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
+from kvstashd.option import Option, declared, spec
 from kvstashd.store import redacted
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
@@ -38,15 +29,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # llama.cpp pads the context to a multiple of 256 and caps n_seq_max at 256.
 CTX_ALIGN = 256
 MAX_SLOTS = 256
-ENV_PREFIX = "KVSTASH_"
 #: The model path when none was given and the default model is not installed.
 NO_MODEL = Path("")
-
-_SPEC = "kvstash"
-_BYTE_UNITS = {"": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_BYTES = re.compile(r"^\s*(\d+)\s*([kmgt]ib)?\s*$", re.IGNORECASE)
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 class ConfigError(ValueError):
@@ -67,32 +51,6 @@ class ConfigError(ValueError):
     def __str__(self) -> str:
         where = f" ({self.origin})" if self.origin else ""
         return f"{self.key}{where}: {self.problem}"
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What a setting's declaration says besides its type and default."""
-
-    help: str
-    low: float | None = None
-    high: float | None = None
-    choices: tuple[str, ...] = ()
-    multiple_of: int = 0
-    # "bytes": an integer that may carry a KiB/MiB/GiB/TiB suffix.
-    unit: str = ""
-    # A path that must name an existing file.
-    file: bool = False
-    # The name of flag, variable and file key, when not the field's (`model` for model_path).
-    key: str = ""
-    # How --help shows a default computed at start (the CPU count, a path).
-    shown: str = ""
-    # A URL that may carry a password: --print-config shows it as `***`.
-    url: bool = False
-
-
-def spec(help: str, **bounds: Any) -> dict[str, Spec]:
-    """The metadata of a Settings field: its help and the other fields of Spec."""
-    return {_SPEC: Spec(help, **bounds)}
 
 
 def default_model_path() -> Path | None:
@@ -479,237 +437,7 @@ def store_problem(store: str) -> str:
     return "must be local, s3://BUCKET/PREFIX, redis://HOST:PORT/DB or rediss://..."
 
 
-# ---- the declarations, as flags, variables and file keys see them -----------------------------
-
-
-@dataclass(frozen=True)
-class Option:
-    """One setting of Settings: `key` is its flag (`--key`), its file key and, upper-cased,
-    its environment variable."""
-
-    field: str
-    key: str
-    kind: type
-    optional: bool
-    spec: Spec
-    _field: dataclasses.Field[object]
-
-    def default(self) -> object:
-        if self._field.default_factory is not dataclasses.MISSING:
-            return self._field.default_factory()
-        return self._field.default
-
-    @property
-    def flag(self) -> str:
-        return f"--{self.key}"
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.key.upper().replace("-", "_")
-
-    @property
-    def metavar(self) -> str:
-        if self.spec.choices:
-            return "[" + "|".join(self.spec.choices) + "]"
-        if self.spec.unit == "bytes":
-            return "BYTES"
-        return {int: "INTEGER", float: "NUMBER", Path: "PATH"}.get(self.kind, "TEXT")
-
-    def bounds(self) -> str:
-        """The bounds in words ("" if none)."""
-        s = self.spec
-        if s.choices:
-            return "one of " + ", ".join(s.choices)
-        parts = []
-        if s.low is not None and s.high is not None:
-            parts.append(f"in [{_number(s.low)}, {_number(s.high)}]")
-        elif s.low is not None:
-            parts.append(f">= {_number(s.low)}")
-        if s.multiple_of:
-            parts.append(f"a multiple of {s.multiple_of}")
-        return ", ".join(parts)
-
-    def shown_default(self) -> str:
-        """The default as --help shows it."""
-        if self.spec.shown:
-            return self.spec.shown
-        value = self.default()
-        if value is None or value == "":
-            return "none"
-        if isinstance(value, bool):
-            return "on" if value else "off"
-        if self.spec.unit == "bytes" and isinstance(value, int):
-            unit = next(
-                (u for u in ("TiB", "GiB", "MiB", "KiB") if value and value % _BYTE_UNITS[u.lower()] == 0), ""
-            )
-            if unit:
-                return f"{value // _BYTE_UNITS[unit.lower()]}{unit}"
-        return self.show(value)
-
-    def parse(self, raw: object) -> object:
-        """A value from a flag or variable (text) or a TOML file (text, number or bool);
-        ValueError says what is wrong."""
-        if self.optional and raw == "":
-            return None
-        if self.kind is bool:
-            return _parse_bool(raw)
-        if self.kind is int:
-            return _parse_int(raw, self.spec.unit == "bytes")
-        if self.kind is float:
-            return _parse_float(raw)
-        if not isinstance(raw, str):
-            raise ValueError(f"not a string: {raw!r}")
-        if self.kind is Path and not raw:
-            raise ValueError("must not be empty")
-        return Path(raw) if self.kind is Path else raw
-
-    def check(self, value: object) -> str:
-        """What is wrong with a value of the right type ("" if nothing)."""
-        s = self.spec
-        if value is None:
-            return "" if self.optional else "must be set"
-        if s.choices and value not in s.choices:
-            return f"must be {self.bounds()}, got {value!r}"
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            too_low = s.low is not None and value < s.low
-            too_high = s.high is not None and value > s.high
-            if too_low or too_high or (s.multiple_of and int(value) % s.multiple_of):
-                return f"must be {self.bounds()}, got {_number(value)}"
-        if s.file and isinstance(value, Path) and value != NO_MODEL and not value.is_file():
-            return f"no file {value}"
-        return ""
-
-    def show(self, value: object) -> str:
-        """A value as TOML writes it (a URL's password as `***`)."""
-        if self.spec.url and isinstance(value, str):
-            value = redacted(value)
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, int | float):
-            return _number(value)
-        return json.dumps(str(value), ensure_ascii=False)  # a JSON string is a TOML basic string
-
-
-def _parse_bool(raw: object) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    if isinstance(raw, str) and raw.strip().lower() in _TRUE + _FALSE:
-        return raw.strip().lower() in _TRUE
-    raise ValueError(f"not a boolean (true or false): {raw!r}")
-
-
-def _parse_int(raw: object, size: bool) -> int:
-    """An integer; a size may carry a binary suffix (`512MiB`)."""
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        return raw
-    if isinstance(raw, str):
-        if size and (m := _BYTES.match(raw)):
-            return int(m[1]) * _BYTE_UNITS[(m[2] or "").lower()]
-        if re.fullmatch(r"\s*[-+]?\d+\s*", raw):
-            return int(raw)
-    suffix = " (or with a KiB, MiB, GiB or TiB suffix)" if size else ""
-    raise ValueError(f"not an integer{suffix}: {raw!r}")
-
-
-def _parse_float(raw: object) -> float:
-    value: float | None = None
-    if isinstance(raw, int | float) and not isinstance(raw, bool):
-        value = float(raw)
-    elif isinstance(raw, str):
-        try:
-            value = float(raw)
-        except ValueError:
-            value = None
-    if value is None or not math.isfinite(value):
-        raise ValueError(f"not a number: {raw!r}")
-    return value
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() and not isinstance(value, float) else repr(value)
-
-
 @functools.cache
 def options() -> tuple[Option, ...]:
     """Every setting, in the order Settings declares them."""
-    hints = typing.get_type_hints(Settings)
-    out = []
-    for f in dataclasses.fields(Settings):
-        spec = f.metadata[_SPEC]
-        hint = hints[f.name]
-        optional = isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
-        kind = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
-        out.append(Option(f.name, spec.key or f.name.replace("_", "-"), kind, optional, spec, f))
-    return tuple(out)
-
-
-# ---- where each value comes from ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """Settings, and for each setting's key where its value came from."""
-
-    settings: Settings
-    origins: dict[str, str]
-
-    def describe(self) -> str:
-        """Every setting's effective value and origin, as a TOML file `--config` reads back."""
-        lines = ["# kvstash serve: the effective settings; each comment says where the value came from."]
-        for option in options():
-            value = getattr(self.settings, option.field)
-            text = f"# {option.key} is not set" if value is None else f"{option.key} = {option.show(value)}"
-            lines.append(f"{text:<44} # {self.origins[option.key]}")
-        return "\n".join(lines)
-
-
-def read_config_file(path: Path) -> dict[str, object]:
-    """A TOML file's settings by key (dashes or underscores); ConfigError for an unreadable
-    file, or a key that is no setting."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError("config", f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError("config", f"{path} is not valid TOML: {e}") from None
-    known = {o.key for o in options()}
-    out: dict[str, object] = {}
-    for name, value in data.items():
-        key = name.replace("_", "-")
-        if key not in known:
-            raise ConfigError(name, "no such setting", f"file {path}")
-        if key in out:
-            raise ConfigError(name, "given twice", f"file {path}")
-        out[key] = value
-    return out
-
-
-def resolve(
-    flags: Mapping[str, Any], environ: Mapping[str, str], config_file: Path | None = None
-) -> Resolved:
-    """Settings from flags (by field name; None: not given) > environment > file > defaults,
-    validated. ConfigError names the setting and where its value came from."""
-    from_file = read_config_file(config_file) if config_file is not None else {}
-    values: dict[str, object] = {}
-    origins: dict[str, str] = {}
-    for option in options():
-        raw: object
-        if flags.get(option.field) is not None:
-            raw, origin = flags[option.field], f"flag {option.flag}"
-        elif option.env in environ:
-            raw, origin = environ[option.env], f"environment {option.env}"
-        elif option.key in from_file:
-            raw, origin = from_file[option.key], f"file {config_file}"
-        else:
-            origins[option.key] = "default"
-            continue
-        try:
-            values[option.field] = option.parse(raw)
-        except ValueError as e:
-            raise ConfigError(option.key, str(e), origin) from None
-        origins[option.key] = origin
-    try:
-        settings = Settings(**values).validate()  # type: ignore[arg-type]
-    except ConfigError as e:
-        raise e.at(origins.get(e.key, "")) from None
-    return Resolved(settings, origins)
+    return declared(Settings)

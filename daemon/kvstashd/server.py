@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 from kvstashd.budget import DiskBudget
-from kvstashd.catalog import Catalog, SqliteCatalog
+from kvstashd.catalog import Catalog
 from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
 from kvstashd.context import ContextConfig, ModelInfo
@@ -36,6 +36,7 @@ from kvstashd.model import fingerprint
 from kvstashd.persistence import Stores
 from kvstashd.service import KvStashService
 from kvstashd.sessions import SessionManager
+from kvstashd.sqlite_catalog import SqliteCatalog
 from kvstashd.statedir import StateDir, fsync_dir
 from kvstashd.store import BlockStore, open_durable
 from kvstashd.store.local import LocalBlockStore

@@ -3,8 +3,9 @@
 Every flow runs as an operation that finishes once started (ops.py): a client that gives
 up stops waiting, not the work. One operation at a time acts on a session (its lock); a
 second one waits its turn. Where a session's state lives is the Residency's (placement.py);
-saving and finding checkpoints is the Persistence's; the flows of generation and of
-checkpoints are in generation.py and checkpointing.py.
+saving and finding checkpoints is the Persistence's; taking sessions over from a shared
+catalog and handing them to other daemons is the Handover's (handover.py); the flows of
+generation and of checkpoints are in generation.py and checkpointing.py.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvstashd.errors import (
 )
 from kvstashd.generation import Conversations, Turn, check_stop
 from kvstashd.grammar import Grammars
+from kvstashd.handover import Handover
 from kvstashd.job import Chunk
 from kvstashd.limits import CONTEXT_POLICIES
 from kvstashd.manifest import Snapshot
@@ -110,11 +112,7 @@ class SessionManager:
         # A shared catalog: sessions are found in it on demand, one lookup at a time.
         self.shared = self.durable.catalog.shared
         self.leases = self.persistence.leases
-        self.leases.on_change = self._leases_changed
-        # Per session being looked up: its lock and how many requests use it.
-        self._adopting: dict[str, tuple[asyncio.Lock, list[int]]] = {}
-        self._lease_task: asyncio.Task[None] | None = None
-        self._letting_go: asyncio.Task[None] | None = None
+        self.handover = Handover(self)
 
     async def start(self) -> None:
         """Finish set-up: the template's BOS/EOS text, and persistent sessions from disk."""
@@ -130,10 +128,10 @@ class SessionManager:
             self.template = ChatTemplate(self.model.chat_template, bos, eos)
         if self.shared:
             # Other daemons' sessions are theirs until asked for (find).
-            self._lease_task = asyncio.create_task(self.leases.run())
+            self.handover.start()
             self.publish()
             return
-        loaded = await asyncio.to_thread(self.persistence.load_persistent, self._restored_session)
+        loaded = await asyncio.to_thread(self.persistence.load_persistent, self.restored_session)
         for session, where in loaded:
             self.sessions[session.session_id] = session
             self.residency.add(session, where)
@@ -147,7 +145,8 @@ class SessionManager:
             log.info("loaded %d persistent sessions", len(loaded))
         self.publish()
 
-    def _restored_session(self, snap: Snapshot, session_id: str) -> Session:
+    def restored_session(self, snap: Snapshot, session_id: str) -> Session:
+        """A persistent session as its head's snapshot describes it."""
         return Session(
             session_id,
             True,
@@ -169,12 +168,7 @@ class SessionManager:
                     await self.ops.run(self._save(session))
                 except KvstashError as e:
                     log.error("session %s was not saved at shutdown: %s", session.session_id, e)
-        if self._lease_task is not None:
-            self._lease_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._lease_task
-        for session_id in list(self.leases.held):
-            await self.leases.release(session_id)
+        await self.handover.stop()
 
     async def _save(self, session: Session) -> None:
         async with self.use(session):
@@ -222,114 +216,7 @@ class SessionManager:
         except NotFound:
             if not self.shared:
                 raise
-        return await self.ops.run(self._adopt(session_id, tenant))
-
-    async def _adopt(self, session_id: str, tenant: Tenant) -> Session:
-        # One lookup per session at a time (others wait for it, then find it registered).
-        lock, users = self._adopting.setdefault(session_id, (asyncio.Lock(), [0]))
-        users[0] += 1
-        try:
-            async with opsmod.current().waiting():
-                await lock.acquire()
-        except BaseException:
-            self._unuse(session_id, users)
-            raise
-        try:
-            if session_id in self.sessions:
-                return self.get(session_id, tenant)
-            # Checked before the lease is asked for: an id that is not the tenant's
-            # persistent session takes nobody's lease and leaves nothing in the catalog.
-            row = await asyncio.to_thread(self.durable.catalog.session, session_id)
-            if row is None or row.head is None or row.tenant != tenant.name:
-                raise NotFound(f"no session {session_id}")
-            token = await self.leases.take(session_id)
-            try:
-                # The head as of the lease: whoever held it before can no longer move it.
-                row = await asyncio.to_thread(self.durable.catalog.session, session_id)
-                if row is None or row.head is None:
-                    raise NotFound(f"no session {session_id}")
-                session, where = await asyncio.to_thread(
-                    self.persistence.session_at, session_id, row.head, self._restored_session
-                )
-            except BaseException:
-                await self.leases.release(session_id)
-                raise
-            session.lease = token
-            self.sessions[session_id] = session
-            self.residency.add(session, where)
-            log.info("session %s taken over from the shared catalog", session_id)
-            self.publish()
-            return session
-        finally:
-            lock.release()
-            self._unuse(session_id, users)
-
-    def _unuse(self, session_id: str, users: list[int]) -> None:
-        users[0] -= 1
-        if not users[0]:
-            del self._adopting[session_id]
-
-    def _leases_changed(self) -> None:
-        """Leases lost or asked for: let those sessions go, once each is idle."""
-        if self._letting_go is None or self._letting_go.done():
-            self._letting_go = asyncio.get_running_loop().create_task(self.ops.run(self._let_go()))
-
-    async def _let_go(self) -> None:
-        for session_id in sorted(self.leases.lost | self.leases.wanted):
-            session = self.sessions.get(session_id)
-            lost = session_id in self.leases.lost
-            if session is None or session.closed:
-                self.leases.lost.discard(session_id)
-                continue
-            if not lost and session.busy:
-                continue  # in use here: the asker gets UNAVAILABLE and retries
-            async with session.lock:
-                if session.closed:
-                    continue
-                if not lost and session.dirty:
-                    try:
-                        await self.persistence.save_head(session)
-                    except KvstashError as e:
-                        log.warning("session %s is kept: its head was not saved: %s", session_id, e)
-                        continue
-                lost = session_id in self.leases.lost
-                if lost and await self._lease_again(session):
-                    continue
-                session.closed = session.moved = True
-                self.sessions.pop(session_id, None)
-                await self.residency.forget(session)
-                if lost:
-                    self.leases.lost.discard(session_id)
-                    log.warning("session %s dropped: another daemon holds it now", session_id)
-                else:
-                    await self.leases.release(session_id)
-                    log.info("session %s handed over to another daemon", session_id)
-            self.residency.slot_freed()
-        self.publish()
-
-    async def _lease_again(self, session: Session) -> bool:
-        """A lapsed lease that no other daemon made use of (an outage of the catalog, a pause
-        nobody noticed): taken again, the session stays here. True if it does: the head is
-        still this daemon's last one, as of the new lease."""
-        session_id = session.session_id
-        try:
-            row = await asyncio.to_thread(self.durable.catalog.session, session_id)
-            if row is None or row.head != session.head_checkpoint_id:
-                return False  # another daemon moved it on
-            token = await self.leases.take(session_id, wait=False)
-            if not token:
-                return False
-            row = await asyncio.to_thread(self.durable.catalog.session, session_id)
-            if row is None or row.head != session.head_checkpoint_id:
-                await self.leases.release(session_id)
-                return False
-        except KvstashError as e:
-            log.warning("session %s: its lease was not taken again: %s", session_id, e)
-            return False
-        session.lease = token
-        self.leases.lost.discard(session_id)
-        log.info("session %s: its lapsed lease was taken again (nobody else had used it)", session_id)
-        return True
+        return await self.ops.run(self.handover.take_over(session_id, tenant))
 
     async def view(self, session: Session) -> SessionView:
         """The session as the RPCs report it; NotFound if it was closed meanwhile."""
