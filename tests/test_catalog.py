@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from servers import RedisServer
 
-from kvstashd.catalog import Catalog, CheckpointRow, SessionRow
+from kvstashd.catalog import Catalog, CheckpointRow, ListedSession, SessionRow
 from kvstashd.config import ConfigError, Settings, catalog_url
 from kvstashd.errors import CatalogUnavailable, SessionElsewhere
 from kvstashd.resolution import resolve
@@ -137,6 +137,28 @@ def test_stored_bytes_count_each_block_once_per_tenant(catalog: Catalog) -> None
     catalog.add_checkpoint(row(b, tenant="t2"), b"z", [(key(1), 100)], now=1.0)
     assert catalog.stored_bytes("t1") == 150
     assert catalog.stored_bytes("t2") == 100
+
+
+def _session(catalog: Catalog, tenant: str, at: float, explicit: int = 0) -> ListedSession:
+    """A persistent session with a head saved at `at` (and explicit checkpoints), as listed."""
+    s = sid()
+    head = row(s, kind="head", tenant=tenant, at=at)
+    catalog.add_checkpoint(head, b"h", [(key(1), 10)], now=at, head_of=s)
+    for _ in range(explicit):
+        catalog.add_checkpoint(row(s, tenant=tenant, at=at), b"e", [(key(2), 5)], now=at)
+    return ListedSession(s, at, at, head.checkpoint_id, head.n_tokens, explicit)
+
+
+def test_a_tenant_lists_its_own_sessions_most_recently_used_first(catalog: Catalog) -> None:
+    older = _session(catalog, "t1", 1.0)
+    newer = _session(catalog, "t1", 3.0, explicit=2)
+    theirs = _session(catalog, "t2", 2.0)
+    assert catalog.tenant_sessions("t1", 10) == [newer, older]
+    assert catalog.tenant_sessions("t1", 1) == [newer]
+    assert catalog.tenant_sessions("t2", 10) == [theirs]
+    assert catalog.tenant_sessions("nobody", 10) == []
+    catalog.delete_session(older.session_id)
+    assert catalog.tenant_sessions("t1", 10) == [newer]
 
 
 def test_on_one_daemon_every_lease_is_granted(tmp_path: Path) -> None:
@@ -291,3 +313,51 @@ def test_sqlite_recency_is_written_before_the_order_is_read(tmp_path: Path) -> N
     catalog.touch(["a" * 64], 5.0)  # no write transaction follows
     assert [key[0] for key, _ in catalog.unreferenced()] == ["b", "a"]
     catalog.close()
+
+
+def test_idle_sessions_nobody_holds_expire_once_and_stay_gone(redis_server: str) -> None:
+    prefix = "test-" + secrets.token_hex(6)
+    a, b = redis_catalog(redis_server, prefix), redis_catalog(redis_server, prefix)
+    free = _session(a, "t1", 1.0, explicit=1)
+    held = _session(a, "t1", 1.0)
+    recent = _session(a, "t2", 100.0)
+    lapsed = _session(a, "t2", 1.0)
+    assert a.take_lease(held.session_id, "daemon-a", 60_000).token > 0
+    old_token = a.take_lease(lapsed.session_id, "daemon-x", TTL_MS).token
+    time.sleep(TTL_MS / 1000 + 0.2)  # daemon-x stops renewing: its lease lapses
+    assert sorted(b.expire_sessions(50.0, 10)) == sorted([free.session_id, lapsed.session_id])
+    assert a.expire_sessions(50.0, 10) == []  # once, whichever daemon asks
+    assert b.session(free.session_id) is None and b.checkpoints(free.session_id, include_heads=True) == []
+    assert b.session(held.session_id) is not None and b.session(recent.session_id) is not None
+    assert b.tenant_sessions("t1", 10) == [held] and b.tenant_sessions("t2", 10) == [recent]
+    assert sorted(k for k, _ in b.unreferenced()) == [key(2)]  # the held ones still use key(1)
+    # The lapsed holder wakes up: it cannot bring its session back.
+    with pytest.raises(SessionElsewhere):
+        a.add_checkpoint(
+            row(lapsed.session_id, kind="head", tenant="t2", at=200.0),
+            b"late",
+            [(key(3), 1)],
+            now=200.0,
+            head_of=lapsed.session_id,
+            fence=old_token,
+        )
+    assert b.session(lapsed.session_id) is None
+    # At most `limit` per call.
+    for _ in range(3):
+        _session(a, "t3", 2.0)
+    assert len(b.expire_sessions(50.0, 2)) == 2 and len(b.expire_sessions(50.0, 2)) == 1
+
+
+def test_sessions_of_a_catalog_written_before_its_indexes_are_indexed_at_open(redis_server: str) -> None:
+    import redis
+
+    prefix = "test-" + secrets.token_hex(6)
+    old = redis_catalog(redis_server, prefix)
+    listed = _session(old, "t1", 1.0)
+    raw = redis.Redis.from_url(redis_server)
+    # As a catalog written by a daemon without the session indexes left it.
+    raw.delete(f"{prefix}:index-version", f"{prefix}:sessions-used", f"{prefix}:tenant-sessions:t1")
+    assert old.tenant_sessions("t1", 10) == []
+    opened = redis_catalog(redis_server, prefix)
+    assert opened.tenant_sessions("t1", 10) == [listed]
+    assert opened.expire_sessions(50.0, 10) == [listed.session_id]

@@ -34,6 +34,18 @@ class SessionRow:
 
 
 @dataclass(frozen=True)
+class ListedSession:
+    """A persistent session as a listing reports it from the catalog: its row and its head."""
+
+    session_id: str
+    created_at: float
+    last_used_at: float  # when its head was saved
+    head: str
+    n_tokens: int  # the head's
+    n_checkpoints: int  # explicit ones
+
+
+@dataclass(frozen=True)
 class Lease:
     """A session's lease as `take_lease` answers: granted with a fencing token (> 0), or
     held by another daemon for `wait_ms` more milliseconds (token 0)."""
@@ -104,6 +116,18 @@ class Catalog(Protocol):
 
     def session(self, session_id: str) -> SessionRow | None:
         """One persistent session, or None if the catalog has none."""
+        ...
+
+    def tenant_sessions(self, tenant: str, limit: int) -> list[ListedSession]:
+        """The tenant's persistent sessions that have a head, the `limit` most recently used
+        (in one round trip to the catalog)."""
+        ...
+
+    def expire_sessions(self, idle_before: float, limit: int) -> list[str]:
+        """Delete (as delete_session does) up to `limit` persistent sessions whose head was
+        saved before `idle_before` and whose lease no daemon holds, each at most once however
+        many daemons ask; returns their ids. The session's fencing token moves on, so a
+        daemon whose lease lapsed never writes it again."""
         ...
 
     def counts(self) -> dict[str, int]:

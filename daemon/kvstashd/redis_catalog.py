@@ -14,6 +14,9 @@ catalog needs one server (or a primary), not a cluster:
 
     P:session:SID        hash: created_at, head, tenant
     P:sessions           zset: SID by created_at
+    P:sessions-used      zset: SID by its head's save (expiry reads it)
+    P:tenant-sessions:T  zset: the tenant's SIDs by their head's save (listings read it)
+    P:index-version      set once the two above index every session
     P:ckpt:CID           hash: the row's fields and the manifest
     P:ckpts:SID          set: the session's checkpoint ids
     P:tenant:TENANT      set: the tenant's explicit and imported checkpoint ids
@@ -45,7 +48,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvstashd import redis_scripts as scripts
-from kvstashd.catalog import CheckpointRow, Lease, SessionRow
+from kvstashd.catalog import CheckpointRow, Lease, ListedSession, SessionRow
 from kvstashd.config import catalog_url
 from kvstashd.errors import CatalogUnavailable, SessionElsewhere, StoreReadFailed
 from kvstashd.store import redacted
@@ -102,8 +105,12 @@ class RedisCatalog:
         self._take = self._db.register_script(scripts.TAKE)
         self._renew = self._db.register_script(scripts.RENEW)
         self._release = self._db.register_script(scripts.RELEASE)
+        self._expire = self._db.register_script(scripts.EXPIRE)
+        self._list = self._db.register_script(scripts.LIST)
         self._manifest_bytes = 0
         self._call(self._db.ping)  # a server that cannot be reached stops the daemon's start
+        # A catalog written before the session indexes existed gets them, once.
+        self._call(self._db.register_script(scripts.INDEX), args=[self.prefix])
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -236,6 +243,15 @@ class RedisCatalog:
         if found[0] is None:
             return None
         return SessionRow(float(found[0]), _str(found[1]) if found[1] else None, _str(found[2] or b""))
+
+    def tenant_sessions(self, tenant: str, limit: int) -> list[ListedSession]:
+        found = self._call(self._list, args=[self.prefix, tenant, str(limit)])
+        rows = [[_str(v) for v in f] for f in found]
+        return [ListedSession(r[0], float(r[1]), float(r[2]), r[3], int(r[4]), int(r[5])) for r in rows]
+
+    def expire_sessions(self, idle_before: float, limit: int) -> list[str]:
+        found = self._call(self._expire, args=[self.prefix, repr(idle_before), str(limit)])
+        return [_str(sid) for sid in found]
 
     def counts(self) -> dict[str, int]:
         found = self._call(self._db.hgetall, self._k("explicit"))

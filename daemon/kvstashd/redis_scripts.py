@@ -31,6 +31,16 @@ local function delete_ckpt(P, cid)
   redis.call('DECRBY', P .. ':manifest-bytes', string.len(f[4]))
   return 1
 end
+local function forget_session(P, sid)
+  local tenant = redis.call('HGET', P .. ':session:' .. sid, 'tenant') or ''
+  for _, cid in ipairs(redis.call('SMEMBERS', P .. ':ckpts:' .. sid)) do delete_ckpt(P, cid) end
+  redis.call('DEL', P .. ':session:' .. sid, P .. ':ckpts:' .. sid)
+  redis.call('DEL', P .. ':lease:' .. sid, P .. ':want:' .. sid)
+  redis.call('ZREM', P .. ':sessions', sid)
+  redis.call('ZREM', P .. ':sessions-used', sid)
+  redis.call('ZREM', P .. ':tenant-sessions:' .. tenant, sid)
+  redis.call('HDEL', P .. ':explicit', sid)
+end
 local function fenced(P, sid, fence)
   if fence == '0' then return false end
   return (redis.call('GET', P .. ':fence:' .. sid) or '0') ~= fence
@@ -74,6 +84,8 @@ if head_of ~= '' then
     redis.call('ZADD', P .. ':sessions', created_at, head_of)
   end
   redis.call('HSET', s, 'head', cid)
+  redis.call('ZADD', P .. ':sessions-used', now, head_of)
+  redis.call('ZADD', P .. ':tenant-sessions:' .. (redis.call('HGET', s, 'tenant') or ''), now, head_of)
   if old ~= '' then delete_ckpt(P, old) end
 end
 return {'ok', old}
@@ -99,13 +111,67 @@ DELETE_SESSION = (
     + """
 local P, sid, fence = ARGV[1], ARGV[2], ARGV[3]
 if fenced(P, sid, fence) then return 0 end
-for _, cid in ipairs(redis.call('SMEMBERS', P .. ':ckpts:' .. sid)) do delete_ckpt(P, cid) end
-redis.call('DEL', P .. ':session:' .. sid, P .. ':ckpts:' .. sid, P .. ':lease:' .. sid, P .. ':want:' .. sid)
-redis.call('ZREM', P .. ':sessions', sid)
-redis.call('HDEL', P .. ':explicit', sid)
+forget_session(P, sid)
 return 1
 """
 )
+
+# ARGV: prefix, idle_before, limit. Deletes up to `limit` sessions whose head was saved
+# before idle_before and that have no live lease (nobody holds one or is taking it over:
+# a take-over takes the lease first); their fencing token moves on, so a daemon whose lease
+# lapsed cannot write their head again (and bring them back). Returns their ids.
+EXPIRE = (
+    _DELETE
+    + """
+local P, before, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local out = {}
+for _, sid in ipairs(redis.call('ZRANGEBYSCORE', P .. ':sessions-used', '-inf', '(' .. before)) do
+  if #out >= limit then break end
+  if redis.call('EXISTS', P .. ':lease:' .. sid) == 0 then
+    forget_session(P, sid)
+    redis.call('INCR', P .. ':fence:' .. sid)
+    table.insert(out, sid)
+  end
+end
+return out
+"""
+)
+
+# ARGV: prefix, tenant, limit. The tenant's `limit` most recently used sessions with a head:
+# for each, id, created_at, last use (the head's save), head, its n_tokens, explicit checkpoints.
+LIST = """
+local P, tenant, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local out = {}
+for _, sid in ipairs(redis.call('ZREVRANGE', P .. ':tenant-sessions:' .. tenant, 0, limit - 1)) do
+  local s = redis.call('HMGET', P .. ':session:' .. sid, 'created_at', 'head', 'tenant')
+  if s[1] and s[2] and s[3] == tenant then
+    local h = redis.call('HMGET', P .. ':ckpt:' .. s[2], 'n_tokens', 'created_at')
+    if h[1] then
+      local n = redis.call('HGET', P .. ':explicit', sid) or '0'
+      table.insert(out, {sid, s[1], h[2], s[2], h[1], n})
+    end
+  end
+end
+return out
+"""
+
+# ARGV: prefix. Indexes the sessions a catalog written before the indexes existed holds
+# (by last use, overall and per tenant), once.
+INDEX = """
+local P = ARGV[1]
+if redis.call('GET', P .. ':index-version') == '1' then return 0 end
+for _, sid in ipairs(redis.call('ZRANGE', P .. ':sessions', 0, -1)) do
+  local s = redis.call('HMGET', P .. ':session:' .. sid, 'created_at', 'head', 'tenant')
+  if s[1] then
+    local used = s[1]
+    if s[2] then used = redis.call('HGET', P .. ':ckpt:' .. s[2], 'created_at') or s[1] end
+    redis.call('ZADD', P .. ':sessions-used', used, sid)
+    redis.call('ZADD', P .. ':tenant-sessions:' .. (s[3] or ''), used, sid)
+  end
+end
+redis.call('SET', P .. ':index-version', '1')
+return 1
+"""
 
 # ARGV: prefix, then block keys. Forgets those no checkpoint references; returns them.
 FORGET = """

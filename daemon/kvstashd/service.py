@@ -17,7 +17,7 @@ import grpc
 from kvstash.v1 import kvstash_pb2 as pb
 from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 from kvstashd import __version__
-from kvstashd.catalog import CheckpointRow
+from kvstashd.catalog import CheckpointRow, ListedSession
 from kvstashd.chat import ChatMessage, Message
 from kvstashd.errors import CAUSE_KEY, RETRY_KEY, InvalidRequest, KvstashError, Unavailable
 from kvstashd.generation import Turn
@@ -192,8 +192,11 @@ class KvStashService(pb_grpc.KvStashServicer):
 
     @unary
     async def ListSessions(self, request: pb.ListSessionsRequest, context: Any) -> pb.ListSessionsResponse:
-        mine = self.manager.owned(self.tenant(context))
-        return pb.ListSessionsResponse(sessions=[self._session_pb(v) for v in await self.manager.views(mine)])
+        views, rows = await self.manager.listing(self.tenant(context))
+        n_ctx = self.manager.model.n_ctx_seq
+        found = [(v.session.created_at, self._session_pb(v)) for v in views]
+        found += [(r.created_at, listed_to_pb(r, n_ctx)) for r in rows]
+        return pb.ListSessionsResponse(sessions=[info for _, info in sorted(found, key=lambda f: f[0])])
 
     @unary
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
@@ -363,6 +366,23 @@ def session_to_pb(v: SessionView, n_ctx: int) -> pb.SessionInfo:
         context_policy=s.context_policy,
         truncations=s.truncations,
         dropped_tokens=s.dropped_tokens,
+    )
+
+
+def listed_to_pb(r: ListedSession, n_ctx: int) -> pb.SessionInfo:
+    """A persistent session no one holds here, as the catalog has it: what its head's row
+    says (its sampling, stop strings and messages are in the head's manifest, which GetSession
+    reads as it takes the session over)."""
+    return pb.SessionInfo(
+        session_id=r.session_id,
+        persistent=True,
+        n_tokens=r.n_tokens,
+        n_ctx=n_ctx,
+        residency=pb.RESIDENCY_COLD,
+        created_at=r.created_at,
+        last_used_at=r.last_used_at,
+        n_checkpoints=r.n_checkpoints,
+        head_checkpoint_id=r.head,
     )
 
 

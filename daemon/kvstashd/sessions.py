@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvstashd import ops as opsmod
+from kvstashd.catalog import ListedSession
 from kvstashd.chat import ChatMessage, ChatTemplate, Message
 from kvstashd.checkpointing import Checkpointing
 from kvstashd.config import Settings
@@ -50,6 +51,10 @@ from kvstashd.tenants import Tenant, Tenants, session_salt
 log = logging.getLogger(__name__)
 
 _SESSION_ID = re.compile(r"^s_[0-9a-f]{24}$")
+#: With a shared catalog, the most persistent sessions a listing reports from it (the most
+#: recently used: ListSessions has no paging), and the most one sweep deletes there.
+LISTED_FROM_CATALOG = 1000
+EXPIRED_PER_SWEEP = 100
 
 
 @dataclass(frozen=True)
@@ -240,6 +245,17 @@ class SessionManager:
             for s in chosen
             if s.session_id in self.sessions
         ]
+
+    async def listing(self, tenant: Tenant) -> tuple[list[SessionView], list[ListedSession]]:
+        """The tenant's sessions as ListSessions reports them: those this daemon holds (as
+        they are now) and, with a shared catalog, its persistent sessions that another daemon
+        holds or none does (as the catalog has them: their heads)."""
+        views = await self.views(self.owned(tenant))
+        if not self.shared:
+            return views, []
+        rows = await asyncio.to_thread(self.durable.catalog.tenant_sessions, tenant.name, LISTED_FROM_CATALOG)
+        here = {v.session.session_id for v in views}
+        return views, [r for r in rows if r.session_id not in here]
 
     def owned(self, tenant: Tenant) -> list[Session]:
         """The tenant's open sessions, oldest first."""
@@ -459,8 +475,24 @@ class SessionManager:
                     "session %s expired after %.0f s idle", session.session_id, now - session.last_used_at
                 )
                 await self._close(session)
+        if self.shared and self.settings.persistent_ttl > 0:
+            await self._expire_unheld(now - self.settings.persistent_ttl)
         await self.residency.enforce_ram()
         await asyncio.to_thread(self.durable.sweep, self.settings.disk_budget, self.stores.disk.used)
+
+    async def _expire_unheld(self, idle_before: float) -> None:
+        """Delete the shared catalog's persistent sessions idle since before `idle_before`
+        that no daemon holds (those held, here or elsewhere, their holder expires). The
+        catalog deletes each once, whichever daemons' sweepers ask."""
+        try:
+            expired = await asyncio.to_thread(
+                self.durable.catalog.expire_sessions, idle_before, EXPIRED_PER_SWEEP
+            )
+        except KvstashError as e:
+            log.warning("idle sessions in the shared catalog were not expired: %s", e)
+            return
+        for session_id in expired:
+            log.info("session %s expired in the shared catalog (idle, held by no daemon)", session_id)
 
     async def run_sweeper(self) -> None:
         """Sweep every `sweep_interval` seconds until cancelled."""

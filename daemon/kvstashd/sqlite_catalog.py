@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from kvstashd.catalog import CheckpointRow, Lease, SessionRow
+from kvstashd.catalog import CheckpointRow, Lease, ListedSession, SessionRow
 from kvstashd.errors import StoreReadFailed
 from kvstashd.statedir import private_file
 
@@ -275,6 +275,23 @@ class SqliteCatalog:
                 "SELECT created_at, head, tenant FROM sessions WHERE session_id = ?", (session_id,)
             ).fetchone()
         return None if found is None else SessionRow(float(found[0]), found[1], found[2])
+
+    def tenant_sessions(self, tenant: str, limit: int) -> list[ListedSession]:
+        with self._reading():
+            rows = self._db.execute(
+                "SELECT s.session_id, s.created_at, h.created_at, s.head, h.n_tokens, "
+                "(SELECT COUNT(*) FROM checkpoints e WHERE e.session_id = s.session_id "
+                "AND e.kind = 'explicit') "
+                "FROM sessions s JOIN checkpoints h ON h.checkpoint_id = s.head "
+                "WHERE s.tenant = ? ORDER BY h.created_at DESC LIMIT ?",
+                (tenant, limit),
+            ).fetchall()
+        return [ListedSession(r[0], float(r[1]), float(r[2]), r[3], int(r[4]), int(r[5])) for r in rows]
+
+    def expire_sessions(self, idle_before: float, limit: int) -> list[str]:
+        """Nothing: this catalog is one daemon's, which holds all of its sessions and expires
+        them itself."""
+        return []
 
     def counts(self) -> dict[str, int]:
         """Explicit checkpoints per session."""
