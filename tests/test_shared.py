@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -41,10 +41,14 @@ OTHER_SALT = b"shared-test-salt-0002"
 
 
 def shared_pair(
-    spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_url: str, *b_args: str
+    spawn_daemon: Callable[..., DaemonProcess],
+    tmp_path: Path,
+    redis_url: str,
+    *b_args: str,
+    both: Sequence[str] = (),
 ) -> tuple[DaemonProcess, DaemonProcess]:
     """Two daemons on one Redis catalog (a prefix of their own) and store, B given A's store
-    key (and `b_args`)."""
+    key (and `b_args`), both given `both`."""
     catalog = f"{redis_url}?prefix=shared-{secrets.token_hex(6)}"
     args = (
         "--catalog",
@@ -55,6 +59,7 @@ def shared_pair(
         str(LEASE_SECONDS),
         "--lease-wait",
         "4",
+        *both,
     )
     a = spawn_daemon(*args)
     b_state = tmp_path / "state-b"
@@ -101,6 +106,72 @@ def test_a_session_continues_exactly_on_another_daemon(
         back.close()
         with pytest.raises(kvstash.NotFoundError):
             cb.session(s.session_id)
+
+
+ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789abc"
+
+
+def ids(client: kvstash.Client) -> list[str]:
+    return [i.session_id for i in client.list_sessions()]
+
+
+def test_every_daemon_lists_a_tenants_persistent_sessions_and_never_another_tenants(
+    spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_server: str
+) -> None:
+    auth = tmp_path / "auth.toml"
+    auth.write_text(f'[tenants.alice]\ntokens = ["{ALICE}"]\n[tenants.bob]\ntokens = ["{BOB}"]\n')
+    a, b = shared_pair(spawn_daemon, tmp_path, redis_server, both=("--auth-file", str(auth)))
+    with (
+        kvstash.Client(a.address, timeout=60, token=ALICE) as ca,
+        kvstash.Client(b.address, timeout=60, token=ALICE) as cb,
+        kvstash.Client(a.address, timeout=60, token=BOB) as bob_a,
+        kvstash.Client(b.address, timeout=60, token=BOB) as bob_b,
+    ):
+        s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING)
+        s.chat("When do you open?", max_tokens=8)
+        s.checkpoint("after the first turn")
+        here = cb.create_session(persistent=False)  # B's own, ephemeral
+        mine = bob_b.create_session(persistent=True)  # another tenant's, on B
+
+        # A holds the session: B lists it from the catalog (its head), and takes nothing over.
+        listed = {i.session_id: i for i in cb.list_sessions()}
+        assert sorted(listed) == sorted([s.session_id, here.session_id])
+        on_a = s.info()
+        got = listed[s.session_id]
+        assert got.persistent and got.residency == "cold" and got.n_checkpoints == 1
+        assert got.head_checkpoint_id == on_a.head_checkpoint_id and 0 < got.n_tokens <= on_a.n_tokens
+        # The catalog's times: the first head's save (just after the creation) and the last one's.
+        assert on_a.created_at <= got.created_at < on_a.last_used_at <= got.last_used_at
+        assert [i.residency for i in ca.list_sessions()] == [on_a.residency] != ["cold"]  # A's own view, once
+        assert ids(bob_a) == ids(bob_b) == [mine.session_id]
+
+        # A stops (saving the session and letting its lease go): held by none, B still lists it.
+        a.terminate()
+        listed = {i.session_id: i for i in cb.list_sessions()}
+        assert sorted(listed) == sorted([s.session_id, here.session_id])
+        assert listed[s.session_id].n_tokens == on_a.n_tokens
+        assert ids(bob_b) == [mine.session_id]
+
+
+def test_an_idle_session_no_daemon_holds_expires_on_any_daemon_and_a_held_one_stays(
+    spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_server: str
+) -> None:
+    ttl = 1.0
+    a, b = shared_pair(
+        spawn_daemon, tmp_path, redis_server, "--persistent-ttl", str(ttl), "--sweep-interval", "0.2"
+    )
+    with kvstash.Client(a.address, timeout=60) as ca:
+        free = ca.create_session(persistent=True).session_id
+    a.restart()  # a graceful stop lets A's leases go: the session is held by no daemon
+    with kvstash.Client(a.address, timeout=60) as ca, kvstash.Client(b.address, timeout=60) as cb:
+        held = ca.create_session(persistent=True)
+        wait_until(lambda: free not in ids(cb), 20, "B's sweeper to expire the session no daemon holds")
+        assert free in b.log() and free not in ids(ca)
+        with pytest.raises(kvstash.NotFoundError):
+            cb.session(free)
+        time.sleep(ttl + 1.0)  # idle past the TTL, and several of B's sweeps
+        assert held.session_id in ids(cb) and held.session_id in ids(ca)
+        assert held.info().persistent  # still A's, and still there
 
 
 class Background:

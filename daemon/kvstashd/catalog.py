@@ -38,7 +38,7 @@ class ListedSession:
     """A persistent session as a listing reports it from the catalog: its row and its head."""
 
     session_id: str
-    created_at: float
+    created_at: float  # when its first head was saved (as the session was created)
     last_used_at: float  # when its head was saved
     head: str
     n_tokens: int  # the head's
