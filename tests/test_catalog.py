@@ -360,4 +360,9 @@ def test_sessions_of_a_catalog_written_before_its_indexes_are_indexed_at_open(re
     assert old.tenant_sessions("t1", 10) == []
     opened = redis_catalog(redis_server, prefix)
     assert opened.tenant_sessions("t1", 10) == [listed]
+    # A session deleted by such a daemon afterwards leaves its index entries: neither counts.
+    gone = _session(opened, "t1", 2.0)
+    raw.delete(f"{prefix}:session:{gone.session_id}")
+    assert opened.tenant_sessions("t1", 10) == [listed]
     assert opened.expire_sessions(50.0, 10) == [listed.session_id]
+    assert raw.zcard(f"{prefix}:sessions-used") == 0

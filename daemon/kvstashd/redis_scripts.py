@@ -127,7 +127,9 @@ local P, before, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local out = {}
 for _, sid in ipairs(redis.call('ZRANGEBYSCORE', P .. ':sessions-used', '-inf', '(' .. before)) do
   if #out >= limit then break end
-  if redis.call('EXISTS', P .. ':lease:' .. sid) == 0 then
+  if redis.call('EXISTS', P .. ':session:' .. sid) == 0 then
+    redis.call('ZREM', P .. ':sessions-used', sid)  -- deleted by a daemon that kept no index
+  elseif redis.call('EXISTS', P .. ':lease:' .. sid) == 0 then
     forget_session(P, sid)
     redis.call('INCR', P .. ':fence:' .. sid)
     table.insert(out, sid)
