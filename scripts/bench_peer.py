@@ -448,6 +448,8 @@ def concurrency(args: argparse.Namespace, binary: Path, work: Path) -> dict[str,
                 rates["kvstash"][count].append(kv_round(client, count))
             for count in counts:
                 rates["server"][count].append(server_round(server, conns, count))
+            figures = {k: [round(r[c][-1], 1) for c in counts] for k, r in rates.items()}
+            print(f"peer: concurrency round, tok/s of {counts} sessions: {figures}", file=sys.stderr)
     print("peer: concurrency done", file=sys.stderr)
     return rates
 
