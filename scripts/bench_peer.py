@@ -15,7 +15,9 @@ that interleave the two, so the machine's noise falls on both alike.
 - the same restores with a cold page cache (`echo 1 > /proc/sys/vm/drop_caches` before
   each; the row is left out, saying why, where that is not permitted);
 - tokens/s of one streamed session vs llama-cpp-python's `create_completion`;
-- aggregate tokens/s of 1, 4 and 8 concurrent sessions vs llama-server `-np 8`.
+- aggregate tokens/s of 1, 4 and 8 concurrent sessions vs llama-server `-np 8`: rounds that
+  run every count on kvstash, then on llama-server, each speed-up the median of the rounds'
+  own (N sessions vs 1 in the same round).
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--restarts", type=int, default=5, help="daemon restarts measured (default 5)")
     p.add_argument("--stream-tokens", type=int, default=128)
     p.add_argument("--concurrent-tokens", type=int, default=48, help="tokens per concurrent session")
+    p.add_argument(
+        "--concurrent-rounds", type=int, default=5, help="rounds of the concurrency measures (default 5)"
+    )
+    p.add_argument("--concurrency-only", action="store_true", help="measure the concurrency rows only")
     p.add_argument(
         "--flash-attn",
         default="off",
@@ -243,6 +249,12 @@ def run(args: argparse.Namespace) -> None:
     if not os.access(binary, os.X_OK):
         raise SystemExit(f"not an executable: {binary}")
     work = Path(tempfile.mkdtemp(prefix="kvstash-bench-peer-"))
+    if args.concurrency_only:
+        try:
+            print_concurrency(args, concurrency(args, binary, work))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     try:
         latency = latencies(args, binary, work)
         stream = streaming(args)
@@ -380,10 +392,15 @@ def streaming(args: argparse.Namespace) -> dict[str, float]:
     return {"kvstash": statistics.median(kv), "direct": statistics.median(direct)}
 
 
-def concurrency(args: argparse.Namespace, binary: Path, work: Path) -> dict[str, dict[int, float]]:
-    """Aggregate tokens/s of N concurrent sessions, each a short prompt then greedy tokens."""
+def concurrency(args: argparse.Namespace, binary: Path, work: Path) -> dict[str, dict[int, list[float]]]:
+    """Aggregate tokens/s of N concurrent sessions, each a short prompt then greedy tokens:
+    per count, one figure a round. Both servers stay up throughout (idle while the other
+    is measured), so each round measures every count on both within seconds."""
     counts, n = (1, 4, 8), args.concurrent_tokens
-    rates: dict[str, dict[int, float]] = {"kvstash": {}, "server": {}}
+    rates: dict[str, dict[int, list[float]]] = {
+        "kvstash": {c: [] for c in counts},
+        "server": {c: [] for c in counts},
+    }
     prompts = [f"({i}) {STORY}" for i in range(max(counts))]
 
     def together(count: int, work_of: Callable[[int], int]) -> float:
@@ -400,31 +417,39 @@ def concurrency(args: argparse.Namespace, binary: Path, work: Path) -> dict[str,
             t.join()
         return sum(got) / (time.perf_counter() - started)
 
-    flags = ("--slots", "8", "--ctx-per-session", "512", "--threads", str(args.threads))
-    with daemon(*flags) as (address, _), kvstash.Client(address) as client:
-        for count in counts:
-            sessions = [client.create_session(sampling=GREEDY) for _ in range(count)]
-            for s, p in zip(sessions, prompts, strict=False):
+    def kv_round(client: kvstash.Client, count: int) -> float:
+        sessions = [client.create_session(sampling=GREEDY) for _ in range(count)]
+        try:
+            for s, p in zip(sessions, prompts, strict=False):  # prefill outside the timing
                 s.complete(p, max_tokens=1)
-
-            def kv_one(i: int, sessions: list[kvstash.Session] = sessions) -> int:
-                return sum(len(c.token_ids) for c in sessions[i].generate("", max_tokens=n))
-
-            rates["kvstash"][count] = together(count, kv_one)
+            return together(
+                count, lambda i: sum(len(c.token_ids) for c in sessions[i].generate("", max_tokens=n))
+            )
+        finally:
             for s in sessions:
                 s.close()
+
+    def server_round(server: LlamaServer, conns: list[http.client.HTTPConnection], count: int) -> float:
+        for i in range(count):  # prefill outside the timing, as above
+            server.complete(ids[i], 1, i, conns[i])
+        return together(count, lambda i: len(server.complete(ids[i], n, i, conns[i])))
+
+    flags = ("--slots", "8", "--ctx-per-session", "512", "--threads", str(args.threads))
     small = argparse.Namespace(**{**vars(args), "ctx": 512})
-    with llama_server(binary, small, max(counts), work) as server:
+    with (
+        daemon(*flags) as (address, _),
+        kvstash.Client(address) as client,
+        llama_server(binary, small, max(counts), work) as server,
+    ):
         conns = [http.client.HTTPConnection("127.0.0.1", server.port, timeout=600) for _ in prompts]
         ids = [server.tokenize(p) for p in prompts]
-        for count in counts:
-            for i in range(count):  # prefill outside the timing, as above
-                server.complete(ids[i], 1, i, conns[i])
-
-            def server_one(i: int) -> int:
-                return len(server.complete(ids[i], n, i, conns[i]))
-
-            rates["server"][count] = together(count, server_one)
+        for _ in range(args.concurrent_rounds):
+            for count in counts:
+                rates["kvstash"][count].append(kv_round(client, count))
+            for count in counts:
+                rates["server"][count].append(server_round(server, conns, count))
+            figures = {k: [round(r[c][-1], 1) for c in counts] for k, r in rates.items()}
+            print(f"peer: concurrency round, tok/s of {counts} sessions: {figures}", file=sys.stderr)
     print("peer: concurrency done", file=sys.stderr)
     return rates
 
@@ -433,7 +458,7 @@ def print_tables(
     args: argparse.Namespace,
     latency: dict[str, Any],
     stream: dict[str, float],
-    together: dict[str, dict[int, float]],
+    together: dict[str, dict[int, list[float]]],
 ) -> None:
     turn, restore, restart = latency["turn"], latency["restore"], latency["restart"]
     t_server, r_server = median_ms(turn["server"]), median_ms(restore["server"])
@@ -500,9 +525,33 @@ def print_tables(
         ]
     )
     print()
+    print_concurrency(args, together)
+
+
+def print_concurrency(args: argparse.Namespace, together: dict[str, dict[int, list[float]]]) -> None:
     kv, sv = together["kvstash"], together["server"]
-    rows = [("concurrent sessions", "kvstash tok/s", "speed-up", "llama-server -np 8 tok/s", "speed-up")]
+
+    def speedup(rates: dict[int, list[float]], count: int) -> str:
+        return f"{statistics.median(r / one for r, one in zip(rates[count], rates[1], strict=True)):.2f}x"
+
+    rounds = len(kv[1])
+    rows = [
+        (
+            f"concurrent sessions ({args.concurrent_tokens} tokens each; median of {rounds} rounds)",
+            "kvstash tok/s",
+            "speed-up",
+            "llama-server -np 8 tok/s",
+            "speed-up",
+        )
+    ]
     for c in sorted(kv):
-        speedups = (f"{kv[c] / kv[1]:.2f}x", f"{sv[c] / sv[1]:.2f}x")
-        rows.append((str(c), f"{kv[c]:.1f}", speedups[0], f"{sv[c]:.1f}", speedups[1]))
+        rows.append(
+            (
+                str(c),
+                f"{statistics.median(kv[c]):.1f}",
+                speedup(kv, c),
+                f"{statistics.median(sv[c]):.1f}",
+                speedup(sv, c),
+            )
+        )
     table(rows)

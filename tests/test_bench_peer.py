@@ -22,7 +22,8 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
 def test_peer_lists_its_options() -> None:
     done = _bench("peer", "--help")
     assert done.returncode == 0, done.stderr
-    for option in ("LLAMA_SERVER", "--tokens", "--repeat", "--restarts", "--flash-attn", "--no-cold"):
+    options = ("LLAMA_SERVER", "--tokens", "--repeat", "--restarts", "--flash-attn", "--no-cold")
+    for option in (*options, "--concurrent-rounds", "--concurrency-only"):
         assert option in done.stdout
 
 

@@ -176,6 +176,7 @@ class LlamaContext:
         self._mem = llama.llama_get_memory(self._ctx)
         self._batch = llama.llama_batch_init(cfg.batch_size, 0, 1)
         self._pieces: dict[tuple[int, bool], bytes] = {}
+        self._eog: dict[int, bool] = {}
         self.n_vocab = int(llama.llama_vocab_n_tokens(self._vocab))
         n_ctx_seq = int(llama.llama_n_ctx_seq(self._ctx))
         if n_ctx_seq < cfg.ctx_per_session:
@@ -382,7 +383,12 @@ class LlamaContext:
         return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", "replace")
 
     def is_eog(self, token: int) -> bool:
-        return bool(llama.llama_vocab_is_eog(self._vocab, token))
+        # Cached: asked once per generated token on the engine thread, where every ctypes
+        # call lets the asyncio thread take the GIL (and hold it) in the middle of a step.
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(llama.llama_vocab_is_eog(self._vocab, token))
+        return eog
 
     def grammar_tokenizer(self) -> llguidance.LLTokenizer:
         """The vocabulary as llguidance sees it: control tokens marked (grammars cannot
@@ -409,12 +415,13 @@ class LlamaContext:
         rc = llama.llama_decode(self._ctx, batch)
         if rc != 0:
             raise KvstashError(f"llama_decode failed with {rc} for a batch of {len(items)} tokens")
-        rows = []
-        for k, item in enumerate(items):
-            if item.logits:
-                ptr = llama.llama_get_logits_ith(self._ctx, k)
-                rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
-        return rows
+        n_out = sum(1 for item in items if item.logits)
+        if not n_out:
+            return []
+        # The rows asked for lie together, in batch order: one call for all of them. Each
+        # row is copied on its own, so a row kept with a session holds no other row's memory.
+        out = np.ctypeslib.as_array(llama.llama_get_logits(self._ctx), shape=(n_out, self.n_vocab))
+        return [row.copy() for row in out]
 
     # ---- sequences --------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from kvstashd import pieces, steps
 from kvstashd import state as kvstate
 from kvstashd.context import BatchItem, ContextConfig, LlamaContext, ModelInfo
 from kvstashd.errors import ContextFull, CorruptCheckpoint, InvalidRequest, KvstashError, Unavailable
-from kvstashd.job import Job, SeqState
+from kvstashd.job import Job, Outbox, SeqState
 from kvstashd.sampling import Logits
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,9 @@ class Engine:
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._active: list[Job] = []
+        # Where jobs' emit callbacks post their output (see Outbox): flushed before each
+        # decode and at the end of every turn of the loop.
+        self.outbox = Outbox()
         self._ctx: LlamaContext | None = None
         self._stopping = False
         self.info: ModelInfo | None = None
@@ -183,6 +186,7 @@ class Engine:
                     log.exception("an engine step failed")
                     for job in list(self._active):
                         self._fail(job, KvstashError("the engine failed to run this generation"))
+            self.outbox.flush()
 
     def _shut_down(self) -> None:
         self._stopping = True
@@ -193,6 +197,7 @@ class Engine:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
+                self.outbox.flush()
                 return
             if isinstance(item, _Call):
                 item.future.set_exception(Unavailable("the daemon is shutting down"))
@@ -357,6 +362,8 @@ class Engine:
             taken.append((job, count, last))
         if not items:
             return
+        # What was sampled from stored logits goes out now, not after this decode.
+        self.outbox.flush()
         try:
             rows = ctx.decode(items)
         except KvstashError as e:

@@ -232,8 +232,10 @@ class Conversations:
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
 
+        outbox = manager.engine.outbox
+
         def emit(item: Chunk | BaseException) -> None:
-            loop.call_soon_threadsafe(items.put_nowait, item)
+            outbox.post(loop, items.put_nowait, item)
 
         job = Job(session.state, slot, request, emit)
         job.matcher = matcher

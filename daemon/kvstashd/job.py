@@ -2,20 +2,27 @@
 
 A `Job` is created on the asyncio side and run by the engine thread, which owns the job's
 `SeqState` while it runs; everything the job produces reaches the asyncio side through its
-`emit` callback, the last `Chunk` carrying the finish reason and usage.
+`emit` callback, the last `Chunk` carrying the finish reason and usage. The daemon's
+callbacks post to the engine's `Outbox`, which hands a step's output to each event loop in
+one wake-up, as the next decode starts.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvstashd import state as kvstate
 from kvstashd.errors import KvstashError
 from kvstashd.grammar import Matcher
 from kvstashd.sampling import Logits, SamplingParams, sample, top_logprobs
 from kvstashd.text import StopMatcher, Utf8Stream
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -209,3 +216,41 @@ class Job:
 
 def _text_of(vocab: Vocab, token: int) -> str:
     return vocab.piece(token, True).decode("utf-8", "replace")
+
+
+class Outbox:
+    """What the engine thread hands to event loops: calls posted during a step, delivered
+    together by `flush`, one `call_soon_threadsafe` per loop.
+
+    The engine flushes once a step's tokens are all sampled, just before it decodes again:
+    the asyncio side then wakes once per step, not once per session, and serves the step's
+    chunks while llama.cpp computes the next one (the decode releases the GIL). Woken
+    earlier, in the middle of the sampling, it would hold the GIL while the engine waits
+    for it at its next ctypes call.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Any], object], Any]]] = {}
+
+    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], object], item: Any) -> None:
+        """Queue `fn(item)` to run on `loop` at the next flush; from any thread."""
+        with self._lock:
+            self._pending.setdefault(loop, []).append((fn, item))
+
+    def flush(self) -> None:
+        """Deliver everything posted so far, in order, per loop."""
+        with self._lock:
+            if not self._pending:
+                return
+            pending, self._pending = self._pending, {}
+        for loop, calls in pending.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, calls)
+            except RuntimeError:  # the loop is closed: nobody waits for these any more
+                log.debug("%d outputs for a closed event loop dropped", len(calls))
+
+
+def _deliver(calls: list[tuple[Callable[[Any], object], Any]]) -> None:
+    for fn, item in calls:
+        fn(item)

@@ -76,6 +76,11 @@ def uniform(seed: int, draw: int) -> float:
     return float(int(bits) >> 11) * (1.0 / 9007199254740992.0)
 
 
+def _penalizes(history: Sequence[int], params: SamplingParams) -> bool:
+    """Whether the repetition penalty changes any logit."""
+    return params.repeat_penalty != 1.0 and params.penalty_last_n != 0 and bool(history)
+
+
 def apply_penalty(row: Logits, history: Sequence[int], penalty: float, last_n: int) -> Logits:
     """llama.cpp's repetition penalty over the last `last_n` history tokens (-1: all)."""
     if penalty == 1.0 or last_n == 0 or not history:
@@ -97,6 +102,10 @@ def sample(
 ) -> int:
     """Pick the next token from one logits row, among the `allowed` ones (a grammar's mask;
     None: all). Does not modify `logits`."""
+    greedy = params.temperature <= 0.0 and logits.dtype == np.float32
+    if greedy and allowed is None and not _penalizes(history, params):
+        # Greedy with nothing to change the row: its argmax, without copying it first.
+        return int(np.argmax(logits))
     row = logits.astype(np.float32, copy=True)
     if allowed is not None:
         # -inf before anything else: masked tokens take no part in top-k, top-p or min-p.
