@@ -149,6 +149,25 @@ def test_rewind_continues_like_a_fresh_session(fam: Running) -> None:
             x.close()
 
 
+def test_a_rollback_to_an_earlier_checkpoint_is_exact(fam: Running) -> None:
+    """Back to the session's own checkpoint, twice: the slot is cut in place where the
+    memory can be cut (no recurrent state), the state loaded elsewhere; exact either way."""
+    assert fam.daemon.daemon.manager is not None
+    residency = fam.daemon.daemon.manager.residency
+    with fam.client() as client:
+        a = client.create_session(sampling=SAMPLED)
+        gen(a, fam.prompt, 8)
+        ck = a.checkpoint()
+        after = gen(a, "", 12)
+        rewinds = residency.rewinds
+        for _ in range(2):
+            a.restore(ck.checkpoint_id)
+            assert gen(a, "", 12) == after
+        in_place = fam.family.memory not in ("recurrent", "hybrid")
+        assert residency.rewinds - rewinds == (2 if in_place else 0)
+        a.close()
+
+
 def _history(client: kvstash.Client, s: kvstash.Session) -> list[int]:
     """A session's token history (from a checkpoint's export)."""
     ck = s.checkpoint("history")

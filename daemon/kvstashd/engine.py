@@ -282,6 +282,16 @@ class Engine:
         kv = pieces.rewind(self.export(slot, state), target, snapshots)
         self.load(slot, state, kv)
 
+    def cut(self, slot: int, state: SeqState, n: int) -> None:
+        """Keep the slot's first n positions (the caller checked that the memory can be cut
+        there exactly: no recurrent state, a window that holds what n needs)."""
+        if not self.ctx.remove_from(slot, n):
+            self.ctx.clear(slot)
+            state.n_kv = 0
+            state.logits = None
+            raise KvstashError("internal: the slot's memory could not be cut")
+        state.n_kv = n
+
     def check(self, slots: Sequence[int | None], deep: bool = True) -> list[str]:
         """Problems with the slots, given per slot its owner's n_kv or None when free. A free
         slot must be empty; an owned one must hold exactly positions [0, n_kv) (and its state

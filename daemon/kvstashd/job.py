@@ -7,6 +7,7 @@ A `Job` is created on the asyncio side and run by the engine thread, which owns 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -16,6 +17,9 @@ from kvstashd.errors import KvstashError
 from kvstashd.grammar import Matcher
 from kvstashd.sampling import Logits, SamplingParams, sample, top_logprobs
 from kvstashd.text import StopMatcher, Utf8Stream
+
+# Epochs of computed states: unique across SeqStates, so none is ever reused.
+_EPOCHS = itertools.count(1)
 
 
 @dataclass
@@ -28,6 +32,10 @@ class SeqState:
     evaluated. `window_from` is the first position whose sliding-window cells are real (a
     restored session's cells below its window are zeros). While the session is in a slot,
     only the engine thread writes this; otherwise only the asyncio side does.
+
+    `epoch` changes whenever cells are taken away (n_kv lowered: a cut, a clear, a load),
+    never while cells are only added: at two moments of one epoch, the cells below the
+    smaller n_kv are the same bytes (see Residency.rewind_to).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -35,6 +43,12 @@ class SeqState:
     logits: Logits | None = None
     draws: int = 0
     window_from: int = 0
+    epoch: int = field(default_factory=lambda: next(_EPOCHS))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "n_kv" and isinstance(value, int) and value < getattr(self, "n_kv", 0):
+            object.__setattr__(self, "epoch", next(_EPOCHS))
+        object.__setattr__(self, name, value)
 
     @property
     def pending(self) -> int:
