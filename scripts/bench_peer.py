@@ -302,8 +302,7 @@ def latencies(args: argparse.Namespace, binary: Path, work: Path) -> dict[str, A
                 s = client.create_session(sampling=GREEDY, persistent=persistent)
                 s.complete(other, max_tokens=1)
                 alternate[ck] = s.checkpoint("peer-other").checkpoint_id
-                alternate[alternate[ck]] = ck
-                s.close()
+                alternate[alternate[ck]] = ck  # (left open: closing drops its checkpoints)
             turn_of = {eph.session_id: [eph_ck], per.session_id: [per_ck]}
 
             def kv_alternating(session: kvstash.Session) -> None:
