@@ -305,7 +305,8 @@ class Residency:
                 return False
         else:
             kv = pieces.head(where.kv, n)
-            assert kv is not None  # 0 < n <= kv.n and the window holds [first(n), n)
+            if kv is None:  # the parked window does not hold [first(n), n)
+                return False
             self._set(session, Parked(kv))
         session.apply(snap, n)
         session.state.window_from = window_from
