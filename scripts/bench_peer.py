@@ -10,7 +10,11 @@ that interleave the two, so the machine's noise falls on both alike.
   persistent (the latter's turn is durable when acknowledged);
 - restore + one-token turn: llama-server `/slots/0?action=restore` of a file saved with
   `--slot-save-path` (in the page cache); kvstash restoring a checkpoint of an ephemeral
-  session (RAM) and of a persistent one (disk, page cache);
+  session (RAM) and of a persistent one (disk, page cache), alternating two checkpoints
+  whose tokens part at the sixth, so that each restore loads a state (checked in GetInfo's
+  swap-in count);
+- rollback + one-token turn: kvstash restoring the session's own checkpoint while it still
+  holds its cells (the slot is cut, nothing loaded), beside the same slot restore;
 - the first one-token turn of a persistent session after a daemon restart;
 - the same restores with a cold page cache (`echo 1 > /proc/sys/vm/drop_caches` before
   each; the row is left out, saying why, where that is not permitted);
@@ -302,6 +306,22 @@ def latencies(args: argparse.Namespace, binary: Path, work: Path) -> dict[str, A
                 s.complete(ids, max_tokens=1)
             eph_ck = eph.checkpoint("peer").checkpoint_id
             per_ck = per.checkpoint("peer").checkpoint_id
+            # The second checkpoint of each kind: the same tokens but the sixth, so a restore
+            # never finds the other's cells in the session.
+            other = [*ids[:5], ids[5] + 1, *ids[6:]]
+            alternate: dict[str, str] = {}
+            for persistent, ck in ((False, eph_ck), (True, per_ck)):
+                s = client.create_session(sampling=GREEDY, persistent=persistent)
+                s.complete(other, max_tokens=1)
+                alternate[ck] = s.checkpoint("peer-other").checkpoint_id
+                alternate[alternate[ck]] = ck  # (left open: closing drops its checkpoints)
+            turn_of = {eph.session_id: [eph_ck], per.session_id: [per_ck]}
+
+            def kv_alternating(session: kvstash.Session) -> None:
+                last = turn_of[session.session_id]
+                last[0] = alternate[last[0]]
+                kv_restore_turn(session, last[0], token)
+
             print("peer: sessions ready", file=sys.stderr)
             out["turn"] = rounds(
                 args.repeat,
@@ -312,15 +332,33 @@ def latencies(args: argparse.Namespace, binary: Path, work: Path) -> dict[str, A
                 },
             )
             print("peer: turns done", file=sys.stderr)
+            loads = client.info().swap_ins
             out["restore"] = rounds(
                 args.repeat,
                 {
                     "server": server_restore,
-                    "ephemeral": lambda: kv_restore_turn(eph, eph_ck, token),
-                    "persistent": lambda: kv_restore_turn(per, per_ck, token),
+                    "ephemeral": lambda: kv_alternating(eph),
+                    "persistent": lambda: kv_alternating(per),
                 },
             )
+            loads = client.info().swap_ins - loads
+            if loads < 2 * (args.repeat + 1):
+                raise SystemExit(f"{2 * (args.repeat + 1)} restores loaded only {loads} states")
             print("peer: restores done", file=sys.stderr)
+            # Back to a checkpoint of the session's own, whose cells it holds: cut, not loaded.
+            eph_rb = eph.checkpoint("rollback").checkpoint_id
+            per_rb = per.checkpoint("rollback").checkpoint_id
+            loads = client.info().swap_ins
+            out["rollback"] = rounds(
+                args.repeat,
+                {
+                    "server": server_restore,
+                    "ephemeral": lambda: kv_restore_turn(eph, eph_rb, token),
+                    "persistent": lambda: kv_restore_turn(per, per_rb, token),
+                },
+            )
+            out["rollback_loads"] = client.info().swap_ins - loads
+            print("peer: rollbacks done", file=sys.stderr)
             out["cold"] = None
             if not args.no_cold and drop_caches():
                 cold: dict[str, list[float]] = {"server": [], "persistent": []}
@@ -481,6 +519,12 @@ def print_tables(
             ratio(median_ms(restore["ephemeral"]), r_server),
             ratio(median_ms(restore["persistent"]), r_server),
         ),
+        (
+            f"rollback to the session's own checkpoint + one-token turn ({latency['rollback_loads']} loads)",
+            f"{median_ms(latency['rollback']['server']):.1f} ms",
+            ratio(median_ms(latency["rollback"]["ephemeral"]), median_ms(latency["rollback"]["server"])),
+            ratio(median_ms(latency["rollback"]["persistent"]), median_ms(latency["rollback"]["server"])),
+        ),
     ]
     if restart["first"]:
         base = median_ms(restart["server"])
@@ -489,7 +533,8 @@ def print_tables(
                 f"first turn after a daemon restart ({len(restart['first'])} restarts) vs slot restore",
                 f"{base:.1f} ms",
                 "",
-                ratio(median_ms(restart["first"]), base),
+                ratio(median_ms(restart["first"]), base)
+                + f"; {median_ms(restart['first']) / median_ms(restore['persistent']):.2f}x a disk restore",
             )
         )
     cold = latency.get("cold")

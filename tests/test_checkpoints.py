@@ -99,6 +99,36 @@ def test_resume_after_kill9_continues_like_one_call(
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["ephemeral", "persistent"])
+def test_a_rollback_to_its_own_checkpoint_cuts_the_cells_it_holds(
+    daemon1: InProcessDaemon, client1: kvstash.Client, persistent: bool
+) -> None:
+    """Restoring one of the session's own checkpoints while the session still holds its
+    cells loads nothing (the slot is cut) and continues as the uninterrupted run did; once
+    another state was loaded, the same restore loads."""
+    assert daemon1.daemon.manager is not None
+    residency = daemon1.daemon.manager.residency
+    s = client1.create_session(sampling=SAMPLED, persistent=persistent)
+    other = client1.create_session(sampling=SAMPLED, persistent=persistent)
+    gen(s, PROMPT, 8)
+    ck = s.checkpoint()
+    after = gen(s, "", 12)
+    rewinds, swap_ins = residency.rewinds, residency.swap_ins
+    for _ in range(2):
+        assert s.restore(ck.checkpoint_id).n_tokens == ck.n_tokens
+        assert gen(s, "", 12) == after
+    assert (residency.rewinds, residency.swap_ins) == (rewinds + 2, swap_ins)
+
+    gen(other, "Another story:", 4)
+    s.restore(other.checkpoint().checkpoint_id)
+    gen(s, "", 2)
+    s.restore(ck.checkpoint_id)
+    assert gen(s, "", 12) == after
+    assert (residency.rewinds, residency.swap_ins) == (rewinds + 2, swap_ins + 2)
+    for x in (s, other):
+        x.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["ephemeral", "persistent"])
 def test_restore_generates_the_same_tokens_again(
     daemon1: InProcessDaemon, client1: kvstash.Client, persistent: bool
 ) -> None:

@@ -7,7 +7,9 @@ another plain transformer (Qwen3):
 
 - GetInfo names the memory type and says that checkpoints carry the state;
 - a checkpoint restored into another slot, beside other decoding sessions, and a fork of it
-  continue exactly as one uninterrupted call (sampled at temperature 0.8 with a seed);
+  continue exactly as one uninterrupted call (sampled at temperature 0.8 with a seed), and
+  so does a rollback to it while the session holds its cells (cut in place where the memory
+  can be cut);
 - a rewind continues exactly as a fresh session given the same history, in a slot and while
   parked; a recurrent state rewinds from the snapshot at the end of the prompt;
 - a persistent session resumes exactly after kill -9.
@@ -103,6 +105,15 @@ def test_restore_into_another_slot_beside_other_sessions_is_exact(fam: Running) 
         assert gen(a, fam.prompt, 12) == ref[:12]
         ck = a.checkpoint()
         assert gen(a, "", 12) == ref[12:]
+        # Back to its own checkpoint while it holds the cells: cut in place where the memory
+        # can be cut (no recurrent state), loaded elsewhere; exact either way.
+        assert fam.daemon.daemon.manager is not None
+        residency = fam.daemon.daemon.manager.residency
+        rewinds = residency.rewinds
+        a.restore(ck.checkpoint_id)
+        assert gen(a, "", 12) == ref[12:]
+        in_place = fam.family.memory not in ("recurrent", "hybrid")
+        assert residency.rewinds - rewinds == int(in_place)
         others = [client.create_session(sampling=SAMPLED) for _ in range(2)]
         with Background(fam.daemon.address, 1):
             for i, o in enumerate(others):  # both slots change hands: a is parked

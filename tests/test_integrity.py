@@ -90,6 +90,9 @@ def saved(client: kvstash.Client, text: str, seed: int = SAMPLED.seed or 0) -> S
     gen(session, text, 8)
     checkpoint = session.checkpoint(text[:20])
     after = gen(session, "", 8)
+    # Cells taken away (a rewind), so that restoring the checkpoint reads its blocks instead
+    # of cutting the session's own cells (see Residency.rewind_to).
+    session.rewind(checkpoint.n_tokens)
     return Saved(text, session, checkpoint, after)
 
 

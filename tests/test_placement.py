@@ -6,6 +6,7 @@ back to its history, the daemon goes on.
 - A damaged block under a stored session: that request gets DATA_LOSS, other sessions go on,
   and the session's next request evaluates its history again, exactly.
 - The invariant check itself sees a slot that holds cells nobody owns.
+- A state's epoch (what rollbacks in place go by) changes exactly when cells are taken away.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from daemons import DaemonProcess, InProcessDaemon
 import kvstash
 from kvstashd.context import BatchItem
 from kvstashd.engine import Engine
+from kvstashd.job import SeqState
 
 
 def test_a_restart_with_another_kv_type_evaluates_histories_again(
@@ -109,3 +111,17 @@ def test_the_invariant_check_sees_cells_nobody_owns(start_daemon: Callable[..., 
 
 async def _on_engine(engine: Engine, fn: Callable[[Engine], object]) -> object:
     return await asyncio.wrap_future(engine.call(fn))
+
+
+def test_a_state_epoch_changes_exactly_when_cells_are_taken_away() -> None:
+    a, b = SeqState(), SeqState()
+    assert a.epoch != b.epoch
+    first = a.epoch
+    a.n_kv = 10
+    a.n_kv = 12
+    assert a.epoch == first  # cells only added
+    a.n_kv = 11
+    assert a.epoch not in (first, b.epoch)
+    cut = a.epoch
+    a.n_kv = 0
+    assert a.epoch != cut

@@ -51,7 +51,9 @@ class Checkpointing:
         async with self.m.use(session):
             if session.persistent:
                 await self.m.persistence.check_stored(tenant)
-            return await self.m.persistence.checkpoint(session, label)
+            row = await self.m.persistence.checkpoint(session, label)
+            self.m.residency.remember(session, row.checkpoint_id)
+            return row
 
     async def list_checkpoints(self, session_id: str, tenant: Tenant) -> list[CheckpointRow]:
         """A session's checkpoints, or with no session_id all of the tenant's (imports too)."""
@@ -71,7 +73,17 @@ class Checkpointing:
         return await self.m.ops.run(self._restore(session, checkpoint_id, tenant))
 
     async def _restore(self, session: Session, checkpoint_id: str, tenant: Tenant) -> tuple[Session, bool]:
-        loaded = await self.m.persistence.load(checkpoint_id, tenant)
+        store = await self.m.persistence.find(checkpoint_id, tenant)
+        if self.m.residency.remembers(session, checkpoint_id):
+            # One of the session's own checkpoints: its cells may still be in the session.
+            async with self.m.use(session):
+                snap = await asyncio.to_thread(store.snapshot, checkpoint_id)
+                if await self.m.residency.rewind_to(session, checkpoint_id, snap, store.layout_desc):
+                    self.m.touch(session)
+                    if session.persistent:
+                        await self.m.persistence.save_head(session)
+                    return session, False
+        loaded = await asyncio.to_thread(store.load, checkpoint_id, self.m.persistence.clock())
         async with self.m.use(session):
             await self.m.residency.replace(session, loaded.snapshot, loaded.kv)
             self.m.touch(session)

@@ -334,14 +334,16 @@ class CheckpointStore:
             # would wait for in turn.
             frames = self.store.get_many([p.key for p in wanted])
             read = frames.__getitem__  # an absent piece is the KeyError `get` gives
-        # File reads and CRC-32 release the GIL: pieces are read and checked on every core.
-        payloads = dict(
-            zip(
-                (p.key for p in wanted),
-                _READERS.map(lambda p: self.read_block(p.key, p.size, read, ours=ours)[1], wanted),
-                strict=True,
-            )
-        )
+
+        def payload(p: _Piece) -> bytes | memoryview:
+            return self.read_block(p.key, p.size, read, ours=ours)[1]
+
+        if ours and self.store.in_process:
+            # Nothing to read or check (see read_block): handing pieces to threads cost more.
+            payloads = {p.key: payload(p) for p in wanted}
+        else:
+            # File reads and CRC-32 release the GIL: pieces are read and checked on every core.
+            payloads = dict(zip((p.key for p in wanted), _READERS.map(payload, wanted), strict=True))
         sections: list[kvstate.Section] = []
         for section in lay.sections:
             if isinstance(section, kvlayout.RecurrentLayout):

@@ -425,6 +425,11 @@ class LlamaContext:
 
     # ---- sequences --------------------------------------------------------------------------
 
+    def wipe(self) -> None:
+        """Empty every slot and zero the memory's buffers, which maps their pages: the first
+        state loaded into a slot then costs what later ones do."""
+        llama.llama_memory_clear(self._mem, True)
+
     def clear(self, slot: int) -> None:
         """Forget every cell of a slot."""
         llama.llama_memory_seq_rm(self._mem, slot, -1, -1)

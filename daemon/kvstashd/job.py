@@ -10,6 +10,7 @@ one wake-up, as the next decode starts.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from kvstashd.sampling import Logits, SamplingParams, sample, top_logprobs
 from kvstashd.text import StopMatcher, Utf8Stream
 
 log = logging.getLogger(__name__)
+# Epochs of computed states: unique across SeqStates, so none is ever reused.
+_EPOCHS = itertools.count(1)
 
 
 @dataclass
@@ -35,6 +38,10 @@ class SeqState:
     evaluated. `window_from` is the first position whose sliding-window cells are real (a
     restored session's cells below its window are zeros). While the session is in a slot,
     only the engine thread writes this; otherwise only the asyncio side does.
+
+    `epoch` changes whenever cells are taken away (n_kv lowered: a cut, a clear, a load),
+    never while cells are only added: at two moments of one epoch, the cells below the
+    smaller n_kv are the same bytes (see Residency.rewind_to).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -42,6 +49,12 @@ class SeqState:
     logits: Logits | None = None
     draws: int = 0
     window_from: int = 0
+    epoch: int = field(default_factory=lambda: next(_EPOCHS))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "n_kv" and isinstance(value, int) and value < getattr(self, "n_kv", 0):
+            object.__setattr__(self, "epoch", next(_EPOCHS))
+        object.__setattr__(self, name, value)
 
     @property
     def pending(self) -> int:

@@ -98,7 +98,11 @@ class Residency:
         self._slot_freed = asyncio.Event()
         # A tenant's RAM quota in bytes (0: none); the manager knows the tenants.
         self.parked_quota: Callable[[str], int] = lambda _tenant: 0
+        # Per session: checkpoints saved from its state, each with its n_kv and the state's
+        # epoch then: while the epoch is the same, its cells below n_kv are that state.
+        self._lineage: dict[str, dict[str, tuple[int, int]]] = {}
         self.waiting = 0
+        self.rewinds = 0
         self.swap_ins = 0
         self.swap_in_seconds = 0.0
         # Per tenant, for GetInfo: each sees its own.
@@ -215,6 +219,7 @@ class Residency:
         await self.release(session, park=False)
         await self._drop_spill(session)
         self._where.pop(session.session_id, None)
+        self._lineage.pop(session.session_id, None)
 
     async def replace(self, session: Session, snap: Snapshot, kv: kvstate.SeqKv | None) -> None:
         """The session's history and state become a checkpoint's (restore, fork). The state
@@ -248,6 +253,70 @@ class Residency:
             slot = where.slot
             return await self._engine(lambda e: e.export(slot, state))
         return where.kv if isinstance(where, Parked) else None
+
+    # ---- rollbacks that keep the cells ------------------------------------------------------
+
+    def remember(self, session: Session, checkpoint_id: str) -> None:
+        """The checkpoint was just saved from the session's state, as it is now."""
+        state = session.state
+        if state.n_kv:
+            kept = self._lineage.get(session.session_id, {})
+            kept = {cid: e for cid, e in kept.items() if e[1] == state.epoch}  # the rest are stale
+            self._lineage[session.session_id] = kept | {checkpoint_id: (state.n_kv, state.epoch)}
+
+    def remembers(self, session: Session, checkpoint_id: str) -> bool:
+        """Whether the checkpoint was saved from the session's state (see rewind_to)."""
+        return checkpoint_id in self._lineage.get(session.session_id, {})
+
+    async def rewind_to(
+        self, session: Session, checkpoint_id: str, snap: Snapshot, layout_desc: str | None
+    ) -> bool:
+        """Make the session the checkpoint's without loading its state, where the session's
+        own cells already are that state: the checkpoint was saved from this session, its
+        cells have not been taken away since (same epoch), and its tokens are a prefix of
+        the session's. The slot (or the parked state) is cut to the checkpoint's length.
+        False where that is not exact: a recurrent state (it cannot be cut), a sliding
+        window that no longer holds the cells the cut needs, another layout; the caller then
+        loads the checkpoint."""
+        lineage = self._lineage.get(session.session_id, {})
+        state = session.state
+        where = self.where(session)
+        layout = self.engine.layout
+        n = snap.n_kv
+        if (
+            lineage.get(checkpoint_id) != (n, state.epoch)
+            or not isinstance(where, InSlot | Parked)
+            or layout is None
+            or layout.recurrent is not None
+            or snap.kv_layout is None
+            or snap.kv_layout != layout_desc
+            or not 0 < n <= state.n_kv
+            or snap.tokens[:n] != state.tokens[:n]
+            or not pieces.can_cut(layout, state.window_from, n)
+        ):
+            return False
+        window_from, epoch = state.window_from, state.epoch
+        if isinstance(where, InSlot):
+            slot = where.slot
+            try:
+                await self._engine(lambda e: e.cut(slot, state, n))
+            except KvstashError:
+                log.exception("session %s: a rollback in place failed; loading instead", session.session_id)
+                return False
+        else:
+            kv = pieces.head(where.kv, n)
+            if kv is None:  # the parked window does not hold [first(n), n)
+                return False
+            self._set(session, Parked(kv))
+        session.apply(snap, n)
+        session.state.window_from = window_from
+        # The cells below n are the same bytes: what agreed with them still does.
+        now = session.state.epoch
+        self._lineage[session.session_id] = {
+            cid: (m, now) for cid, (m, e) in lineage.items() if e == epoch and m <= n
+        }
+        self.rewinds += 1
+        return True
 
     async def truncate(self, session: Session, n_tokens: int) -> None:
         """Keep the first n_tokens of history, and a state to match (see Engine.truncate)."""
