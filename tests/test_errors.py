@@ -256,6 +256,10 @@ def test_a_block_store_that_cannot_be_read_or_written(
         session = client.create_session(persistent=True)
         session.complete(LONG, max_tokens=2)
         checkpoint = session.checkpoint()
+        # Cells taken away (a rewind), so that the restore below reads the checkpoint's blocks
+        # instead of cutting the session's own cells.
+        session.complete(" More.", max_tokens=2)
+        session.rewind(checkpoint.n_tokens)
         # Each block file becomes a directory: it exists, and reading or replacing it fails.
         aside = tmp_path / "aside"
         aside.mkdir()
