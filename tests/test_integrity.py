@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 import random
 import struct
@@ -269,10 +270,15 @@ def test_the_good_export_imports_and_continues_exactly(client: kvstash.Client, g
     assert gen(client.fork_session(checkpoint_id=imported.checkpoint_id), "", 8) == expected
 
 
+# Prompts unique per call (see `saved`), the same in every run: a sampled continuation that
+# happened to end early would otherwise make the test fail only sometimes.
+_UNIQUE = (i * 0x9E3779B97F4A7C15 % (1 << 64) for i in itertools.count(1))
+
+
 def _refused_import(
     client: kvstash.Client, data: bytes, error: type[kvstash.KvstashError], *words: str
 ) -> None:
-    good = saved(client, f"Good {random.getrandbits(64):x}: {PROMPT}")
+    good = saved(client, f"Good {next(_UNIQUE):x}: {PROMPT}")
     before = {s.session_id for s in client.list_sessions()}
     assert_refused(lambda: client.import_checkpoint(io.BytesIO(data)), error, *words)
     assert {s.session_id for s in client.list_sessions()} == before
