@@ -76,14 +76,14 @@ def uniform(seed: int, draw: int) -> float:
     return float(int(bits) >> 11) * (1.0 / 9007199254740992.0)
 
 
-def _penalizes(history: Sequence[int], params: SamplingParams) -> bool:
+def _penalizes(history: Sequence[int], penalty: float, last_n: int) -> bool:
     """Whether the repetition penalty changes any logit."""
-    return params.repeat_penalty != 1.0 and params.penalty_last_n != 0 and bool(history)
+    return penalty != 1.0 and last_n != 0 and bool(history)
 
 
 def apply_penalty(row: Logits, history: Sequence[int], penalty: float, last_n: int) -> Logits:
     """llama.cpp's repetition penalty over the last `last_n` history tokens (-1: all)."""
-    if penalty == 1.0 or last_n == 0 or not history:
+    if not _penalizes(history, penalty, last_n):
         return row
     window = history if last_n < 0 else history[-last_n:]
     ids = np.unique(np.asarray(window, dtype=np.int64))
@@ -103,7 +103,7 @@ def sample(
     """Pick the next token from one logits row, among the `allowed` ones (a grammar's mask;
     None: all). Does not modify `logits`."""
     greedy = params.temperature <= 0.0 and logits.dtype == np.float32
-    if greedy and allowed is None and not _penalizes(history, params):
+    if greedy and allowed is None and not _penalizes(history, params.repeat_penalty, params.penalty_last_n):
         # Greedy with nothing to change the row: its argmax, without copying it first.
         return int(np.argmax(logits))
     row = logits.astype(np.float32, copy=True)
