@@ -41,7 +41,7 @@ class Prober:
 
 def test_the_key_follows_the_settings_and_the_probe() -> None:
     def key(cfg: ContextConfig, probe: dict[str, object] = PROBE, build: dict[str, object] = BUILD) -> str:
-        return probes.machine_key(cfg, model_path(), probe, build)
+        return probes.machine_key(cfg, probe, build)
 
     same = key(config())
     assert same == key(config())

@@ -260,7 +260,6 @@ class LlamaContext:
             return False
         key = probes.machine_key(
             replace(self.cfg, probe_cache=None),
-            self.cfg.model_path,
             build=self._build_facts(),
             probe={
                 "tokens": PROBE_TOKENS,

@@ -29,10 +29,11 @@ MAX_ENTRIES = 64
 _ENV_PREFIXES = ("GGML_", "LLAMA_", "CUDA_", "HIP_", "ROCR_", "OMP_", "VK_", "METAL_", "MTL_")
 
 
-def machine_key(config: Any, model_path: Path, probe: dict[str, Any], build: dict[str, Any]) -> str:
+def machine_key(config: Any, probe: dict[str, Any], build: dict[str, Any]) -> str:
     """A digest of everything that decides the probe's answer for this context: `config` (a
-    dataclass), the model file, the probe's own plan, and `build`, what llama.cpp says of
-    itself (version, libraries, CPU features, devices)."""
+    dataclass with the `model_path` it loads), the model file, the probe's own plan, and
+    `build`, what llama.cpp says of itself (version, libraries, CPU features, devices)."""
+    model_path: Path = config.model_path
     st = model_path.stat()
     facts = {
         "probe": probe,
