@@ -34,7 +34,8 @@ from daemons import DaemonProcess, InProcessDaemon, model_path
 
 import kvstash
 from kvstashd import resolution
-from kvstashd.context import PROBE_BESIDE, PROBE_SINGLES, ContextConfig, LlamaContext, probe_plan
+from kvstashd.context import ContextConfig, LlamaContext
+from kvstashd.probes import PROBE_BESIDE, PROBE_SINGLES, batch_dependence, probe_plan
 
 #: Over 256 tokens: the KV view of a sequence grows to 512 cells there, where flash
 #: attention's single-query kernel changes.
@@ -97,7 +98,7 @@ def test_the_probe_finds_that_flash_attention_depends_on_the_batch() -> None:
     )
     ctx = LlamaContext(cfg)
     try:
-        found = ctx.batch_dependence()
+        found = batch_dependence(ctx)
     finally:
         ctx.close()
     assert found is not None and "away from those of one chunk of 260" in found

@@ -13,12 +13,11 @@ layout of an uninterrupted run and of an import the same (see state.py).
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,29 +38,8 @@ llama_log = logging.getLogger("kvstashd.llama_cpp")
 
 KV_TYPE_IDS = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0, "q4_0": llama.GGML_TYPE_Q4_0}
 _PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the recurrent part of a hybrid's state
-# The start-up exactness probe (see LlamaContext.batch_dependence): one sequence this long,
-# evaluated in one chunk, then in chunks of these sizes and one token at a time to its end,
-# its last PROBE_BESIDE tokens beside another sequence's.
-PROBE_TOKENS = 260
-PROBE_CHUNKS = (1, 36, 4, 4, 19, 128, 64)
-PROBE_SINGLES = 4
-PROBE_BESIDE = 2
 # Sliding-window caches whose window is not "the last n_swa positions" (chunked attention).
 _OTHER_WINDOWS = {"llama4"}
-
-
-def probe_plan(n: int, batch: int) -> list[int]:
-    """The probe's chunk sizes for a sequence of n tokens: PROBE_CHUNKS (each at most a
-    batch), then single tokens, at least PROBE_SINGLES of them."""
-    sizes: list[int] = []
-    at = 0
-    for size in PROBE_CHUNKS:
-        size = min(size, batch, n - PROBE_SINGLES - at)
-        if size <= 0:
-            break
-        sizes.append(size)
-        at += size
-    return sizes + [1] * (n - at)
 
 
 @dataclass(frozen=True)
@@ -258,17 +236,7 @@ class LlamaContext:
     def _probe_exact(self) -> bool:
         if not self.cfg.exact:
             return False
-        key = probes.machine_key(
-            replace(self.cfg, probe_cache=None),
-            build=self._build_facts(),
-            probe={
-                "tokens": PROBE_TOKENS,
-                "chunks": PROBE_CHUNKS,
-                "singles": PROBE_SINGLES,
-                "beside": PROBE_BESIDE,
-            },
-        )
-        found = probes.cached(self.cfg.probe_cache, key, self.batch_dependence)
+        found = probes.finding(self, self._build_facts())
         if found is not None:
             log.warning("a token's logits depend on how it was batched: %s", found)
         return found is None
@@ -296,57 +264,6 @@ class LlamaContext:
             "system": llama.llama_print_system_info().decode("utf-8", "replace"),
             "devices": devices,
         }
-
-    def batch_dependence(self) -> str | None:
-        """Where the probe found a token's logits depend on how its sequence was batched;
-        None: nowhere it looked.
-
-        Sampling, resumes and restores by re-evaluation are bit-exact only when they do not.
-        One sequence of PROBE_TOKENS is evaluated twice in slot 0: as one chunk, and as
-        chunks of 1 to 128 tokens then one token at a time, the last ones beside a token of
-        another sequence (slot 1). Each chunk's last logits must equal the first run's.
-        The sizes reach every kernel choice seen to depend on the batch: tinyBLAS
-        (GGML_LLAMAFILE) serves 2+ columns only; repacked weights take a gemv for one column;
-        ggml's tiled K-quant matmul starts at 8 rows; flash attention has one kernel below 64
-        queries and a tiled one from 64, and for a single query over 512 KV cells or more
-        (past 256 positions) it splits the cells among threads, unless another sequence
-        shares the batch.
-        """
-        n = min(PROBE_TOKENS, self.cfg.ctx_per_session)
-        batch = self.cfg.batch_size
-        tokens = [int(t) for t in np.random.default_rng(0).integers(0, self.n_vocab, n)]
-        plan = probe_plan(n, batch)
-        marks = {end - 1 for end in itertools.accumulate(plan)}
-        beside_from = len(plan) - PROBE_BESIDE if self.cfg.slots > 1 else len(plan)
-        try:
-            reference: dict[int, Logits] = {}
-            for at in range(0, n, batch):
-                part = range(at, min(at + batch, n))
-                rows = self.decode([BatchItem(0, tokens[p], p, p in marks) for p in part])
-                reference.update(zip(sorted(marks.intersection(part)), rows, strict=True))
-            self.clear(0)
-            at = 0
-            for k, size in enumerate(plan):
-                last = at + size - 1
-                items = [BatchItem(0, tokens[p], p, p == last) for p in range(at, last + 1)]
-                if k >= beside_from:
-                    q = k - beside_from
-                    items.append(BatchItem(1, tokens[q], q, False))
-                row = self.decode(items)[0]
-                if not np.array_equal(row, reference[last]):
-                    how = f"in a chunk of {size}" if size > 1 else "alone"
-                    how = "beside another sequence's token" if k >= beside_from else how
-                    delta = float(np.max(np.abs(row - reference[last])))
-                    return (
-                        f"position {last} evaluated {how} (after chunks of {plan[:k]}) has logits "
-                        f"up to {delta:.3g} away from those of one chunk of {n}"
-                    )
-                at = last + 1
-        finally:
-            self.clear(0)
-            if self.cfg.slots > 1:
-                self.clear(1)
-        return None
 
     # ---- tokens -----------------------------------------------------------------------------
 
