@@ -83,7 +83,7 @@ class Checkpointing:
                     if session.persistent:
                         await self.m.persistence.save_head(session)
                     return session, False
-        loaded = await asyncio.to_thread(store.load, checkpoint_id, self.m.persistence.clock())
+        loaded = await self.m.persistence.load(checkpoint_id, tenant, store)
         async with self.m.use(session):
             await self.m.residency.replace(session, loaded.snapshot, loaded.kv)
             self.m.touch(session)

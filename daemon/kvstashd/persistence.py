@@ -136,8 +136,9 @@ class Persistence:
 
         return await asyncio.to_thread(lookup)
 
-    async def load(self, checkpoint_id: str, tenant: Tenant) -> Loaded:
-        store = await self.find(checkpoint_id, tenant)
+    async def load(self, checkpoint_id: str, tenant: Tenant, store: CheckpointStore | None = None) -> Loaded:
+        """The tenant's checkpoint, read and checked; `store`: where `find` found it, if known."""
+        store = store or await self.find(checkpoint_id, tenant)
         return await asyncio.to_thread(store.load, checkpoint_id, self.clock())
 
     async def tenant_checkpoints(self, tenant: Tenant) -> list[CheckpointRow]:
