@@ -3,6 +3,8 @@
 - Sessions sharing a system prompt evaluate it once; the others attach it (from a slot, or
   parked in RAM) and produce exactly the tokens they would have produced evaluating it.
 - After a restart, a new session attaches a persistent session's prefix from disk.
+- A source closed, or busy (a turn, an eviction), while a session was looking for its prefix
+  is no source: the prefix is evaluated, no error.
 - `--no-prefix-cache` evaluates everything.
 - Timing (`-m timing`, by hand): the time to the first token of another tenant's probes
   cannot tell a cached secret prefix from an uncached one (ROC AUC <= 0.6), while the same
@@ -12,9 +14,12 @@
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from checkpoint_helpers import GREEDY, SPAWN_ARGS, long_text
@@ -59,6 +64,38 @@ def test_a_prefix_is_attached_from_a_parked_session(start_daemon: Callable[..., 
         again = answer(client.create_session(SYSTEM, sampling=SEEDED))
         assert again.usage.reused_tokens >= 512
         assert trace(again) == trace(first)
+
+
+def test_a_source_closed_while_the_stores_are_asked_is_no_source(
+    start_daemon: Callable[..., InProcessDaemon], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The live source is chosen first, then the stores are asked (in a worker thread); the
+    # source is closed in between. Before sources were checked again, that was an internal
+    # error (a KeyError in the placements; or, for a source being evicted, an export of the
+    # slot it was leaving).
+    d = start_daemon(slots=2)
+    assert d.daemon is not None and d.daemon.manager is not None
+    store = d.daemon.manager.stores.volatile
+    asked, go = threading.Event(), threading.Event()
+    real = store.longest_prefix
+
+    def held(*args: Any) -> int:
+        asked.set()
+        assert go.wait(30)
+        return real(*args)
+
+    with kvstash.Client(d.address, timeout=60) as client:
+        source = client.create_session(SYSTEM, sampling=SEEDED)
+        first = answer(source)
+        monkeypatch.setattr(store, "longest_prefix", held)
+        with ThreadPoolExecutor(1) as pool:
+            later = pool.submit(answer, client.create_session(SYSTEM, sampling=SEEDED))
+            assert asked.wait(30)
+            source.close()
+            go.set()
+            again = later.result(60)
+    assert again.usage.reused_tokens == 0  # its only source was gone: evaluated
+    assert trace(again) == trace(first)
 
 
 def test_the_cache_survives_a_restart(spawn_daemon: Callable[..., DaemonProcess]) -> None:

@@ -117,7 +117,12 @@ class PrefixCache:
 
         No lock is taken: the placement is read and the engine's export queued in one step,
         and the engine runs its commands in order, so a later move of the source comes after.
+        The source was chosen before the stores were asked (awaits): by now it may be closed,
+        or busy (in a turn, or being evicted: its state leaving the slot), and then it is no
+        source (None).
         """
+        if source.closed or source.busy:
+            return None
         where = self.m.residency.where(source)
         boundary = source.boundary
         if isinstance(where, InSlot):
