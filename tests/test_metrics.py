@@ -37,3 +37,14 @@ def test_metrics_follow_sessions_and_tokens(start_daemon: Callable[..., InProces
     assert after["kvstash_slots_in_use"] == 1
     assert after['kvstash_tokens_total{kind="generated"}'] == info.tokens_generated >= len(done.token_ids)
     assert after['kvstash_tokens_total{kind="evaluated"}'] == info.tokens_evaluated
+
+
+def test_metrics_report_process_and_heap_memory(start_daemon: Callable[..., InProcessDaemon]) -> None:
+    d = start_daemon(slots=1, metrics_address="127.0.0.1:0")
+    assert d.daemon is not None
+    samples = scrape(d.daemon.metrics_port)
+    # The model alone is tens of MB resident; the heap holds at least the KV buffers' owners.
+    assert samples["process_resident_memory_bytes"] > 50 << 20
+    assert samples["process_open_fds"] > 0
+    assert samples['kvstash_heap_bytes{state="in_use"}'] > 1 << 20
+    assert samples['kvstash_heap_bytes{state="free"}'] >= 0

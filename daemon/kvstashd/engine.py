@@ -148,7 +148,7 @@ class Engine:
             bound = min(pieces.blob_bound(info.layout, self.config.ctx_per_session), _PREMAPPED)
             self._scratch = np.empty(bound, np.uint8)
             self._scratch.fill(0)
-            # As much again, freed at once: glibc keeps it (server.keep_freed_memory), so the
+            # As much again, freed at once: glibc keeps it (heap.keep_freed_memory), so the
             # first export and block reads after a start find memory mapped, as later ones do.
             np.empty(bound, np.uint8).fill(0)
         ready.set_result(info)

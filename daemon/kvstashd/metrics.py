@@ -1,4 +1,5 @@
-"""Prometheus metrics on /metrics, read from the session manager when scraped.
+"""Prometheus metrics on /metrics, read from the session manager when scraped, with the
+process's own (memory, CPU, descriptors) and the C heap's.
 
 Nothing is counted twice: the collector reads the same counters GetInfo reports. It runs on
 the metrics server's thread, so it reads the last snapshot the manager published (an
@@ -10,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvstashd.heap import heap_usage
 from kvstashd.sessions import SessionManager
 
 
@@ -63,6 +65,14 @@ class ManagerCollector:
         ):
             tokens.add_metric([kind], n)
         yield tokens
+        heap = heap_usage()
+        if heap is not None:
+            # Beside process_resident_memory_bytes: growth "in_use" is a leak, growth "free"
+            # is memory glibc keeps for reuse (heap.keep_freed_memory).
+            family = GaugeMetricFamily("kvstash_heap_bytes", "The C heap (glibc) by state.", labels=["state"])
+            family.add_metric(["in_use"], heap.in_use)
+            family.add_metric(["free"], heap.free)
+            yield family
 
 
 def serve_metrics(address: str, manager: SessionManager) -> Any:
@@ -71,5 +81,6 @@ def serve_metrics(address: str, manager: SessionManager) -> Any:
     host, _, port = address.rpartition(":")
     registry = CollectorRegistry(auto_describe=True)
     registry.register(ManagerCollector(manager))
+    ProcessCollector(registry=registry)  # resident memory, CPU time, open descriptors
     server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
     return server

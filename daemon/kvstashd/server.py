@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import hashlib
 import logging
 import os
@@ -29,6 +28,7 @@ from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
 from kvstashd.context import ContextConfig, ModelInfo
 from kvstashd.engine import Engine
+from kvstashd.heap import keep_freed_memory
 from kvstashd.journal import FileJournal, TurnJournal
 from kvstashd.limits import MAX_CONCURRENT_RPCS, MAX_STREAMS_PER_CONNECTION
 from kvstashd.metrics import serve_metrics
@@ -71,22 +71,6 @@ def probe_cache(settings: Settings) -> Path | None:
     if settings.probe_cache == "none":
         return None
     return Path(settings.probe_cache) if settings.probe_cache else settings.state_dir / "probes.json"
-
-
-def keep_freed_memory() -> None:
-    """Let glibc reuse freed KV blobs instead of returning them to the kernel.
-
-    Blobs are tens of MB, above glibc's largest mmap threshold (32 MB), so each one was
-    a fresh mapping whose page faults cost more than the copy into it (a 46 MB restore
-    went from ~15 ms to ~100 ms whenever it faulted).
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 1 << 30)
-    libc.mallopt(m_trim_threshold, 2 << 30)
 
 
 def store_key(state_dir: Path) -> bytes:
