@@ -866,14 +866,20 @@ def state_layouts(draw: st.DrawFn) -> StateLayout:
 
 def make_state(layout: StateLayout, n: int, rng: random.Random) -> SeqKv:
     """A state of n positions of random bytes, built from pieces as a load does (KV cells
-    in 1-3 runs)."""
+    in 1-3 runs, or in runs of one size as blocks are)."""
     sections: list[KvCells | RecurrentCells] = []
     for sec in layout.sections:
         if isinstance(sec, RecurrentLayout):
             sections.append(pieces.recurrent_from(sec, n - 1, rng.randbytes(sec.nbytes) if n else b""))
             continue
         p0 = sec.first(n)
-        cuts = sorted(rng.sample(range(1, n - p0), min(rng.randint(0, 2), n - p0 - 1))) if n - p0 > 1 else []
+        if n - p0 <= 1:
+            cuts = []
+        elif rng.random() < 0.5:  # runs of one size, the last one shorter or not
+            size = rng.randint(1, n - p0)
+            cuts = list(range(size, n - p0, size))
+        else:
+            cuts = sorted(rng.sample(range(1, n - p0), min(rng.randint(0, 2), n - p0 - 1)))
         bounds = [0, *cuts, n - p0] if n > p0 else [0]
         runs = [
             pieces.piece(sec, rng.randbytes((b - a) * sec.cell_bytes), b - a)

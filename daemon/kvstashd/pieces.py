@@ -223,34 +223,75 @@ def _write_kv(out: Bytes, at: int, s: KvCells, n: int, seq_id: int) -> int:
             struct.pack_into("<iQ", blob, at, t, row)
             dest = out[at + 12 : at + 12 + n * row].reshape(n, row)
             dest[:pad] = 0
-            _fill(dest[pad:], [k[layer] for _, k, _ in s.runs], 0)
+            _fill(dest[pad:], [k[layer] for _, k, _ in s.runs])
             at += 12 + n * row
+        stage = _Stage()
         for layer, (t, a, b) in enumerate(lay.v):
             if lay.v_trans:
                 struct.pack_into("<iII", blob, at, t, a, b)
-                vdest = out[at + 12 : at + 12 + n * a * b].reshape(b, n, a)
-                vdest[:, :pad] = 0
-                _fill(vdest[:, pad:], [v[layer] for _, _, v in s.runs], 1)
+                vdest = out[at + 12 : at + 12 + n * a * b].reshape(b, n * a)
+                vdest[:, : pad * a] = 0
+                _fill_rows(vdest[:, pad * a :], [v[layer] for _, _, v in s.runs], stage)
                 at += 12 + n * a * b
             else:
                 struct.pack_into("<iQ", blob, at, t, a)
                 dest = out[at + 12 : at + 12 + n * a].reshape(n, a)
                 dest[:pad] = 0
-                _fill(dest[pad:], [v[layer] for _, _, v in s.runs], 0)
+                _fill(dest[pad:], [v[layer] for _, _, v in s.runs])
                 at += 12 + n * a
     out[at : at + 4 * (lay.n_stream - 1)] = 0  # the other streams hold no cells
     return at + 4 * (lay.n_stream - 1)
 
 
-def _fill(dest: Bytes, sources: Sequence[Bytes], axis: int) -> None:
+def _fill(dest: Bytes, sources: Sequence[Bytes]) -> None:
+    """Sources of (cells, row bytes), one after another in dest's rows."""
     at = 0
     for src in sources:
-        count = src.shape[axis]
-        if axis:
-            dest[:, at : at + count] = src
-        else:
-            dest[at : at + count] = src
+        count = src.shape[0]
+        dest[at : at + count] = src
         at += count
+
+
+class _Stage:
+    """A staging array kept across the layers of one assembly (their runs have one shape)."""
+
+    def __init__(self) -> None:
+        self.array: np.ndarray | None = None
+
+    def get(self, shape: tuple[int, int, int]) -> np.ndarray:
+        if self.array is None or self.array.shape != shape:
+            self.array = np.empty(shape, dtype=np.uint8)
+        return self.array
+
+
+def _fill_rows(dest: np.ndarray, sources: Sequence[Bytes], stage: _Stage) -> None:
+    """Transposed V sources of (n_embd_v, cells, elem bytes), one after another along the
+    cells of dest, a (n_embd_v, cells * elem bytes) view.
+
+    Each row of a source is a short piece of its destination row (128 bytes for a 64-token
+    block of f16), and one numpy assignment per source copied its rows one call at a time:
+    most of a restore's assembly. Runs of one size are first copied whole into a staging
+    array, then moved in one transposed copy (half the time, measured).
+    """
+    rows = dest.shape[0]
+    at = i = 0
+    while i < len(sources):
+        cells, elem = sources[i].shape[1], sources[i].shape[2]
+        j = i + 1
+        while j < len(sources) and sources[j].shape[1] == cells:
+            j += 1
+        width = cells * elem
+        if j - i == 1:
+            dest[:, at : at + width] = sources[i].reshape(rows, width)
+        else:
+            staged = stage.get((j - i, rows, width))
+            for g in range(j - i):
+                staged[g] = sources[i + g].reshape(rows, width)
+            # A view (the columns of each row are contiguous), so the copy lands in dest.
+            target = dest[:, at : at + (j - i) * width].reshape(rows, j - i, width)
+            target[...] = staged.transpose(1, 0, 2)
+        at += (j - i) * width
+        i = j
 
 
 def _write_rec(blob: memoryview, at: int, s: RecurrentCells) -> int:
