@@ -828,7 +828,8 @@ NAMED = {
 
 @st.composite
 def kv_layouts(draw: st.DrawFn, window: int = 0) -> KvLayout:
-    """A KV section of 1-3 streams and 1-3 layers, V transposed or not, small rows."""
+    """A KV section of 1-3 streams and 1-3 layers, V transposed or not, small rows; every
+    layer alike (as in most models) or not."""
     n_layer = draw(st.integers(1, 3))
     v_trans = draw(st.booleans())
     types = st.integers(0, 40)
@@ -837,6 +838,9 @@ def kv_layouts(draw: st.DrawFn, window: int = 0) -> KvLayout:
         v = tuple((draw(types), draw(st.sampled_from([1, 2, 4])), draw(st.integers(1, 5))) for _ in k)
     else:
         v = tuple((draw(types), draw(st.integers(1, 12)), 0) for _ in k)
+    if draw(st.booleans()):  # layers alike
+        k = tuple((t, k[0][1]) for t, _ in k)
+        v = tuple((t, v[0][1], v[0][2]) for t, _, _ in v)
     return KvLayout(draw(st.integers(1, 3)), k, v_trans, v, window)
 
 
@@ -1071,6 +1075,11 @@ def check_state(kv: SeqKv, layout: StateLayout, blob: bytes) -> None:
             assert isinstance(naive, dict)
             assert sorted(naive) == list(range(s.p0, s.p0 + s.n))
             assert all(pieces.cut(s, p, p + 1) == naive[p] for p in naive)
+            if s.n:  # a cut read back as a piece holds the same cells
+                whole = pieces.cells_from(
+                    s.layout, s.p0, [pieces.piece(s.layout, pieces.cut(s, s.p0, s.p0 + s.n), s.n)]
+                )
+                assert all(pieces.cut(whole, p, p + 1) == naive[p] for p in naive)
     # What was parsed writes and parses back to itself, in llama.cpp's form and assembled.
     again, _ = write_state(kv)
     assert content(kvstate.parse(again, layout)) == content(kv)
@@ -1199,6 +1208,11 @@ def test_mutated_partial_states_are_refused_or_parse(kv: SeqKv, data: st.DataObj
             assert (s.p0, s.p0 + s.n) == ((s.layout.first(kv.n), kv.n) if s.n else (s.p0, s.p0))
             assert sorted(naive) == list(range(s.p0, s.p0 + s.n))
             assert all(pieces.cut(s, p, p + 1) == naive[p] for p in naive)
+            if s.n:  # a cut read back as a piece holds the same cells
+                whole = pieces.cells_from(
+                    s.layout, s.p0, [pieces.piece(s.layout, pieces.cut(s, s.p0, s.p0 + s.n), s.n)]
+                )
+                assert all(pieces.cut(whole, p, p + 1) == naive[p] for p in naive)
 
 
 # ---- exports -------------------------------------------------------------------------------

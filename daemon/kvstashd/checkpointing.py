@@ -74,6 +74,7 @@ class Checkpointing:
 
     async def _restore(self, session: Session, checkpoint_id: str, tenant: Tenant) -> tuple[Session, bool]:
         store = await self.m.persistence.find(checkpoint_id, tenant)
+        snap = None
         if self.m.residency.remembers(session, checkpoint_id):
             # One of the session's own checkpoints: its cells may still be in the session.
             async with self.m.use(session):
@@ -83,7 +84,7 @@ class Checkpointing:
                     if session.persistent:
                         await self.m.persistence.save_head(session)
                     return session, False
-        loaded = await self.m.persistence.load(checkpoint_id, tenant, store)
+        loaded = await self.m.persistence.load(checkpoint_id, tenant, store, snap)
         async with self.m.use(session):
             await self.m.residency.replace(session, loaded.snapshot, loaded.kv)
             self.m.touch(session)

@@ -275,9 +275,11 @@ class CheckpointStore:
         """The state of a checked snapshot from this store: (state, must re-prefill)."""
         return self.checked_cells(snap, self.store.get)
 
-    def load(self, checkpoint_id: str, now: float) -> Loaded:
+    def load(self, checkpoint_id: str, now: float, snap: Snapshot | None = None) -> Loaded:
+        """A checkpoint's manifest and state, read and checked; `snap`: its manifest, if
+        `snapshot` gave it already (checkpoints are immutable: it is not decoded again)."""
         row, data = self.row(checkpoint_id)
-        snap = mf.decode(data, self.key, self.n_vocab)
+        snap = snap or mf.decode(data, self.key, self.n_vocab)
         kv, reprefill = self.checked_cells(snap, self.store.get)
         keys = snap.piece_keys()
         if keys:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 
 from kvstashd.errors import CorruptCheckpoint
 
@@ -61,9 +62,14 @@ class KvLayout:
         _, a, b = self.v[layer]
         return a * b if self.v_trans else a
 
-    @property
+    @cached_property  # asked for every piece of every restore
     def cell_bytes(self) -> int:
         return sum(row for _, row in self.k) + sum(self.v_row(i) for i in range(self.n_layer))
+
+    @cached_property
+    def uniform(self) -> bool:
+        """Whether every layer has the same K row and the same V shape (most models)."""
+        return len({row for _, row in self.k}) == 1 and len({(a, b) for _, a, b in self.v}) == 1
 
     def first(self, n: int) -> int:
         """The first position this section holds for a sequence of n positions."""

@@ -136,10 +136,17 @@ class Persistence:
 
         return await asyncio.to_thread(lookup)
 
-    async def load(self, checkpoint_id: str, tenant: Tenant, store: CheckpointStore | None = None) -> Loaded:
-        """The tenant's checkpoint, read and checked; `store`: where `find` found it, if known."""
+    async def load(
+        self,
+        checkpoint_id: str,
+        tenant: Tenant,
+        store: CheckpointStore | None = None,
+        snap: Snapshot | None = None,
+    ) -> Loaded:
+        """The tenant's checkpoint, read and checked; `store`: where `find` found it, and
+        `snap`: its manifest from that store, if known."""
         store = store or await self.find(checkpoint_id, tenant)
-        return await asyncio.to_thread(store.load, checkpoint_id, self.clock())
+        return await asyncio.to_thread(store.load, checkpoint_id, self.clock(), snap)
 
     async def tenant_checkpoints(self, tenant: Tenant) -> list[CheckpointRow]:
         def rows() -> list[CheckpointRow]:

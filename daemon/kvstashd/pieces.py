@@ -47,6 +47,15 @@ def piece(
     if len(payload) != count * lay.cell_bytes:
         raise StateFormatError(f"a KV piece holds {len(payload)} bytes, not {count * lay.cell_bytes}")
     data = np.frombuffer(payload, dtype=np.uint8)
+    if lay.uniform and lay.n_layer:
+        # Every layer alike: two reshapes, the layers' views taken in C (a restore makes
+        # one piece per block, each with two views per layer).
+        n_layer, row = lay.n_layer, lay.k[0][1]
+        _, a, b = lay.v[0]
+        k_end = n_layer * count * row
+        ks = data[:k_end].reshape(n_layer, count, row)
+        vs = data[k_end:].reshape((n_layer, b, count, a) if lay.v_trans else (n_layer, count, a))
+        return count, tuple(ks), tuple(vs)
     at = 0
     k = []
     for _, row in lay.k:
