@@ -278,7 +278,7 @@ class Daemon:
             manager = SessionManager(self.engine, settings, stores, clock=self.clock)
             await manager.start()
             self.manager = manager
-            self._sweeper = asyncio.create_task(manager.run_sweeper())
+            self._sweeper = asyncio.create_task(manager.sweeper.run())
             if settings.metrics_address:
                 self._metrics = serve_metrics(settings.metrics_address, manager)
                 self.metrics_port = int(self._metrics.server_port)

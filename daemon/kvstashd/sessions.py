@@ -5,7 +5,8 @@ up stops waiting, not the work. One operation at a time acts on a session (its l
 second one waits its turn. Where a session's state lives is the Residency's (placement.py);
 saving and finding checkpoints is the Persistence's; taking sessions over from a shared
 catalog and handing them to other daemons is the Handover's (handover.py); the flows of
-generation and of checkpoints are in generation.py and checkpointing.py.
+generation and of checkpoints are in generation.py and checkpointing.py; expiry and the
+budgets' sweeps in expiry.py.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvstashd.errors import (
     NotFound,
     SessionElsewhere,
 )
+from kvstashd.expiry import Sweeper
 from kvstashd.generation import Conversations, Turn, check_stop
 from kvstashd.grammar import Grammars
 from kvstashd.handover import Handover
@@ -52,9 +54,8 @@ log = logging.getLogger(__name__)
 
 _SESSION_ID = re.compile(r"^s_[0-9a-f]{24}$")
 #: With a shared catalog, the most persistent sessions a listing reports from it (the most
-#: recently used: ListSessions has no paging), and the most one sweep deletes there.
+#: recently used: ListSessions has no paging).
 LISTED_FROM_CATALOG = 1000
-EXPIRED_PER_SWEEP = 100
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class SessionManager:
         self.shared = self.durable.catalog.shared
         self.leases = self.persistence.leases
         self.handover = Handover(self)
+        self.sweeper = Sweeper(self)
 
     async def start(self) -> None:
         """Finish set-up: the template's BOS/EOS text, and persistent sessions from disk."""
@@ -331,9 +333,10 @@ class SessionManager:
         """Stop the session's generation if any, forget its head and checkpoints, free its
         state. All or nothing: the catalog transaction is the commit point."""
         session = await self.find(session_id, tenant)
-        await self.ops.run(self._close(session))
+        await self.ops.run(self.close_session(session))
 
-    async def _close(self, session: Session) -> None:
+    async def close_session(self, session: Session) -> None:
+        """Close a session already found (`close`, and expiry: see expiry.py)."""
         if session.job is not None:
             session.job.cancelled = True
         async with self.use(session):
@@ -419,7 +422,7 @@ class SessionManager:
         async for chunk in stream:
             yield chunk
 
-    # ---- counters, expiry, invariants ----------------------------------------------------------
+    # ---- counters, invariants ----------------------------------------------------------
 
     def tenant_counters(self, tenant: Tenant) -> Counters:
         """The counters of one tenant's sessions and requests (GetInfo shows a caller its own)."""
@@ -459,50 +462,6 @@ class SessionManager:
             journal_syncs=self.stores.journal.syncs,
         )
         return self.counters
-
-    async def sweep(self) -> None:
-        """One pass of the sweeper: expire idle sessions, keep RAM and disk within budget."""
-        await self.ops.run(self._sweep())
-
-    async def _sweep(self) -> None:
-        now = self.clock()
-        for session in list(self.sessions.values()):
-            if session.busy or session.closed:
-                continue
-            ttl = self.settings.persistent_ttl if session.persistent else self.settings.idle_ttl
-            if ttl > 0 and now - session.last_used_at > ttl:
-                log.info(
-                    "session %s expired after %.0f s idle", session.session_id, now - session.last_used_at
-                )
-                await self._close(session)
-        if self.shared and self.settings.persistent_ttl > 0:
-            await self._expire_unheld(now - self.settings.persistent_ttl)
-        await self.residency.enforce_ram()
-        await asyncio.to_thread(self.durable.sweep, self.settings.disk_budget, self.stores.disk.used)
-
-    async def _expire_unheld(self, idle_before: float) -> None:
-        """Delete the shared catalog's persistent sessions idle since before `idle_before`
-        that no daemon holds (those held, here or elsewhere, their holder expires). The
-        catalog deletes each once, whichever daemons' sweepers ask."""
-        try:
-            expired = await asyncio.to_thread(
-                self.durable.catalog.expire_sessions, idle_before, EXPIRED_PER_SWEEP
-            )
-        except KvstashError as e:
-            log.warning("idle sessions in the shared catalog were not expired: %s", e)
-            return
-        for session_id in expired:
-            log.info("session %s expired in the shared catalog (idle, held by no daemon)", session_id)
-
-    async def run_sweeper(self) -> None:
-        """Sweep every `sweep_interval` seconds until cancelled."""
-        while True:
-            await asyncio.sleep(self.settings.sweep_interval)
-            try:
-                await self.sweep()
-            except Exception:
-                log.exception("the sweeper failed; it will try again")
-            self.publish()
 
     async def check_invariant(self, deep: bool = True) -> list[str]:
         """Everything that should agree and does not: slot table, placements, the engine's
