@@ -227,7 +227,11 @@ def test_a_paused_daemon_is_fenced_and_a_killed_ones_sessions_go_on_elsewhere(
         # A's generation ends, and its autosave is refused: the lease is B's.
         assert isinstance(running.error, kvstash.SessionElsewhereError), running.error
         assert "another daemon" in a.log()
-        # The head is B's: asked again, A takes the session over from B with B's turn.
+        # Once A has let the session go (it was busy with that generation until now; asked
+        # before, it answers session-elsewhere), the head is B's: asked again, A takes the
+        # session over from B with B's turn.
+        dropped = f"session {s.session_id} dropped: another daemon holds it now"
+        wait_until(lambda: dropped in a.log(), 30, "A to let the session go", interval=0.1)
         n_on_b = moved.info().n_tokens
         assert ca.session(s.session_id).info().n_tokens == n_on_b
 

@@ -52,7 +52,7 @@ class Checkpointing:
             if session.persistent:
                 await self.m.persistence.check_stored(tenant)
             row = await self.m.persistence.checkpoint(session, label)
-            self.m.residency.remember(session, row.checkpoint_id)
+            self.m.residency.lineage.remember(session, row.checkpoint_id)
             return row
 
     async def list_checkpoints(self, session_id: str, tenant: Tenant) -> list[CheckpointRow]:
@@ -75,7 +75,7 @@ class Checkpointing:
     async def _restore(self, session: Session, checkpoint_id: str, tenant: Tenant) -> tuple[Session, bool]:
         store = await self.m.persistence.find(checkpoint_id, tenant)
         snap = None
-        if self.m.residency.remembers(session, checkpoint_id):
+        if self.m.residency.lineage.remembers(session, checkpoint_id):
             # One of the session's own checkpoints: its cells may still be in the session.
             async with self.m.use(session):
                 snap = await asyncio.to_thread(store.snapshot, checkpoint_id)

@@ -33,6 +33,7 @@ from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
 from kvstashd.engine import Engine
 from kvstashd.errors import Busy, CorruptCheckpoint, KvstashError, StoreWriteFailed
+from kvstashd.lineage import Lineage
 from kvstashd.manifest import Snapshot
 from kvstashd.session import Session, TenantUsage
 
@@ -98,9 +99,8 @@ class Residency:
         self._slot_freed = asyncio.Event()
         # A tenant's RAM quota in bytes (0: none); the manager knows the tenants.
         self.parked_quota: Callable[[str], int] = lambda _tenant: 0
-        # Per session: checkpoints saved from its state, each with its n_kv and the state's
-        # epoch then: while the epoch is the same, its cells below n_kv are that state.
-        self._lineage: dict[str, dict[str, tuple[int, int]]] = {}
+        # Which checkpoints each session's cells still are (rewind_to).
+        self.lineage = Lineage()
         self.waiting = 0
         self.rewinds = 0
         self.swap_ins = 0
@@ -219,7 +219,7 @@ class Residency:
         await self.release(session, park=False)
         await self._drop_spill(session)
         self._where.pop(session.session_id, None)
-        self._lineage.pop(session.session_id, None)
+        self.lineage.forget(session)
 
     async def replace(self, session: Session, snap: Snapshot, kv: kvstate.SeqKv | None) -> None:
         """The session's history and state become a checkpoint's (restore, fork). The state
@@ -256,18 +256,6 @@ class Residency:
 
     # ---- rollbacks that keep the cells ------------------------------------------------------
 
-    def remember(self, session: Session, checkpoint_id: str) -> None:
-        """The checkpoint was just saved from the session's state, as it is now."""
-        state = session.state
-        if state.n_kv:
-            kept = self._lineage.get(session.session_id, {})
-            kept = {cid: e for cid, e in kept.items() if e[1] == state.epoch}  # the rest are stale
-            self._lineage[session.session_id] = kept | {checkpoint_id: (state.n_kv, state.epoch)}
-
-    def remembers(self, session: Session, checkpoint_id: str) -> bool:
-        """Whether the checkpoint was saved from the session's state (see rewind_to)."""
-        return checkpoint_id in self._lineage.get(session.session_id, {})
-
     async def rewind_to(
         self, session: Session, checkpoint_id: str, snap: Snapshot, layout_desc: str | None
     ) -> bool:
@@ -278,13 +266,12 @@ class Residency:
         False where that is not exact: a recurrent state (it cannot be cut), a sliding
         window that no longer holds the cells the cut needs, another layout; the caller then
         loads the checkpoint."""
-        lineage = self._lineage.get(session.session_id, {})
         state = session.state
         where = self.where(session)
         layout = self.engine.layout
         n = snap.n_kv
         if (
-            lineage.get(checkpoint_id) != (n, state.epoch)
+            not self.lineage.holds(session, checkpoint_id, n)
             or not isinstance(where, InSlot | Parked)
             or layout is None
             or layout.recurrent is not None
@@ -311,10 +298,7 @@ class Residency:
         session.apply(snap, n)
         session.state.window_from = window_from
         # The cells below n are the same bytes: what agreed with them still does.
-        now = session.state.epoch
-        self._lineage[session.session_id] = {
-            cid: (m, now) for cid, (m, e) in lineage.items() if e == epoch and m <= n
-        }
+        self.lineage.cut(session, epoch, n)
         self.rewinds += 1
         return True
 

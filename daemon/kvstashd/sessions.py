@@ -226,10 +226,11 @@ class SessionManager:
         return await self.ops.run(self.handover.take_over(session_id, tenant))
 
     async def view(self, session: Session) -> SessionView:
-        """The session as the RPCs report it; NotFound if it was closed meanwhile."""
+        """The session as the RPCs report it; NotFound if it was closed meanwhile, and
+        SessionElsewhere if it was handed over or dropped to another daemon meanwhile."""
         views = await self.views([session])
         if not views:
-            raise NotFound(f"no session {session.session_id}")
+            raise self._gone(session)
         return views[0]
 
     async def views(self, sessions: Sequence[Session]) -> list[SessionView]:
