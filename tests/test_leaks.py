@@ -27,7 +27,6 @@ import contextlib
 import os
 import sqlite3
 import time
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import pytest
 from checkpoint_helpers import SPAWN_ARGS
 from daemons import GREEDY, DaemonProcess, wait_until
 from servers import free_port
+from test_metrics import scrape
 
 import kvstash
 
@@ -66,27 +66,24 @@ class Usage:
         )
 
 
-def usage(pid: int, metrics: str) -> Usage:
+def usage(pid: int, metrics_port: int) -> Usage:
     """A process's resident memory, open file descriptors and threads, from /proc, and its
     C heap, from the daemon's metrics."""
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
-    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as response:
-        samples = dict(
-            line.rsplit(" ", 1) for line in response.read().decode().splitlines() if line[:1] != "#"
-        )
+    samples = scrape(metrics_port)
     return Usage(
         rss_kib << 10,
-        int(float(samples['kvstash_heap_bytes{state="in_use"}'])),
-        int(float(samples['kvstash_heap_bytes{state="free"}'])),
+        int(samples['kvstash_heap_bytes{state="in_use"}']),
+        int(samples['kvstash_heap_bytes{state="free"}']),
         len(os.listdir(f"/proc/{pid}/fd")),
         len(os.listdir(f"/proc/{pid}/task")),
     )
 
 
-def settled(pid: int, metrics: str, baseline: Usage) -> Usage | None:
+def settled(pid: int, metrics_port: int, baseline: Usage) -> Usage | None:
     """The usage once descriptors and threads are back to the baseline (None before)."""
-    now = usage(pid, metrics)
+    now = usage(pid, metrics_port)
     return now if now.fds <= baseline.fds and now.threads <= baseline.threads else None
 
 
@@ -126,8 +123,10 @@ def burst(address: str, first: int) -> None:
 
 @pytest.mark.timeout(max(600, 3 * CYCLES))
 def test_create_chat_checkpoint_close_cycles_leak_nothing(spawn_daemon: Callable[..., DaemonProcess]) -> None:
-    metrics = f"127.0.0.1:{free_port()}"
-    proc = spawn_daemon(*SPAWN_ARGS, "--disk-budget", str(64 << 20), "--metrics-address", metrics)
+    metrics = free_port()
+    proc = spawn_daemon(
+        *SPAWN_ARGS, "--disk-budget", str(64 << 20), "--metrics-address", f"127.0.0.1:{metrics}"
+    )
     start = usage(proc.pid, metrics)
     started = time.monotonic()
     client = kvstash.Client(proc.address, timeout=60)

@@ -68,7 +68,7 @@ class KvLayout:
 
     @cached_property
     def uniform(self) -> bool:
-        """Whether every layer has the same K row and the same V shape (most models)."""
+        """Whether there are layers and every one has the same K row and V shape (most models)."""
         return len({row for _, row in self.k}) == 1 and len({(a, b) for _, a, b in self.v}) == 1
 
     def first(self, n: int) -> int:

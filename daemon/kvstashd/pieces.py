@@ -47,7 +47,7 @@ def piece(
     if len(payload) != count * lay.cell_bytes:
         raise StateFormatError(f"a KV piece holds {len(payload)} bytes, not {count * lay.cell_bytes}")
     data = np.frombuffer(payload, dtype=np.uint8)
-    if lay.uniform and lay.n_layer:
+    if lay.uniform:
         # Every layer alike: two reshapes, the layers' views taken in C (a restore makes
         # one piece per block, each with two views per layer).
         n_layer, row = lay.n_layer, lay.k[0][1]
