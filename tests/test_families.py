@@ -7,9 +7,9 @@ another plain transformer (Qwen3):
 
 - GetInfo names the memory type and says that checkpoints carry the state;
 - a checkpoint restored into another slot, beside other decoding sessions, and a fork of it
-  continue exactly as one uninterrupted call (sampled at temperature 0.8 with a seed), and
-  so does a rollback to it while the session holds its cells (cut in place where the memory
-  can be cut);
+  (from its whole state kept in RAM, and from its blocks) continue exactly as one
+  uninterrupted call (sampled at temperature 0.8 with a seed), and so does a rollback to it
+  while the session holds its cells (cut in place where the memory can be cut);
 - a rewind continues exactly as a fresh session given the same history, in a slot and while
   parked; a recurrent state rewinds from the snapshot at the end of the prompt;
 - a persistent session resumes exactly after kill -9.
@@ -41,6 +41,7 @@ from daemons import DaemonProcess, InProcessDaemon
 import kvstash
 from kvstashd.context import BatchItem
 from kvstashd.engine import Engine
+from kvstashd.placement import Residency
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,16 @@ def test_restore_into_another_slot_beside_other_sessions_is_exact(fam: Running) 
             assert gen(a, "", 12) == ref[12:]
             fork = client.fork_session(checkpoint_id=ck.checkpoint_id)
             assert gen(fork, "", 12) == ref[12:]
-        for s in [a, fork, *others]:
+            # Loaded from its blocks too, its whole state given up (statecache.py).
+            fam.daemon.run(_forget_whole_states(residency))
+            assembled = client.fork_session(checkpoint_id=ck.checkpoint_id)
+            assert gen(assembled, "", 12) == ref[12:]
+        for s in [a, fork, assembled, *others]:
             s.close()
+
+
+async def _forget_whole_states(residency: Residency) -> None:
+    residency.wholes.shrink(0)
 
 
 def test_rewind_continues_like_a_fresh_session(fam: Running) -> None:

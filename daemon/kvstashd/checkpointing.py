@@ -165,6 +165,7 @@ class Checkpointing:
         if any(s.head_checkpoint_id == checkpoint_id for s in self.m.sessions.values()):
             raise CheckpointInUse("that checkpoint is a live session's head; close the session")
         await store_write(store.delete, checkpoint_id)
+        self.m.residency.wholes.drop(checkpoint_id)
 
     async def export_checkpoint(self, checkpoint_id: str, tenant: Tenant) -> AsyncIterator[bytes]:
         """The checkpoint's export, read from the store one chunk (1 MiB) at a time as the

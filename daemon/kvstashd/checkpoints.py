@@ -275,12 +275,22 @@ class CheckpointStore:
         """The state of a checked snapshot from this store: (state, must re-prefill)."""
         return self.checked_cells(snap, self.store.get)
 
-    def load(self, checkpoint_id: str, now: float, snap: Snapshot | None = None) -> Loaded:
+    def load(
+        self,
+        checkpoint_id: str,
+        now: float,
+        snap: Snapshot | None = None,
+        whole: kvstate.SeqKv | None = None,
+    ) -> Loaded:
         """A checkpoint's manifest and state, read and checked; `snap`: its manifest, if
-        `snapshot` gave it already (checkpoints are immutable: it is not decoded again)."""
+        `snapshot` gave it already (checkpoints are immutable: it is not decoded again);
+        `whole`: its state as this daemon saved it (statecache.py): its blocks are not read."""
         row, data = self.row(checkpoint_id)
         snap = snap or mf.decode(data, self.key, self.n_vocab)
-        kv, reprefill = self.checked_cells(snap, self.store.get)
+        kv: kvstate.SeqKv | None = whole
+        reprefill = False
+        if whole is None or whole.n != snap.n_kv or snap.kv_layout != self.layout_desc:
+            kv, reprefill = self.checked_cells(snap, self.store.get)
         keys = snap.piece_keys()
         if keys:
             self.catalog.touch(keys, now)

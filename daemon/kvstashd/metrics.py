@@ -34,6 +34,16 @@ class ManagerCollector:
         yield sessions
         yield GaugeMetricFamily("kvstash_parked_bytes", "Bytes of KV parked in RAM.", value=c.parked_bytes)
         yield GaugeMetricFamily(
+            "kvstash_whole_state_bytes",
+            "Bytes of ephemeral checkpoints' whole states kept in the RAM cache's free room.",
+            value=c.whole_bytes,
+        )
+        yield CounterMetricFamily(
+            "kvstash_whole_state_loads",
+            "Restores and forks that loaded a checkpoint's kept whole state, not its blocks.",
+            value=c.whole_hits,
+        )
+        yield GaugeMetricFamily(
             "kvstash_store_bytes",
             "Bytes of blocks in the durable store.",
             value=c.store_bytes,

@@ -121,6 +121,7 @@ class Persistence:
         row, _ = await store_write(
             store.save, snap, kv, kind="explicit", now=self.clock(), boundary=session.boundary
         )
+        self.residency.keep_whole(row.checkpoint_id, session, kv)
         return row
 
     async def find(self, checkpoint_id: str, tenant: Tenant) -> CheckpointStore:
@@ -146,7 +147,9 @@ class Persistence:
         """The tenant's checkpoint, read and checked; `store`: where `find` found it, and
         `snap`: its manifest from that store, if known."""
         store = store or await self.find(checkpoint_id, tenant)
-        return await asyncio.to_thread(store.load, checkpoint_id, self.clock(), snap)
+        assert self.residency is not None
+        whole = self.residency.wholes.get(checkpoint_id) if store is self.volatile else None
+        return await asyncio.to_thread(store.load, checkpoint_id, self.clock(), snap, whole)
 
     async def tenant_checkpoints(self, tenant: Tenant) -> list[CheckpointRow]:
         def rows() -> list[CheckpointRow]:
@@ -192,6 +195,8 @@ class Persistence:
             self.journal.forget(session.session_id, erase=True)
             self.leases.forget(session.session_id)
         else:
+            assert self.residency is not None
+            self.residency.wholes.drop_session(session.session_id)
             await asyncio.to_thread(self.volatile.sweep, 0)
 
     async def import_checkpoint(self, spool: BinaryIO, tenant: Tenant) -> CheckpointRow:

@@ -36,6 +36,7 @@ from kvstashd.errors import Busy, CorruptCheckpoint, KvstashError, StoreWriteFai
 from kvstashd.lineage import Lineage
 from kvstashd.manifest import Snapshot
 from kvstashd.session import Session, TenantUsage
+from kvstashd.statecache import StateCache
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class Residency:
         self.parked_quota: Callable[[str], int] = lambda _tenant: 0
         # Which checkpoints each session's cells still are (rewind_to).
         self.lineage = Lineage()
+        # Ephemeral checkpoints' whole states, in the RAM budget's free room.
+        self.wholes = StateCache()
         self.waiting = 0
         self.rewinds = 0
         self.swap_ins = 0
@@ -133,7 +136,8 @@ class Residency:
 
     def ram_bytes(self) -> int:
         """Bytes in RAM that --ram-cache bounds: parked states, recurrent snapshots, ephemeral
-        sessions' checkpoints (blocks and manifests) and the spill area's manifests."""
+        sessions' checkpoints (blocks and manifests) and the spill area's manifests. The
+        whole states of `wholes` fill what is left, and give way to these."""
         total = self.parked_bytes() + self.spill_store.catalog.manifest_bytes
         if self.volatile is not None:
             total += self.volatile.store.total_bytes() + self.volatile.catalog.manifest_bytes
@@ -378,10 +382,17 @@ class Residency:
         budget = self.settings.ram_cache
         if n > budget:
             return False
+        self.wholes.shrink(budget - self.ram_bytes() - n)
         while self.ram_bytes() + n > budget:
             if not await self._spill_one(keep, None):
                 return False
         return True
+
+    def keep_whole(self, checkpoint_id: str, session: Session, kv: kvstate.SeqKv | None) -> None:
+        """Keep the whole state of an ephemeral session's new checkpoint where the RAM budget
+        has room for it (see statecache.py)."""
+        if kv is not None and not session.persistent:
+            self.wholes.put(checkpoint_id, session.session_id, kv, self.settings.ram_cache - self.ram_bytes())
 
     async def reserve_ram(self, n: int, keep: Session, what: str) -> None:
         """Make room for `n` bytes of RAM, or Busy naming `what` would not fit."""

@@ -172,3 +172,7 @@ class Counters:
     # fewer syncs than records when turns end together).
     journal_records: int = 0
     journal_syncs: int = 0
+    # Whole states of ephemeral checkpoints kept in the RAM budget's free room, and the
+    # restores and forks that loaded one (statecache.py).
+    whole_bytes: int = 0
+    whole_hits: int = 0

@@ -461,6 +461,8 @@ class SessionManager:
             store_bytes=self.stores.disk.used(),
             journal_records=self.stores.journal.records,
             journal_syncs=self.stores.journal.syncs,
+            whole_bytes=self.residency.wholes.nbytes,
+            whole_hits=self.residency.wholes.hits,
         )
         return self.counters
 
