@@ -4,7 +4,8 @@
   kept, a session's states leave with it;
 - in a daemon: a checkpoint's state is kept when taken, and a restore and a fork load it
   (counted, in /metrics too) and continue exactly as the source did; closing the session or deleting the
-  checkpoint gives the memory back; a persistent checkpoint's state is not kept;
+  checkpoint gives the memory back; a persistent checkpoint's state is not kept, and its
+  restore assembles the blocks it reads while the head is synced (Residency.assemble_parked);
 - a parked session that needs the room takes it from the kept states, instead of being
   spilled to disk.
 """
@@ -19,7 +20,7 @@ from test_metrics import scrape
 
 import kvstash
 from kvstashd.layout import StateLayout
-from kvstashd.placement import Residency
+from kvstashd.placement import Parked, Residency
 from kvstashd.state import SeqKv
 from kvstashd.statecache import StateCache
 
@@ -76,12 +77,19 @@ def test_a_restore_and_a_fork_load_the_kept_state_exactly(
         samples = scrape(d.daemon.metrics_port)
         assert samples["kvstash_whole_state_bytes"] == kept
         assert samples["kvstash_whole_state_loads_total"] == wholes.hits
-        # A persistent checkpoint is the disk tier's: read from its blocks.
+        # A persistent checkpoint is the disk tier's: read from its blocks, and assembled
+        # into one blob while the restored head is synced.
         durable = client.create_session(sampling=SAMPLED, persistent=True)
         gen(durable, PROMPT, 4)
-        durable.checkpoint()
+        dck = durable.checkpoint()
         assert wholes.nbytes == kept
-        durable.close()
+        later = client.create_session(sampling=SAMPLED, persistent=True)
+        gen(later, "Something else entirely:", 4)
+        later.restore(dck.checkpoint_id)
+        assert d.run(_parked_as_one_blob(d, later.session_id))
+        assert gen(later, "", 16) == expected
+        for s in (durable, later):
+            s.close()
         second = source.checkpoint("second")
         assert len(wholes) == 2
         client.delete_checkpoint(second.checkpoint_id)
@@ -90,6 +98,13 @@ def test_a_restore_and_a_fork_load_the_kept_state_exactly(
         assert (len(wholes), wholes.nbytes) == (0, 0)
         for s in (other, fork):
             s.close()
+
+
+async def _parked_as_one_blob(d: InProcessDaemon, session_id: str) -> bool:
+    assert d.daemon is not None and d.daemon.manager is not None
+    manager = d.daemon.manager
+    where = manager.residency.where(manager.sessions[session_id])
+    return isinstance(where, Parked) and where.kv.raw is not None
 
 
 def test_a_parked_session_takes_the_room_of_kept_states(

@@ -89,7 +89,12 @@ class Checkpointing:
             await self.m.residency.replace(session, loaded.snapshot, loaded.kv)
             self.m.touch(session)
             if session.persistent:
-                await self.m.persistence.save_head(session)
+                # The blob for the next turn's load is assembled while the head is synced.
+                assembling = asyncio.ensure_future(self.m.residency.assemble_parked(session))
+                try:
+                    await self.m.persistence.save_head(session)
+                finally:
+                    await assembling
         return session, loaded.reprefill
 
     async def fork(

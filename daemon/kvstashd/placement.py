@@ -26,6 +26,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
+
 from kvstashd import ops, pieces
 from kvstashd import state as kvstate
 from kvstashd.budget import DiskBudget, state_bound
@@ -244,6 +246,25 @@ class Residency:
         self._set(session, Parked(kv) if kv is not None else HistoryOnly())
         if to_disk:
             await self._spill(session)
+
+    async def assemble_parked(self, session: Session) -> None:
+        """Assemble a parked state read from blocks into the blob llama.cpp takes, in a
+        worker thread, so that its load into a slot only copies that in. Worth it beside
+        a wait such as a head save's sync, which it overlaps. Only where the blob is the
+        state as parsed (cells at their positions, no window to place); otherwise the
+        load assembles it, as before."""
+        where = self.where(session)
+        layout = self.engine.layout
+        if not isinstance(where, Parked) or layout is None:
+            return
+        if where.kv.raw is not None or where.kv.window_from:
+            return
+        # Allocated here, on the event loop's thread, where it is also freed after its load:
+        # glibc then reuses one arena's freed blob instead of keeping one per worker thread.
+        into = np.empty(pieces.blob_size(where.kv), dtype=np.uint8)
+        kv = await asyncio.to_thread(_assembled, where.kv, layout, into)
+        if kv is not None and self.where(session) is where:  # (the caller holds its lock)
+            self._set(session, Parked(kv))
 
     async def state_of(self, session: Session) -> kvstate.SeqKv | None:
         """The session's state as it is now (exported from its slot if hot), for a save."""
@@ -516,6 +537,18 @@ class Residency:
 
     async def _engine(self, fn: Callable[[Engine], T]) -> T:
         return await asyncio.wrap_future(self.engine.call(fn))
+
+
+def _assembled(kv: kvstate.SeqKv, layout: kvstate.StateLayout, into: np.ndarray) -> kvstate.SeqKv | None:
+    """kv as one blob (written into `into`), parsed again: its sections are views of the
+    blob, not of blocks."""
+    blob = pieces.assemble(kv, into=into)
+    try:
+        whole = kvstate.parse(blob, layout)
+    except kvstate.StateFormatError:
+        log.exception("an assembled state does not parse back")
+        return None
+    return whole if whole.raw is not None and whole.n == kv.n else None
 
 
 async def store_write(fn: Callable[..., T], *args: object, **kwargs: object) -> T:
