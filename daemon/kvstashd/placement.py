@@ -35,6 +35,7 @@ from kvstashd.checkpoints import CheckpointStore
 from kvstashd.config import Settings
 from kvstashd.engine import Engine
 from kvstashd.errors import Busy, CorruptCheckpoint, KvstashError, StoreWriteFailed
+from kvstashd.layout import StateFormatError, StateLayout
 from kvstashd.lineage import Lineage
 from kvstashd.manifest import Snapshot
 from kvstashd.session import Session, TenantUsage
@@ -539,13 +540,13 @@ class Residency:
         return await asyncio.wrap_future(self.engine.call(fn))
 
 
-def _assembled(kv: kvstate.SeqKv, layout: kvstate.StateLayout, into: np.ndarray) -> kvstate.SeqKv | None:
+def _assembled(kv: kvstate.SeqKv, layout: StateLayout, into: np.ndarray) -> kvstate.SeqKv | None:
     """kv as one blob (written into `into`), parsed again: its sections are views of the
     blob, not of blocks."""
     blob = pieces.assemble(kv, into=into)
     try:
         whole = kvstate.parse(blob, layout)
-    except kvstate.StateFormatError:
+    except StateFormatError:
         log.exception("an assembled state does not parse back")
         return None
     return whole if whole.raw is not None and whole.n == kv.n else None
