@@ -10,7 +10,8 @@ that interleave the two, so the machine's noise falls on both alike.
   persistent (the latter's turn is durable when acknowledged);
 - restore + one-token turn: llama-server `/slots/0?action=restore` of a file saved with
   `--slot-save-path` (in the page cache); kvstash restoring a checkpoint of an ephemeral
-  session (RAM) and of a persistent one (disk, page cache), alternating two checkpoints
+  session (RAM: its whole state, kept when it was taken) and of a persistent one (disk, page
+  cache: its blocks), alternating two checkpoints
   whose tokens part at the sixth, so that each restore loads a state (checked in GetInfo's
   swap-in count);
 - rollback + one-token turn: kvstash restoring the session's own checkpoint while it still
