@@ -23,7 +23,7 @@ def test_peer_lists_its_options() -> None:
     done = _bench("peer", "--help")
     assert done.returncode == 0, done.stderr
     options = ("LLAMA_SERVER", "--tokens", "--repeat", "--restarts", "--flash-attn", "--no-cold")
-    for option in (*options, "--concurrent-rounds", "--concurrency-only"):
+    for option in (*options, "--concurrent-rounds", "--concurrency-only", "--stream-rounds"):
         assert option in done.stdout
 
 
