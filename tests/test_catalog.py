@@ -72,6 +72,7 @@ def test_a_checkpoint_is_read_back_as_committed(catalog: Catalog) -> None:
     assert catalog.tenant_checkpoints("acme") == [r]
     assert catalog.tenant_checkpoints("other") == []
     assert catalog.counts() == {s: 1}
+    assert catalog.counts([s, sid(), s]) == {s: 1} and catalog.counts([]) == {}
     assert catalog.present([key(1), key(2), key(3)]) == {key(1), key(2)}
     assert catalog.block_size(key(2)) == 20 and catalog.block_size(key(3)) is None
     assert catalog.stored_bytes("acme") == 30 and catalog.stored_bytes("other") == 0
@@ -100,7 +101,7 @@ def test_deletes_clear_heads_references_and_sessions(catalog: Catalog) -> None:
     catalog.add_checkpoint(explicit, b"e", [(key(1), 10), (key(2), 5)], now=2.0)
     assert catalog.delete(explicit.checkpoint_id) is True
     assert catalog.delete(explicit.checkpoint_id) is False
-    assert catalog.counts() == {}
+    assert catalog.counts() == {} and catalog.counts([s]) == {}
     assert catalog.unreferenced() == [(key(2), 5)]
     assert catalog.delete(head.checkpoint_id) is True
     assert catalog.session(s) == SessionRow(1.0, None, "")  # the session stays, headless

@@ -6,7 +6,7 @@ it answers with; `SqliteCatalog` (sqlite_catalog.py) is the embedded one, `Redis
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -130,8 +130,9 @@ class Catalog(Protocol):
         daemon whose lease lapsed never writes it again."""
         ...
 
-    def counts(self) -> dict[str, int]:
-        """Explicit checkpoints per session."""
+    def counts(self, session_ids: Sequence[str] | None = None) -> dict[str, int]:
+        """Explicit checkpoints per session: of these sessions (one lookup each, whatever
+        the catalog holds), or of all. Sessions without any are left out."""
         ...
 
     def touch(self, keys: Iterable[str], now: float) -> None: ...

@@ -40,7 +40,7 @@ resumes by itself when the server is back.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -253,9 +253,15 @@ class RedisCatalog:
         found = self._call(self._expire, args=[self.prefix, repr(idle_before), str(limit)])
         return [_str(sid) for sid in found]
 
-    def counts(self) -> dict[str, int]:
-        found = self._call(self._db.hgetall, self._k("explicit"))
-        return {_str(k): int(v) for k, v in found.items()}
+    def counts(self, session_ids: Sequence[str] | None = None) -> dict[str, int]:
+        if session_ids is None:
+            found = self._call(self._db.hgetall, self._k("explicit"))
+            return {_str(k): int(v) for k, v in found.items()}
+        ids = list(dict.fromkeys(session_ids))
+        if not ids:
+            return {}
+        values = self._call(self._db.hmget, self._k("explicit"), ids)
+        return {sid: int(v) for sid, v in zip(ids, values, strict=True) if v is not None and int(v)}
 
     # ---- blocks --------------------------------------------------------------------------
 

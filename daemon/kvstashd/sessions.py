@@ -237,9 +237,11 @@ class SessionManager:
         """Sessions as the RPCs report them."""
         chosen = sessions
 
+        ids = [s.session_id for s in chosen]
+
         def counts() -> dict[str, int]:
-            out = self.durable.catalog.counts()
-            out.update(self.stores.volatile.catalog.counts())
+            out = self.durable.catalog.counts(ids)
+            out.update(self.stores.volatile.catalog.counts(ids))
             return out
 
         n = await asyncio.to_thread(counts)

@@ -15,7 +15,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from kvstashd.catalog import CheckpointRow, Lease, ListedSession, SessionRow
@@ -57,6 +57,9 @@ CREATE TABLE IF NOT EXISTS blocks (
 );
 """
 
+
+# Session ids bound in one counting query (well under sqlite's limit on variables).
+_IDS_PER_QUERY = 500
 
 _COLUMNS = (
     "checkpoint_id, session_id, label, kind, n_tokens, bytes_written, bytes_referenced, created_at, tenant"
@@ -293,12 +296,22 @@ class SqliteCatalog:
         them itself."""
         return []
 
-    def counts(self) -> dict[str, int]:
-        """Explicit checkpoints per session."""
+    def counts(self, session_ids: Sequence[str] | None = None) -> dict[str, int]:
+        """Explicit checkpoints per session (of `session_ids`, or of all)."""
+        query = "SELECT session_id, COUNT(*) FROM checkpoints WHERE kind = 'explicit'"
         with self._reading():
-            rows = self._db.execute(
-                "SELECT session_id, COUNT(*) FROM checkpoints WHERE kind = 'explicit' GROUP BY session_id"
-            ).fetchall()
+            if session_ids is None:
+                rows = self._db.execute(query + " GROUP BY session_id").fetchall()
+            else:
+                # By the session index: a response about one session no longer counts every
+                # checkpoint there is (10 ms at 20,000 of them, against 0.02).
+                ids = list(dict.fromkeys(session_ids))
+                rows = []
+                for at in range(0, len(ids), _IDS_PER_QUERY):
+                    chunk = ids[at : at + _IDS_PER_QUERY]
+                    marks = ",".join("?" * len(chunk))
+                    sql = f"{query} AND session_id IN ({marks}) GROUP BY session_id"
+                    rows += self._db.execute(sql, chunk).fetchall()
         return {r[0]: int(r[1]) for r in rows}
 
     def touch(self, keys: Iterable[str], now: float) -> None:
