@@ -17,13 +17,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
 from kvstashd import ops
-from kvstashd.chat import ROLES, ChatMessage, Message, Segment, after_prefix, text_of
-from kvstashd.context import LlamaContext
+from kvstashd.chat import ROLES, ChatMessage, Message, after_prefix
 from kvstashd.errors import ContextFull, InvalidRequest, KvstashError
 from kvstashd.grammar import Constraint, GrammarSpec, next_constraint
 from kvstashd.job import Chunk, GenerationRequest, Job
 from kvstashd.limits import MAX_LOGPROBS, MAX_MESSAGES, MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from kvstashd.session import SamplingOverrides, Session
+from kvstashd.tokens import Tokenizer
 
 if TYPE_CHECKING:
     from kvstashd.sessions import SessionManager
@@ -55,6 +55,7 @@ class Conversations:
 
     def __init__(self, manager: SessionManager) -> None:
         self.manager = manager
+        self.tokens = Tokenizer(manager)
         self.tokens_reused = 0
 
     async def generate(
@@ -74,14 +75,14 @@ class Conversations:
         bad = next((t for t in prompt_token_ids if not 0 <= t < n_vocab), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
-        self.check_bytes(prompt, "prompt")
+        self.tokens.check_bytes(prompt, "prompt")
         request = self._request(session, turn)
         spec = await self._grammar(session, turn)
         async with self.manager.use(session):
             # The slot first: waiting for it may be cut short, and nothing has changed yet.
             slot = await self.manager.residency.into_slot(session)
             if prompt:
-                tokens = await self.tokenize(
+                tokens = await self.tokens.tokenize(
                     prompt, first=not session.state.tokens, parse_special=parse_special
                 )
             else:
@@ -123,7 +124,7 @@ class Conversations:
         assert template is not None
         check_messages(messages)
         for given in messages:
-            self.check_bytes(given.content, "message")
+            self.tokens.check_bytes(given.content, "message")
         request = self._request(session, turn)
         spec = await self._grammar(session, turn)
         async with self.manager.use(session):
@@ -141,16 +142,16 @@ class Conversations:
                 raise InvalidRequest("the conversation adds no message to what the session holds")
             segments = template.render(conversation, add_generation_prompt=True)
             history = list(state.tokens)
-            history_text = await self._vocab(lambda c: c.detokenize(history, True))
+            history_text = await self.tokens.vocab(lambda c: c.detokenize(history, True))
             delta = after_prefix(segments, history_text) if n_same == len(held) else None
             if delta is not None:
-                tokens = await self.tokenize_segments(delta, first=not state.tokens)
+                tokens = await self.tokens.segments(delta, first=not state.tokens)
                 start = len(state.tokens)
             else:
                 # The history is not a prefix of the rendered conversation (raw generation, a
                 # stop string left text the template does not have, or another conversation):
                 # keep what matches.
-                full = await self.tokenize_segments(segments, first=True)
+                full = await self.tokens.segments(segments, first=True)
                 start = _common_prefix(full, state.tokens)
                 tokens = full[start:]
             request = replace(request, prompt=tuple(tokens))
@@ -390,7 +391,7 @@ class Conversations:
         template = self.manager.template
         assert template is not None
         history = session.state.tokens[: session.system_end]
-        system_text = await self._vocab(lambda c: c.detokenize(history, True))
+        system_text = await self.tokens.vocab(lambda c: c.detokenize(history, True))
         head = list(conversation[:k])
         # A kept part begins with a user message (templates may require roles to alternate),
         # or with the new messages.
@@ -401,9 +402,9 @@ class Conversations:
             segments = template.render([*head, *conversation[first:]], add_generation_prompt=True)
             delta = after_prefix(segments, system_text)
             if delta is not None:
-                return len(history), await self.tokenize_segments(delta, first=not history)
+                return len(history), await self.tokens.segments(delta, first=not history)
             # A template that renders the system prompt otherwise once turns follow it.
-            full = await self.tokenize_segments(segments, first=True)
+            full = await self.tokens.segments(segments, first=True)
             cut = _common_prefix(full, history)
             return cut, full[cut:]
 
@@ -420,48 +421,6 @@ class Conversations:
             else:
                 lo = mid + 1
         return best
-
-    # ---- tokens ------------------------------------------------------------------------------
-
-    async def system_tokens(self, system_prompt: str) -> list[int]:
-        self.check_bytes(system_prompt, "system prompt")
-        template = self.manager.template
-        if template is not None:
-            segments = template.render([Message("system", system_prompt)], False)
-            return await self.tokenize_segments(segments, first=True)
-        return await self.tokenize(system_prompt, first=True, parse_special=False)
-
-    async def tokenize(self, text: str, *, first: bool, parse_special: bool) -> list[int]:
-        add = first and self.manager.model.add_bos
-        return await self._vocab(lambda c: c.tokenize(text, add_special=add, parse_special=parse_special))
-
-    async def tokenize_segments(self, segments: Sequence[Segment], *, first: bool) -> list[int]:
-        """Template text with control tokens parsed; message content never."""
-        model = self.manager.model
-
-        def run(c: LlamaContext) -> list[int]:
-            bos_text = c.detokenize([model.bos_token], True)
-            add_bos = first and model.add_bos and not text_of(segments).startswith(bos_text)
-            out: list[int] = [model.bos_token] if add_bos else []
-            for seg in segments:
-                out += c.tokenize(seg.text, add_special=False, parse_special=not seg.content)
-            return out
-
-        return await self._vocab(run)
-
-    def check_bytes(self, text: str, what: str) -> None:
-        """InvalidRequest, before any tokenizing, for text too long to be within the prompt
-        limit whatever its tokens (each takes at most `max_token_bytes` of it)."""
-        limit = self.manager.settings.prompt_limit * self.manager.model.max_token_bytes
-        if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
-            raise InvalidRequest(
-                f"the {what} is longer than {limit} bytes: more tokens than the prompt limit of "
-                f"{self.manager.settings.prompt_limit}"
-            )
-
-    async def _vocab(self, fn: Callable[[LlamaContext], T]) -> T:
-        """Tokenizing in a worker thread, beside the engine's steps (Engine.read_vocab)."""
-        return await asyncio.to_thread(self.manager.engine.read_vocab, fn)
 
 
 def _merge(a: Chunk, b: Chunk) -> Chunk:

@@ -234,10 +234,8 @@ class SessionManager:
         return views[0]
 
     async def views(self, sessions: Sequence[Session]) -> list[SessionView]:
-        """Sessions as the RPCs report them."""
-        chosen = sessions
-
-        ids = [s.session_id for s in chosen]
+        """Sessions as the RPCs report them (those still registered)."""
+        ids = [s.session_id for s in sessions]
 
         def counts() -> dict[str, int]:
             out = self.durable.catalog.counts(ids)
@@ -247,7 +245,7 @@ class SessionManager:
         n = await asyncio.to_thread(counts)
         return [
             SessionView(s, len(s.state.tokens), self.residency.tier(s), n.get(s.session_id, 0))
-            for s in chosen
+            for s in sessions
             if s.session_id in self.sessions
         ]
 
@@ -309,7 +307,7 @@ class SessionManager:
     async def _create(self, tenant: Tenant, session: Session, system_prompt: str) -> Session:
         self.check_quota(tenant)
         if system_prompt:
-            tokens = await self.conversations.system_tokens(system_prompt)
+            tokens = await self.conversations.tokens.system(system_prompt)
             if len(tokens) >= self.model.n_ctx_seq:
                 raise ContextFull(
                     f"the system prompt has {len(tokens)} tokens; the session's context holds "
