@@ -130,9 +130,9 @@ class Catalog(Protocol):
         daemon whose lease lapsed never writes it again."""
         ...
 
-    def counts(self, session_ids: Sequence[str] | None = None) -> dict[str, int]:
-        """Explicit checkpoints per session: of these sessions (one lookup each, whatever
-        the catalog holds), or of all. Sessions without any are left out."""
+    def counts(self, session_ids: Sequence[str]) -> dict[str, int]:
+        """Explicit checkpoints per session, of these sessions (one lookup each, whatever
+        the catalog holds). Sessions without any are left out."""
         ...
 
     def touch(self, keys: Iterable[str], now: float) -> None: ...

@@ -253,10 +253,7 @@ class RedisCatalog:
         found = self._call(self._expire, args=[self.prefix, repr(idle_before), str(limit)])
         return [_str(sid) for sid in found]
 
-    def counts(self, session_ids: Sequence[str] | None = None) -> dict[str, int]:
-        if session_ids is None:
-            found = self._call(self._db.hgetall, self._k("explicit"))
-            return {_str(k): int(v) for k, v in found.items()}
+    def counts(self, session_ids: Sequence[str]) -> dict[str, int]:
         ids = list(dict.fromkeys(session_ids))
         if not ids:
             return {}

@@ -296,22 +296,19 @@ class SqliteCatalog:
         them itself."""
         return []
 
-    def counts(self, session_ids: Sequence[str] | None = None) -> dict[str, int]:
-        """Explicit checkpoints per session (of `session_ids`, or of all)."""
+    def counts(self, session_ids: Sequence[str]) -> dict[str, int]:
+        """Explicit checkpoints per session, of `session_ids`."""
         query = "SELECT session_id, COUNT(*) FROM checkpoints WHERE kind = 'explicit'"
+        # By the session index: a response about one session does not count every
+        # checkpoint there is (a GROUP BY over all: 10 ms at 20,000 of them, against 0.02).
+        ids = list(dict.fromkeys(session_ids))
+        rows = []
         with self._reading():
-            if session_ids is None:
-                rows = self._db.execute(query + " GROUP BY session_id").fetchall()
-            else:
-                # By the session index: a response about one session no longer counts every
-                # checkpoint there is (10 ms at 20,000 of them, against 0.02).
-                ids = list(dict.fromkeys(session_ids))
-                rows = []
-                for at in range(0, len(ids), _IDS_PER_QUERY):
-                    chunk = ids[at : at + _IDS_PER_QUERY]
-                    marks = ",".join("?" * len(chunk))
-                    sql = f"{query} AND session_id IN ({marks}) GROUP BY session_id"
-                    rows += self._db.execute(sql, chunk).fetchall()
+            for at in range(0, len(ids), _IDS_PER_QUERY):
+                chunk = ids[at : at + _IDS_PER_QUERY]
+                marks = ",".join("?" * len(chunk))
+                sql = f"{query} AND session_id IN ({marks}) GROUP BY session_id"
+                rows += self._db.execute(sql, chunk).fetchall()
         return {r[0]: int(r[1]) for r in rows}
 
     def touch(self, keys: Iterable[str], now: float) -> None:
