@@ -6,7 +6,8 @@ against the context, the session is given a slot, and one engine job streams the
 A persistent session's turn is recorded in the journal before the last chunk goes out, so
 a client that saw the end of a generation can rely on it surviving a crash; its KV blocks
 are saved (a new head) only once the turns since the last head add `--head-interval`
-tokens, or a turn truncates the conversation.
+tokens, or a turn truncates the conversation. Tokenizing is tokens.py's; what fits in the
+context, and truncation, fitting.py's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kvstashd import ops
 from kvstashd.chat import ROLES, ChatMessage, Message, after_prefix
 from kvstashd.errors import ContextFull, InvalidRequest, KvstashError
+from kvstashd.fitting import Fitting, common_prefix
 from kvstashd.grammar import Constraint, GrammarSpec, next_constraint
 from kvstashd.job import Chunk, GenerationRequest, Job
 from kvstashd.limits import MAX_LOGPROBS, MAX_MESSAGES, MAX_STOP_LENGTH, MAX_STOP_STRINGS
@@ -29,10 +31,6 @@ if TYPE_CHECKING:
     from kvstashd.sessions import SessionManager
 
 T = TypeVar("T")
-
-# Under the context policy "truncate", a turn without max_tokens keeps room for a reply of
-# at least 1/TRUNCATE_ROOM of the session's context.
-TRUNCATE_ROOM = 4
 
 Put = Callable[[Chunk], None]
 
@@ -56,6 +54,7 @@ class Conversations:
     def __init__(self, manager: SessionManager) -> None:
         self.manager = manager
         self.tokens = Tokenizer(manager)
+        self.fit = Fitting(manager, self.tokens)
         self.tokens_reused = 0
 
     async def generate(
@@ -88,15 +87,15 @@ class Conversations:
             else:
                 tokens = list(prompt_token_ids)
             request = replace(request, prompt=tuple(tokens))
-            self._check_prompt(request)
+            self.fit.check_prompt(request)
             n_history = len(session.state.tokens)
-            if session.context_policy == "truncate" and not self._fits(n_history, request):
+            if session.context_policy == "truncate" and not self.fit.fits(n_history, request):
                 raise ContextFull(
                     f"history ({n_history}) + prompt ({len(tokens)}) + max_tokens is beyond the session's "
                     f"context of {self.manager.model.n_ctx_seq}: the context policy truncate drops whole "
                     "chat turns (Chat), not raw text (Generate); rewind the session or chat"
                 )
-            self._check_fits(n_history, request)
+            self.fit.check(n_history, request)
             start = len(session.state.tokens) + len(tokens)
             constraint = next_constraint(session.constraint, spec, start, continuing=not tokens)
             reply = None
@@ -133,7 +132,7 @@ class Conversations:
             held = [Message(m.role, m.content) for m in session.messages]
             # The session's messages that the conversation keeps, and those it adds.
             if whole:
-                n_same = _common_prefix(held, messages)
+                n_same = common_prefix(held, messages)
                 conversation, added = list(messages), list(messages[n_same:])
             else:
                 n_same = len(held)
@@ -152,12 +151,12 @@ class Conversations:
                 # stop string left text the template does not have, or another conversation):
                 # keep what matches.
                 full = await self.tokens.segments(segments, first=True)
-                start = _common_prefix(full, state.tokens)
+                start = common_prefix(full, state.tokens)
                 tokens = full[start:]
             request = replace(request, prompt=tuple(tokens))
             truncated, dropped = False, 0
             old_tokens, old_messages = state.tokens, session.messages
-            if session.context_policy == "truncate" and not self._fits(start, request, truncating=True):
+            if session.context_policy == "truncate" and not self.fit.fits(start, request, truncating=True):
                 # Earlier turns make way; everything is decided before the history changes.
                 k = sum(1 for m in session.messages[:n_same] if m.start < session.system_end)
                 # A whole conversation may be cut anywhere before its newest turn (the messages
@@ -165,7 +164,7 @@ class Conversations:
                 n_new = len(added)
                 if whole:
                     n_new = next((i for i, m in enumerate(reversed(added)) if m.role == "assistant"), n_new)
-                first, cut, kept_tokens = await self._truncated(
+                first, cut, kept_tokens = await self.fit.truncated(
                     session, conversation, k, max(n_new, 1), request
                 )
                 if first > k:
@@ -176,8 +175,8 @@ class Conversations:
                     dropped = max(start + len(tokens) - cut - len(kept_tokens), 0)
                     start, tokens, added, n_same = cut, kept_tokens, conversation[first:], k
                     request = replace(request, prompt=tuple(tokens))
-            self._check_prompt(request)
-            self._check_fits(start, request)
+            self.fit.check_prompt(request)
+            self.fit.check(start, request)
             if start < len(state.tokens):
                 await self._check_stored(session)
                 await self.manager.residency.truncate(session, start)
@@ -347,81 +346,6 @@ class Conversations:
             await self.manager.grammars.check(session.tenant, spec)
         return spec
 
-    def _check_prompt(self, request: GenerationRequest) -> None:
-        limit = self.manager.settings.prompt_limit
-        if len(request.prompt) > limit:
-            raise InvalidRequest(f"the prompt has {len(request.prompt)} tokens; the limit is {limit}")
-
-    def _fits(self, n_history: int, request: GenerationRequest, *, truncating: bool = False) -> bool:
-        """Whether a prompt after `n_history` tokens leaves room for the reply: max_tokens,
-        or without it one token (truncating: a quarter of the context, so that a turn after
-        a truncation has room to answer; and the prompt, kept turns and all, within the
-        prompt limit)."""
-        n_ctx, n_prompt = self.manager.model.n_ctx_seq, len(request.prompt)
-        if truncating and n_prompt > self.manager.settings.prompt_limit:
-            return False
-        room = request.max_tokens or (n_ctx // TRUNCATE_ROOM if truncating else 1)
-        return n_history + n_prompt + room <= n_ctx
-
-    def _check_fits(self, n_history: int, request: GenerationRequest) -> None:
-        n_prompt = len(request.prompt)
-        if not n_prompt and not n_history:
-            raise InvalidRequest("the prompt is empty and the session has nothing to continue")
-        if not self._fits(n_history, request):
-            needed = n_history + n_prompt + (request.max_tokens or 1)
-            raise ContextFull(
-                f"history ({n_history}) + prompt ({n_prompt}) + max_tokens "
-                f"({request.max_tokens or 1}) is {needed} tokens; the session's context is "
-                f"{self.manager.model.n_ctx_seq}"
-            )
-
-    async def _truncated(
-        self,
-        session: Session,
-        conversation: Sequence[Message],
-        k: int,
-        n_added: int,
-        request: GenerationRequest,
-    ) -> tuple[int, int, list[int]]:
-        """The context policy "truncate": the system prompt (`conversation[:k]`, the history's
-        first `session.system_end` tokens) and the most recent whole turns that fit with room
-        for the reply. Returns the index of the first message kept after the system prompt,
-        where the history is cut, and the tokens that follow (kept turns and new messages).
-        ContextFull if the new messages alone do not fit."""
-        template = self.manager.template
-        assert template is not None
-        history = session.state.tokens[: session.system_end]
-        system_text = await self.tokens.vocab(lambda c: c.detokenize(history, True))
-        head = list(conversation[:k])
-        # A kept part begins with a user message (templates may require roles to alternate),
-        # or with the new messages.
-        last = len(conversation) - n_added
-        starts = [i for i in range(k, last) if conversation[i].role == "user"] + [last]
-
-        async def render(first: int) -> tuple[int, list[int]]:
-            segments = template.render([*head, *conversation[first:]], add_generation_prompt=True)
-            delta = after_prefix(segments, system_text)
-            if delta is not None:
-                return len(history), await self.tokens.segments(delta, first=not history)
-            # A template that renders the system prompt otherwise once turns follow it.
-            full = await self.tokens.segments(segments, first=True)
-            cut = _common_prefix(full, history)
-            return cut, full[cut:]
-
-        # The new messages alone must fit; fewer turns never render longer, so the first
-        # start that fits is found by bisection.
-        lo, hi = 0, len(starts) - 1
-        best = (starts[hi], *await render(starts[hi]))
-        self._check_fits(best[1], replace(request, prompt=tuple(best[2])))
-        while lo < hi:
-            mid = (lo + hi) // 2
-            cut, tokens = await render(starts[mid])
-            if self._fits(cut, replace(request, prompt=tuple(tokens)), truncating=True):
-                best, hi = (starts[mid], cut, tokens), mid
-            else:
-                lo = mid + 1
-        return best
-
 
 def _merge(a: Chunk, b: Chunk) -> Chunk:
     """One chunk for two consecutive ones; the later one's end and usage are kept."""
@@ -450,12 +374,3 @@ def check_messages(messages: Sequence[Message]) -> None:
     for m in messages:
         if m.role not in ROLES:
             raise InvalidRequest(f"a message's role must be one of {', '.join(ROLES)}, not {m.role[:40]!r}")
-
-
-def _common_prefix(a: Sequence[T], b: Sequence[T]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
