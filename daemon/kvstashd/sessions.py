@@ -6,7 +6,7 @@ second one waits its turn. Where a session's state lives is the Residency's (pla
 saving and finding checkpoints is the Persistence's; taking sessions over from a shared
 catalog and handing them to other daemons is the Handover's (handover.py); the flows of
 generation and of checkpoints are in generation.py and checkpointing.py; expiry and the
-budgets' sweeps in expiry.py.
+budgets' sweeps in expiry.py; the counters and the invariant in census.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
+from kvstashd import census
 from kvstashd import ops as opsmod
 from kvstashd.catalog import ListedSession
 from kvstashd.chat import ChatMessage, ChatTemplate, Message
@@ -114,7 +115,8 @@ class SessionManager:
         self.template: ChatTemplate | None = None
         self.counters = Counters()
         self.invariant_violations = 0
-        self._unloaded: set[str] = set()
+        # Persistent sessions of the catalog that were not loaded at start (census.problems).
+        self.unloaded: set[str] = set()
         # A shared catalog: sessions are found in it on demand, one lookup at a time.
         self.shared = self.durable.catalog.shared
         self.leases = self.persistence.leases
@@ -144,7 +146,7 @@ class SessionManager:
             self.residency.add(session, where)
         known = {s.session_id for s, _ in loaded}
         sessions = await asyncio.to_thread(self.durable.catalog.sessions)
-        self._unloaded = {sid for sid, _, _ in sessions if sid not in known}
+        self.unloaded = {sid for sid, _, _ in sessions if sid not in known}
         # Sessions that continue from a journal record are the ones with turns since their head.
         replayed = {s.session_id for s, _ in loaded if s.dirty}
         self.persistence.drop_stale_records(replayed, {sid for sid, _, _ in sessions})
@@ -423,66 +425,21 @@ class SessionManager:
         async for chunk in stream:
             yield chunk
 
-    # ---- counters, invariants ----------------------------------------------------------
+    # ---- counters, invariants (census.py) ---------------------------------------------
 
     def tenant_counters(self, tenant: Tenant) -> Counters:
         """The counters of one tenant's sessions and requests (GetInfo shows a caller its own)."""
-        mine = self.owned(tenant)
-        tiers = [self.residency.tier(s) for s in mine]
-        usage = self.residency.usage[tenant.name]
-        return Counters(
-            sessions=len(mine),
-            hot=tiers.count("hot"),
-            warm=tiers.count("warm"),
-            cold=tiers.count("cold"),
-            slots_in_use=tiers.count("hot"),
-            tokens_evaluated=usage.tokens_evaluated,
-            tokens_generated=usage.tokens_generated,
-            tokens_reused=usage.tokens_reused,
-            swap_ins=usage.swap_ins,
-            swap_in_seconds=usage.swap_in_seconds,
-        )
+        return census.tenant_counters(self, tenant)
 
     def publish(self) -> Counters:
         """Recompute the counters; the metrics thread reads the last value published."""
-        tiers = [self.residency.tier(s) for s in self.sessions.values() if not s.closed]
-        self.counters = Counters(
-            sessions=len(tiers),
-            hot=tiers.count("hot"),
-            warm=tiers.count("warm"),
-            cold=tiers.count("cold"),
-            slots_in_use=self.residency.slots_in_use,
-            tokens_evaluated=self.engine.stats_evaluated,
-            tokens_generated=self.engine.stats_generated,
-            tokens_reused=self.conversations.tokens_reused,
-            swap_ins=self.residency.swap_ins,
-            swap_in_seconds=self.residency.swap_in_seconds,
-            parked_bytes=self.residency.ram_bytes(),
-            store_bytes=self.stores.disk.used(),
-            journal_records=self.stores.journal.records,
-            journal_syncs=self.stores.journal.syncs,
-            whole_bytes=self.residency.wholes.nbytes,
-            whole_hits=self.residency.wholes.hits,
-        )
+        self.counters = census.counters(self)
         return self.counters
 
     async def check_invariant(self, deep: bool = True) -> list[str]:
-        """Everything that should agree and does not: slot table, placements, the engine's
-        sequences, the registry and the catalog. Meaningful when no operation runs: both
-        sides are read at that moment (the engine runs its check before any later command)."""
-        problems = self.residency.problems()
-        for sid, s in self.sessions.items():
-            if s.closed or s.busy:
-                problems.append(f"{sid} is {'closed' if s.closed else 'busy'} while registered and idle")
-        live = {sid for sid, s in self.sessions.items() if s.persistent} | self._unloaded
-        owners = self.residency.slot_owners()
-        engine_check = asyncio.wrap_future(self.engine.call(lambda e: e.check(owners, deep)))
-        catalog = {sid for sid, _, _ in await asyncio.to_thread(self.durable.catalog.sessions)}
-        problems += await engine_check
-        # A shared catalog holds other daemons' sessions too.
-        if catalog != live and not self.ops.running and not self.shared:
-            problems.append(f"persistent sessions differ from the catalog's: {sorted(catalog ^ live)}")
-        return problems
+        """Everything that should agree and does not (census.problems). Meaningful when no
+        operation runs."""
+        return await census.problems(self, deep)
 
     async def settle(self) -> None:
         """Wait until no operation runs (tests, before an invariant check)."""
