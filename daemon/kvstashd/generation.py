@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from kvstashd import ops
 from kvstashd.chat import ROLES, ChatMessage, Message, after_prefix
@@ -30,7 +30,6 @@ from kvstashd.tokens import Tokenizer
 if TYPE_CHECKING:
     from kvstashd.sessions import SessionManager
 
-T = TypeVar("T")
 
 Put = Callable[[Chunk], None]
 
