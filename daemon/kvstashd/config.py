@@ -295,6 +295,24 @@ class Settings:
             key="http",
         ),
     )
+    http_read_timeout: float = field(
+        default=30.0,
+        metadata=spec(
+            "Seconds an HTTP connection has to send a whole request (head and body) once it opens or "
+            "its previous response ends; then it is closed.",
+            low=0.1,
+            high=3600,
+        ),
+    )
+    http_connections_per_peer: int = field(
+        default=256,
+        metadata=spec(
+            "HTTP connections one peer (an IPv4 address or an IPv6 /64) may hold open; more are closed "
+            "at once (0: no bound, e.g. behind a proxy that bounds its clients).",
+            low=0,
+            high=1 << 20,
+        ),
+    )
     check_invariants: bool = field(
         default=False,
         metadata=spec(
