@@ -143,7 +143,9 @@ def import_file(
         return os.pread(fd, n, offset)  # thread-safe: pieces are read in parallel
 
     kv, reprefill = store.checked_cells(snap, read)
-    snap = replace(snap, session_id="", persistent=True, salt=secrets.token_hex(16), tenant=tenant)
+    snap = replace(
+        snap, session_id="", persistent=True, salt=secrets.token_hex(16), imported=True, tenant=tenant
+    )
     # The state of another layout is not kept; its layout is, so that a restore says it
     # evaluates the tokens again.
     foreign = snap.kv_layout if reprefill else None

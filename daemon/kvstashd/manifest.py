@@ -65,6 +65,9 @@ class Snapshot:
     recurrent: str = ""
     # Hex salt of the block keys ("" for the daemon's own; imports get one of their own).
     salt: str = ""
+    # The state descends from an import: KV this daemon did not compute. It keeps the
+    # import's salt, and the prefix cache neither offers it nor attaches to it.
+    imported: bool = False
     # The tenant it belongs to ("" for the anonymous one).
     tenant: str = ""
     label: str = ""
@@ -112,6 +115,7 @@ def encode(s: Snapshot, key: bytes) -> bytes:
         "window": [[k, p] for k, p in s.window],
         "recurrent": s.recurrent,
         "salt": s.salt,
+        "imported": s.imported,
         "tenant": s.tenant,
         "system_end": s.system_end,
         "context_policy": s.context_policy,
@@ -252,6 +256,9 @@ def _snapshot(
         or any(c not in "0123456789abcdef" for c in salt)
     ):
         raise CorruptCheckpoint("the checkpoint's salt is malformed")
+    imported = meta.get("imported", False)
+    if not isinstance(imported, bool):
+        raise CorruptCheckpoint("the checkpoint's import mark is malformed")
     tenant = meta.get("tenant", "")
     if not isinstance(tenant, str) or len(tenant) > 128:
         raise CorruptCheckpoint("the checkpoint's tenant is malformed")
@@ -290,6 +297,7 @@ def _snapshot(
         window=[(str(k), int(p)) for k, p in window],
         recurrent=recurrent,
         salt=salt,
+        imported=imported,
         tenant=tenant,
         constraint=constraint,
         system_end=system_end,

@@ -3,7 +3,9 @@ them instead of evaluating them.
 
 A block's key is a hash chain over the tokens up to its end, started from the session's
 salt (its tenant's, or a `cache_salt` it chose), so blocks are found only by sessions of the
-same salt: nobody can probe another tenant's prompts, not even through timing. Sources, the
+same salt: nobody can probe another tenant's prompts, not even through timing. A session whose
+state descends from an import (session.imported) keeps the import's salt and takes no part:
+the cache offers only KV this daemon computed, and attaches nothing to imported state. Sources, the
 longest prefix first: another live session's state (in its slot, or parked in RAM) whose
 history begins the same way, and the block stores (persistent sessions' heads and
 checkpoints on disk, which outlive restarts, and ephemeral checkpoints in RAM).
@@ -48,7 +50,7 @@ class PrefixCache:
         """The state of the longest cached prefix of `history` that is longer than what the
         session holds (full blocks, the last token left out), or None."""
         m = self.m
-        if not m.settings.prefix_cache or m.model.layout is None:
+        if not m.settings.prefix_cache or m.model.layout is None or session.imported:
             return None
         block = m.settings.block_tokens
         limit = (len(history) - 1) // block * block
@@ -95,7 +97,7 @@ class PrefixCache:
         want = np.asarray(history[:limit], dtype=np.int64)
         best, source = 0, None
         for other in self.m.sessions.values():
-            if other is session or other.closed or other.busy or other.salt != session.salt:
+            if other is session or other.closed or other.busy or other.imported or other.salt != session.salt:
                 continue
             n = min(other.state.n_kv, limit)
             if not cut_anywhere:

@@ -30,6 +30,9 @@ class Session:
     # Whose it is, and the salt its blocks are keyed with (see tenants.py).
     tenant: str = ""
     salt: bytes = b""
+    # Its state descends from an imported checkpoint (see apply): for the rest of its life it
+    # keys its blocks with that import's salt and is no prefix source for anyone.
+    imported: bool = False
     state: SeqState = field(default_factory=SeqState)
     messages: list[ChatMessage] = field(default_factory=list)
     # Recurrent states at earlier positions of this history (see Job.snapshot), oldest first.
@@ -96,6 +99,7 @@ class Session:
             block_tokens=block_tokens,
             label=label,
             salt=self.salt.hex(),
+            imported=self.imported,
             tenant=self.tenant,
             constraint=self.constraint,
             system_end=self.system_end,
@@ -106,7 +110,14 @@ class Session:
 
     def apply(self, snap: Snapshot, n_kv: int) -> None:
         """Make this session's history and parameters the snapshot's, with a state that
-        covers tokens[:n_kv] (the caller places it)."""
+        covers tokens[:n_kv] (the caller places it).
+
+        A snapshot of imported state brings its salt along, for good: KV this daemon did not
+        compute is keyed apart from every block it did (heads, spills and checkpoints after
+        it too), so it never stands for them, even under a salt other sessions share."""
+        if snap.imported:
+            self.salt = bytes.fromhex(snap.salt)
+            self.imported = True
         self.state = SeqState(
             tokens=list(snap.tokens),
             n_kv=n_kv,
