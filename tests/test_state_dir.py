@@ -1,6 +1,7 @@
 """The state directory is one daemon's alone and private: a second daemon on it refuses to
 start and touches nothing; what a daemon creates there is 0700/0600; the spill area does not
-outlive a graceful stop."""
+outlive a graceful stop; a link planted there is never followed (a daemon refuses to start on
+one, and one planted after start is not written through)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemons import GREEDY, DaemonProcess, InProcessDaemon, check_serving, model_path
+from daemons import GREEDY, PROBE_CACHE, DaemonProcess, InProcessDaemon, check_serving, model_path, wait_until
 
 import kvstash
+from kvstashd.statedir import StateDirError
+from kvstashd.store.local import LocalBlockStore
 
 STORY = "Once upon a time, in a small village by the sea, there lived"
 
@@ -139,3 +142,195 @@ def test_the_spill_area_is_wiped_at_a_graceful_stop(tmp_path: Path) -> None:
     assert not (tmp_path / "state" / "spill").exists()
     # ...and the lock is free again: the next daemon starts on it.
     InProcessDaemon.with_settings(tmp_path / "state").stop()
+
+
+# What a link planted in the state directory points to: not the daemon's, and 32 bytes (what
+# a store key is, so that a daemon that followed the link would take it for one and start).
+PRECIOUS = b"somebody else's file, untouched\n"
+LINK = " (the daemon follows no links in its state directory)"
+
+
+def snapshot(path: Path) -> list[tuple[str, int, bytes | None]]:
+    """The file, or the directory and everything under it: names, modes and contents."""
+    return [
+        (str(p.relative_to(path)), p.lstat().st_mode, p.read_bytes() if p.is_file() else None)
+        for p in [path, *sorted(path.rglob("*"))]
+    ]
+
+
+def elsewhere(tmp_path: Path, directory: bool) -> Path:
+    """A file (0644) or a directory (0755, holding one) outside the state directory."""
+    target = tmp_path / "elsewhere"
+    if directory:
+        target.mkdir()
+        (target / "kept").write_bytes(PRECIOUS)
+        target.chmod(0o755)
+    else:
+        target.write_bytes(PRECIOUS)
+        target.chmod(0o644)
+    return target
+
+
+def refusal(state_dir: Path) -> list[str]:
+    """The lines a daemon started on `state_dir` writes to stderr as it refuses to start (one
+    that starts serving instead fails the test)."""
+    ready = state_dir.parent / "ready"
+    command = [
+        sys.executable,
+        "-m",
+        "kvstashd",
+        "--model",
+        str(model_path()),
+        "--address",
+        "127.0.0.1:0",
+        "--state-dir",
+        str(state_dir),
+        "--threads",
+        "1",
+        "--probe-cache",
+        str(PROBE_CACHE),
+        "--ready-file",
+        str(ready),
+    ]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            wait_until(lambda: proc.poll() is not None or ready.exists(), 120, "the daemon to exit")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        out, err = proc.communicate(timeout=30)
+    assert not ready.exists(), f"a daemon started on {state_dir}:\n{err}"
+    assert proc.returncode != 0
+    assert out == ""
+    return err.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("entry", "directory"),
+    [
+        ("lock", False),
+        ("journal", False),
+        ("store.key", False),
+        ("catalog.db", False),
+        ("blocks", True),
+        ("blocks/ab", True),
+        ("spill", True),
+    ],
+)
+def test_a_link_planted_in_the_state_dir_refuses_the_start(
+    tmp_path: Path, entry: str, directory: bool
+) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    if "/" in entry:
+        (state_dir / "blocks").mkdir(mode=0o700)
+    target = elsewhere(tmp_path, directory)
+    before = snapshot(target)
+    link = state_dir / entry
+    link.symlink_to(target)
+    kind = "a directory" if directory else "a file"
+    assert refusal(state_dir) == [
+        f"error: {link} is a symbolic link where the daemon keeps {kind}{LINK}: remove it and start again"
+    ]
+    assert snapshot(target) == before
+    assert link.is_symlink()
+
+
+def test_an_entry_of_another_kind_refuses_the_start(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    (state_dir / "journal").mkdir()
+    assert refusal(state_dir) == [
+        f"error: {state_dir / 'journal'} is a directory where the daemon keeps a file: remove it and "
+        "start again"
+    ]
+    (state_dir / "journal").rmdir()
+    os.mkfifo(state_dir / "spill")
+    assert refusal(state_dir) == [
+        f"error: {state_dir / 'spill'} is a named pipe where the daemon keeps a directory: remove it "
+        "and start again"
+    ]
+
+
+def test_a_block_file_that_is_a_link_refuses_the_start(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    (state_dir / "blocks" / "ab").mkdir(mode=0o700, parents=True)
+    state_dir.chmod(0o700)
+    target = elsewhere(tmp_path, directory=False)
+    before = snapshot(target)
+    link = state_dir / "blocks" / "ab" / ("ab" + "0" * 62)
+    link.symlink_to(target)
+    with pytest.raises(StateDirError) as refused:
+        InProcessDaemon.with_settings(state_dir)
+    assert str(refused.value) == (
+        f"{link} is a symbolic link where the daemon keeps a file{LINK}: remove it and start again"
+    )
+    assert snapshot(target) == before
+
+
+def test_links_planted_at_new_key_prefixes_after_start_are_not_written_through(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    target = elsewhere(tmp_path, directory=True)
+    before = snapshot(target)
+    d = InProcessDaemon.with_settings(state_dir)
+    try:
+        with kvstash.Client(d.address, timeout=60) as client:
+            session = client.create_session(sampling=GREEDY, persistent=True)
+            session.complete(STORY, max_tokens=4)
+            blocks = state_dir / "blocks"
+            planted = [blocks / f"{i:02x}" for i in range(256) if not (blocks / f"{i:02x}").exists()]
+            for link in planted:
+                link.symlink_to(target)
+            with pytest.raises(kvstash.StoreWriteError):
+                session.checkpoint(label="through a link")
+            assert snapshot(target) == before
+            assert not any(p.is_file() for p in (blocks / "tmp").iterdir())
+            for link in planted:
+                link.unlink()
+            assert session.checkpoint(label="kept").n_tokens > 0
+            session.close()
+    finally:
+        d.stop()
+    assert snapshot(target) == before
+
+
+def test_a_link_planted_at_a_block_path_after_start_is_replaced_not_followed(tmp_path: Path) -> None:
+    store = LocalBlockStore(tmp_path / "blocks")
+    target = elsewhere(tmp_path, directory=False)
+    before = snapshot(target)
+    key = "ab" + "1" * 62
+    (tmp_path / "blocks" / "ab").mkdir(mode=0o700)
+    (tmp_path / "blocks" / "ab" / key).symlink_to(target)
+    assert not store.has(key)
+    assert store.put(key, b"the block") == len(b"the block")
+    assert store.get(key) == b"the block"
+    assert not (tmp_path / "blocks" / "ab" / key).is_symlink()
+    assert snapshot(target) == before
+
+
+def test_a_link_planted_at_the_journals_new_file_after_start_is_not_followed(tmp_path: Path) -> None:
+    """Closing a persistent session erases its turns from the journal: the file is written
+    again, as a new file renamed over it, with the other sessions' records."""
+    state_dir = tmp_path / "state"
+    target = elsewhere(tmp_path, directory=False)
+    before = snapshot(target)
+    d = InProcessDaemon.with_settings(state_dir)
+    try:
+        with kvstash.Client(d.address, timeout=60) as client:
+            kept = client.create_session(sampling=GREEDY, persistent=True)
+            kept.complete(STORY, max_tokens=4)
+            closed = client.create_session(sampling=GREEDY, persistent=True)
+            closed.complete(STORY + " a fisherman", max_tokens=4)
+            journal = state_dir / "journal"
+            assert journal.stat().st_size > 0
+            (state_dir / "journal.tmp").symlink_to(target)
+            closed.close()
+            wait_until(lambda: not (state_dir / "journal.tmp").is_symlink(), 30, "the journal's rewrite")
+            assert snapshot(target) == before
+            assert not journal.is_symlink()
+            assert stat.S_IMODE(journal.stat().st_mode) == 0o600
+            kept.complete(" Then", max_tokens=4)
+            assert snapshot(target) == before
+            kept.close()
+    finally:
+        d.stop()

@@ -39,7 +39,7 @@ from typing import Protocol
 
 from kvstashd.budget import DiskBudget
 from kvstashd.errors import Busy, StoreWriteFailed
-from kvstashd.statedir import fsync_dir, private_file
+from kvstashd.statedir import FILE_MODE, fsync_dir, open_private
 
 log = logging.getLogger(__name__)
 
@@ -135,23 +135,27 @@ class FileJournal:
         self.records = 0
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._tmp)  # a rewrite a crash cut short: the old file is whole
-        private_file(path)
-        data = path.read_bytes()
-        found, good = read_frames(data)
-        if good < len(data):
-            log.warning(
-                "the turn journal ends in %d bytes that are not an intact record (a write cut "
-                "short, or damage); they are dropped",
-                len(data) - good,
-            )
-            with open(path, "r+b") as f:
-                f.truncate(good)
-                os.fsync(f.fileno())
+        # One descriptor, opened without following a link, reads, cuts and appends: the path
+        # is not opened again (a rewrite's new file is made with O_EXCL and renamed over it).
+        self._fd = open_private(path, os.O_RDWR | os.O_APPEND)
+        try:
+            data = _read_all(self._fd)
+            found, good = read_frames(data)
+            if good < len(data):
+                log.warning(
+                    "the turn journal ends in %d bytes that are not an intact record (a write cut "
+                    "short, or damage); they are dropped",
+                    len(data) - good,
+                )
+                os.ftruncate(self._fd, good)
+                os.fsync(self._fd)
+        except BaseException:
+            os.close(self._fd)
+            raise
         self._recovered = found
         # The newest frame of each key not yet covered (what a rewrite keeps); the file's length.
         self._frames = {key: frame(key, body) for key, body in self._recovered.items()}
         self._size = good
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self._dir_synced = True
         self._pending: list[_Append | _Forget] = []
         self._kicked = False
@@ -321,7 +325,11 @@ class FileJournal:
         fd = -1
         try:
             with self.budget.reserve(len(data)) if self.budget else contextlib.nullcontext():
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+                # A new file (whatever was planted at its name is unlinked, not written through).
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(tmp, flags, FILE_MODE)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]
@@ -349,3 +357,10 @@ class FileJournal:
             self._dir_synced = False
         else:
             self._dir_synced = True
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)

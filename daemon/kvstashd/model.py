@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from kvstashd.statedir import write_private
+from kvstashd.statedir import read_private, write_private
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ def fingerprint(path: Path, cache_dir: Path) -> str:
     cache_file = cache_dir / "fingerprints.json"
     cache: dict[str, str] = {}
     try:
-        loaded = json.loads(cache_file.read_text())
+        loaded = json.loads(read_private(cache_file))
         if isinstance(loaded, dict):
             cache = {str(k): str(v) for k, v in loaded.items()}
     except (OSError, ValueError):

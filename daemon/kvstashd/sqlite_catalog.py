@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvstashd.catalog import CheckpointRow, Lease, ListedSession, SessionRow
 from kvstashd.errors import StoreReadFailed
-from kvstashd.statedir import private_file
+from kvstashd.statedir import check_entry, private_file
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,11 @@ class SqliteCatalog:
     def __init__(self, path: Path | str) -> None:
         self.path = None if str(path) == ":memory:" else Path(path)
         if self.path is not None:
+            # sqlite opens its files itself, following links: each is checked first (a link
+            # or a thing of another kind is StateDirError), the database made 0600 if new.
             private_file(self.path)
+            for suffix in ("-wal", "-shm", "-journal"):
+                check_entry(Path(f"{self.path}{suffix}"))
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
         # Blocks used since the last write transaction, and when (see touch).
