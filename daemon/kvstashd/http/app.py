@@ -31,6 +31,7 @@ from kvstashd.http.bodies import Reply, domain_error, error, sse
 from kvstashd.http.keep import SessionKeep
 from kvstashd.http.schema import NEW_SESSION, ChatCompletionRequest, CompletionRequest, GenerationBody
 from kvstashd.job import Chunk
+from kvstashd.limits import MAX_CONCURRENT_RPCS
 from kvstashd.session import SamplingOverrides, Session
 from kvstashd.sessions import SessionManager
 from kvstashd.tenants import Tenant
@@ -38,6 +39,7 @@ from kvstashd.tenants import Tenant
 log = logging.getLogger(__name__)
 
 B = TypeVar("B", bound=GenerationBody)
+T = TypeVar("T")
 Render = Callable[[Chunk, bool], dict[str, Any]]
 
 
@@ -58,6 +60,7 @@ class OpenAiDoor:
         self.body_limit = body_limit
         self.keep = SessionKeep(manager)
         self.accepting = True
+        self.in_flight = 0
         self.created = int(time.time())
         self._app = Starlette(
             routes=[
@@ -71,6 +74,12 @@ class OpenAiDoor:
 
     async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI application."""
+        if scope["type"] == "http" and self.in_flight >= MAX_CONCURRENT_RPCS:
+            # The bound gRPC has on requests served at once.
+            status, body = domain_error(Unavailable("too many requests at once; retry"))
+            await JSONResponse(body, status)(scope, receive, send)
+            return
+        self.in_flight += 1
         try:
             await self._app(scope, receive, send)
         except asyncio.CancelledError:
@@ -80,6 +89,8 @@ class OpenAiDoor:
             # an application error.
             if self.accepting:
                 raise
+        finally:
+            self.in_flight -= 1
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -178,14 +189,14 @@ class OpenAiDoor:
             stream = m.converse(session.session_id, tenant, messages=rest, whole=False, turn=turn)
             req.session_id = session.session_id
         else:
-            self.keep.release(req.session_id)
+            self.keep.release(tenant, req.session_id)
             stream = m.converse(req.session_id, tenant, messages=messages, whole=False, turn=turn)
         reply = self._reply("chat", req.session_id)
         top = req.top_logprobs or 0
         if req.stream:
             render: Render = lambda c, first: reply.chat_chunk(c, top, first)  # noqa: E731
-            return await self._events(stream, render, reply, req.include_usage, on_fail)
-        chunks = await self._collect(stream, on_fail)
+            return await self._events(request, stream, render, reply, req.include_usage, on_fail)
+        chunks = await self._collect(request, stream, on_fail)
         return JSONResponse(reply.chat("".join(c.text for c in chunks), chunks, top))
 
     async def _new_chat_session(
@@ -223,7 +234,7 @@ class OpenAiDoor:
                 req.session_id = session.session_id
             session_id = session.session_id
         else:
-            self.keep.release(req.session_id)
+            self.keep.release(tenant, req.session_id)
             session_id = req.session_id
         stream = self.manager.generate(
             session_id, tenant, prompt=prompt, prompt_token_ids=token_ids, parse_special=False, turn=turn
@@ -232,8 +243,8 @@ class OpenAiDoor:
         top = req.logprobs or 0
         if req.stream:
             render: Render = lambda c, _first: reply.completion_chunk(c, top)  # noqa: E731
-            return await self._events(stream, render, reply, req.include_usage, on_fail)
-        chunks = await self._collect(stream, on_fail)
+            return await self._events(request, stream, render, reply, req.include_usage, on_fail)
+        chunks = await self._collect(request, stream, on_fail)
         return JSONResponse(reply.completion("".join(c.text for c in chunks), chunks, top))
 
     # ---- responses ---------------------------------------------------------------------------
@@ -252,16 +263,20 @@ class OpenAiDoor:
         return close
 
     async def _collect(
-        self, stream: AsyncIterator[Chunk], on_fail: Callable[[], Awaitable[None]]
+        self, request: Request, stream: AsyncIterator[Chunk], on_fail: Callable[[], Awaitable[None]]
     ) -> list[Chunk]:
-        try:
+        async def collect() -> list[Chunk]:
             return [c async for c in stream]
-        except KvstashError:
+
+        try:
+            return await _unless_left(request, collect())
+        except (KvstashError, ClientDisconnect):
             await on_fail()
             raise
 
     async def _events(
         self,
+        request: Request,
         stream: AsyncIterator[Chunk],
         render: Render,
         reply: Reply,
@@ -270,8 +285,8 @@ class OpenAiDoor:
     ) -> Response:
         it = aiter(stream)
         try:
-            first = await anext(it)
-        except KvstashError:
+            first = await _unless_left(request, anext(it))
+        except (KvstashError, ClientDisconnect):
             await on_fail()
             raise
 
@@ -299,6 +314,32 @@ class OpenAiDoor:
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
         )
+
+
+async def _unless_left(request: Request, work: Awaitable[T]) -> T:
+    """What `work` gives, unless the client leaves first: then `work` is cancelled, which
+    stops its generation as a stream's reader that leaves does (within one engine step), and
+    ClientDisconnect. uvicorn goes on running a request whose client left; only the
+    application learns of it, by the ASGI message `http.disconnect`."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_left(request.receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            # Until the generation has been told to stop and its stream is closed.
+            await asyncio.wait((task,))
+    if task.cancelled():
+        raise ClientDisconnect
+    return task.result()
+
+
+async def _left(receive: Receive) -> None:
+    """Return once the client has gone (its request's body already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _describe(e: ValidationError) -> str:

@@ -14,7 +14,7 @@ import uvicorn
 
 from kvstashd.config import Settings
 from kvstashd.http.app import OpenAiDoor
-from kvstashd.limits import MAX_CONCURRENT_RPCS
+from kvstashd.http.guard import Peers, descriptor_share, guarded_protocol
 from kvstashd.sessions import SessionManager
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class HttpDoor:
         self.settings = settings
         self.door = OpenAiDoor(manager, settings.model_path.stem, settings.max_message_bytes)
         self.port = 0
+        self.peers = Peers(settings.http_connections_per_peer, descriptor_share())
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -68,8 +69,9 @@ class HttpDoor:
             access_log=False,
             server_header=False,
             timeout_graceful_shutdown=max(1, round(s.grace_seconds)),
-            # The bound gRPC has on requests served at once; beyond it, 503.
-            limit_concurrency=MAX_CONCURRENT_RPCS,
+            # Connections are bounded by the guarded protocol (guard.py), requests served at
+            # once by the application: uvicorn's limit_concurrency counts idle connections too.
+            http=guarded_protocol(self.peers, s.http_read_timeout),
             ssl_certfile=str(s.tls_cert) if s.tls_cert else None,
             ssl_keyfile=str(s.tls_key) if s.tls_key else None,
             ssl_ca_certs=str(s.tls_client_ca) if s.tls_client_ca else None,

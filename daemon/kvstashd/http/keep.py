@@ -68,9 +68,11 @@ class SessionKeep:
         for old in [s for s in kept.values() if not s.busy][: max(0, len(kept) - PER_TENANT)]:
             self._close(tenant, old)
 
-    def release(self, session_id: str) -> None:
-        """A client continues this session by its id: it is no longer the door's to close."""
-        for kept in self._kept.values():
+    def release(self, tenant: Tenant, session_id: str) -> None:
+        """The tenant continues this session by its id: it is no longer the door's to close.
+        Only the tenant's own kept sessions are looked at: another tenant's id changes nothing."""
+        kept = self._kept.get(tenant.name)
+        if kept is not None:
             kept.pop(session_id, None)
 
     async def make_room(self, tenant: Tenant) -> None:
