@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstash.v1 import kvstash_pb2 as pb
-from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
 from kvstashd import __version__
 from kvstashd.catalog import CheckpointRow, ListedSession
 from kvstashd.chat import ChatMessage, Message
@@ -26,10 +25,10 @@ from kvstashd.sampling import SamplingParams
 from kvstashd.session import SamplingOverrides
 from kvstashd.sessions import SessionManager, SessionView
 from kvstashd.tenants import Tenant
+from kvstashd.wire import Requests
 
 log = logging.getLogger(__name__)
 
-Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 FINISH = {
@@ -79,16 +78,19 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: BaseExcepti
     await context.abort(grpc.StatusCode.INTERNAL, "internal error (see the daemon's log)")
 
 
-def unary(
-    fn: Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]],
-) -> Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]]:
-    """Map domain errors of a unary handler to gRPC statuses."""
+#: A handler: the service, its request (decoded), the caller's tenant, the call's context.
+Handler = Callable[[Any, Any, Tenant, Any], Resp]
+
+
+def unary(fn: Handler[Awaitable[Resp]]) -> Callable[[KvStashService, Any, Any], Awaitable[Resp]]:
+    """A unary (or client-streaming) handler over its request's bytes (KvStashService.admit),
+    its domain errors mapped to gRPC statuses."""
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]) -> Resp:
+    async def wrapper(self: KvStashService, received: Any, context: Any) -> Resp:
         try:
-            _check_routing(request, context)
-            return await fn(self, request, context)
+            tenant, request = self.admit(fn.__name__, received, context)
+            return await fn(self, request, tenant, context)
         except Exception as e:
             await _abort(context, e)
             raise  # unreachable: abort raises
@@ -97,17 +99,16 @@ def unary(
 
 
 def streaming(
-    fn: Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], AsyncGenerator[Resp, None]],
-) -> Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], AsyncGenerator[Resp, None]]:
-    """Map domain errors of a server-streaming handler to gRPC statuses."""
+    fn: Handler[AsyncGenerator[Resp, None]],
+) -> Callable[[KvStashService, Any, Any], AsyncGenerator[Resp, None]]:
+    """A server-streaming handler over its request's bytes (KvStashService.admit), its
+    domain errors mapped to gRPC statuses."""
 
     @functools.wraps(fn)
-    async def wrapper(
-        self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]
-    ) -> AsyncGenerator[Resp, None]:
+    async def wrapper(self: KvStashService, received: Any, context: Any) -> AsyncGenerator[Resp, None]:
         try:
-            _check_routing(request, context)
-            async with contextlib.aclosing(fn(self, request, context)) as stream:
+            tenant, request = self.admit(fn.__name__, received, context)
+            async with contextlib.aclosing(fn(self, request, tenant, context)) as stream:
                 async for item in stream:
                     yield item
         except Exception as e:
@@ -116,14 +117,30 @@ def streaming(
     return wrapper
 
 
-class KvStashService(pb_grpc.KvStashServicer):
-    """The kvstash.v1.KvStash service over a SessionManager."""
+class KvStashService:
+    """The kvstash.v1.KvStash service over a SessionManager; server.add_service serves it."""
 
     def __init__(self, manager: SessionManager, model_path: str, fingerprint: str) -> None:
         self.manager = manager
         self.model_path = model_path
         self.fingerprint = fingerprint
         self.accepting = True
+        self.requests = Requests(
+            prompt_limit=manager.settings.prompt_limit,
+            max_token_bytes=manager.model.max_token_bytes,
+            max_message_bytes=manager.settings.max_message_bytes,
+        )
+
+    def admit(self, method: str, received: bytes | AsyncIterator[bytes], context: Any) -> tuple[Tenant, Any]:
+        """The caller's tenant and its request: authentication first, on every method, before
+        anything of the request is read; then the request decoded within its method's bounds
+        (wire.py) and its routing checked (a client stream's requests are decoded as read)."""
+        tenant = self.tenant(context)
+        if not isinstance(received, bytes):
+            return tenant, self.requests.stream(method, received)
+        request = self.requests.decode(method, received)
+        _check_routing(request, context)
+        return tenant, request
 
     def tenant(self, context: Any) -> Tenant:
         """The caller's tenant, from its bearer token; Unauthenticated if it has none."""
@@ -136,9 +153,9 @@ class KvStashService(pb_grpc.KvStashServicer):
             raise Unavailable("the daemon is shutting down")
 
     @unary
-    async def GetInfo(self, request: pb.GetInfoRequest, context: Any) -> pb.GetInfoResponse:
+    async def GetInfo(self, request: pb.GetInfoRequest, tenant: Tenant, context: Any) -> pb.GetInfoResponse:
         m = self.manager
-        c = m.tenant_counters(self.tenant(context))
+        c = m.tenant_counters(tenant)
         return pb.GetInfoResponse(
             version=__version__,
             # A multi-tenant daemon shows callers no paths of its machine.
@@ -171,10 +188,12 @@ class KvStashService(pb_grpc.KvStashServicer):
         )
 
     @unary
-    async def CreateSession(self, request: pb.CreateSessionRequest, context: Any) -> pb.CreateSessionResponse:
+    async def CreateSession(
+        self, request: pb.CreateSessionRequest, tenant: Tenant, context: Any
+    ) -> pb.CreateSessionResponse:
         self._check_accepting()
         session = await self.manager.create(
-            self.tenant(context),
+            tenant,
             cache_salt=request.cache_salt,
             system_prompt=request.system_prompt,
             sampling=overrides_from_pb(request.sampling),
@@ -186,37 +205,43 @@ class KvStashService(pb_grpc.KvStashServicer):
         return pb.CreateSessionResponse(session=self._session_pb(await self.manager.view(session)))
 
     @unary
-    async def GetSession(self, request: pb.GetSessionRequest, context: Any) -> pb.GetSessionResponse:
-        session = await self.manager.find(request.session_id, self.tenant(context))
+    async def GetSession(
+        self, request: pb.GetSessionRequest, tenant: Tenant, context: Any
+    ) -> pb.GetSessionResponse:
+        session = await self.manager.find(request.session_id, tenant)
         return pb.GetSessionResponse(session=self._session_pb(await self.manager.view(session)))
 
     @unary
-    async def ListSessions(self, request: pb.ListSessionsRequest, context: Any) -> pb.ListSessionsResponse:
-        views, rows = await self.manager.listing(self.tenant(context))
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, tenant: Tenant, context: Any
+    ) -> pb.ListSessionsResponse:
+        views, rows = await self.manager.listing(tenant)
         n_ctx = self.manager.model.n_ctx_seq
         found = [(v.session.created_at, self._session_pb(v)) for v in views]
         found += [(r.created_at, listed_to_pb(r, n_ctx)) for r in rows]
         return pb.ListSessionsResponse(sessions=[info for _, info in sorted(found, key=lambda f: f[0])])
 
     @unary
-    async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
-        await self.manager.close(request.session_id, self.tenant(context))
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, tenant: Tenant, context: Any
+    ) -> pb.CloseSessionResponse:
+        await self.manager.close(request.session_id, tenant)
         return pb.CloseSessionResponse()
 
     @unary
-    async def Rewind(self, request: pb.RewindRequest, context: Any) -> pb.RewindResponse:
+    async def Rewind(self, request: pb.RewindRequest, tenant: Tenant, context: Any) -> pb.RewindResponse:
         self._check_accepting()
-        session = await self.manager.rewind(request.session_id, self.tenant(context), request.n_tokens)
+        session = await self.manager.rewind(request.session_id, tenant, request.n_tokens)
         return pb.RewindResponse(session=self._session_pb(await self.manager.view(session)))
 
     @streaming
     async def Generate(
-        self, request: pb.GenerateRequest, context: Any
+        self, request: pb.GenerateRequest, tenant: Tenant, context: Any
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         self._check_accepting()
         stream = self.manager.generate(
             request.session_id,
-            self.tenant(context),
+            tenant,
             prompt=request.prompt,
             prompt_token_ids=list(request.prompt_token_ids),
             parse_special=request.parse_special,
@@ -226,9 +251,11 @@ class KvStashService(pb_grpc.KvStashServicer):
             yield pb.GenerateResponse(chunk=chunk_to_pb(chunk))
 
     @streaming
-    async def Chat(self, request: pb.ChatRequest, context: Any) -> AsyncGenerator[pb.ChatResponse, None]:
+    async def Chat(
+        self, request: pb.ChatRequest, tenant: Tenant, context: Any
+    ) -> AsyncGenerator[pb.ChatResponse, None]:
         self._check_accepting()
-        tenant, turn = self.tenant(context), turn_from_pb(request)
+        turn = turn_from_pb(request)
         if request.messages:
             if request.message:
                 raise InvalidRequest("give a message or messages, not both")
@@ -242,36 +269,38 @@ class KvStashService(pb_grpc.KvStashServicer):
             yield pb.ChatResponse(chunk=chunk_to_pb(chunk))
 
     @unary
-    async def Checkpoint(self, request: pb.CheckpointRequest, context: Any) -> pb.CheckpointResponse:
+    async def Checkpoint(
+        self, request: pb.CheckpointRequest, tenant: Tenant, context: Any
+    ) -> pb.CheckpointResponse:
         self._check_accepting()
-        row = await self.manager.checkpoints.checkpoint(
-            request.session_id, self.tenant(context), request.label
-        )
+        row = await self.manager.checkpoints.checkpoint(request.session_id, tenant, request.label)
         return pb.CheckpointResponse(checkpoint=checkpoint_to_pb(row))
 
     @unary
     async def ListCheckpoints(
-        self, request: pb.ListCheckpointsRequest, context: Any
+        self, request: pb.ListCheckpointsRequest, tenant: Tenant, context: Any
     ) -> pb.ListCheckpointsResponse:
-        rows = await self.manager.checkpoints.list_checkpoints(request.session_id, self.tenant(context))
+        rows = await self.manager.checkpoints.list_checkpoints(request.session_id, tenant)
         return pb.ListCheckpointsResponse(checkpoints=[checkpoint_to_pb(r) for r in rows])
 
     @unary
     async def RestoreCheckpoint(
-        self, request: pb.RestoreCheckpointRequest, context: Any
+        self, request: pb.RestoreCheckpointRequest, tenant: Tenant, context: Any
     ) -> pb.RestoreCheckpointResponse:
         self._check_accepting()
         session, reprefilled = await self.manager.checkpoints.restore(
-            request.session_id, request.checkpoint_id, self.tenant(context)
+            request.session_id, request.checkpoint_id, tenant
         )
         view = await self.manager.view(session)
         return pb.RestoreCheckpointResponse(session=self._session_pb(view), reprefilled=reprefilled)
 
     @unary
-    async def ForkSession(self, request: pb.ForkSessionRequest, context: Any) -> pb.ForkSessionResponse:
+    async def ForkSession(
+        self, request: pb.ForkSessionRequest, tenant: Tenant, context: Any
+    ) -> pb.ForkSessionResponse:
         self._check_accepting()
         session, reprefilled = await self.manager.checkpoints.fork(
-            request.session_id, request.checkpoint_id, request.persistent, self.tenant(context)
+            request.session_id, request.checkpoint_id, request.persistent, tenant
         )
         await send_session_header(context, session.session_id)
         view = await self.manager.view(session)
@@ -279,28 +308,26 @@ class KvStashService(pb_grpc.KvStashServicer):
 
     @unary
     async def DeleteCheckpoint(
-        self, request: pb.DeleteCheckpointRequest, context: Any
+        self, request: pb.DeleteCheckpointRequest, tenant: Tenant, context: Any
     ) -> pb.DeleteCheckpointResponse:
-        await self.manager.checkpoints.delete_checkpoint(request.checkpoint_id, self.tenant(context))
+        await self.manager.checkpoints.delete_checkpoint(request.checkpoint_id, tenant)
         return pb.DeleteCheckpointResponse()
 
     @streaming
     async def ExportCheckpoint(
-        self, request: pb.ExportCheckpointRequest, context: Any
+        self, request: pb.ExportCheckpointRequest, tenant: Tenant, context: Any
     ) -> AsyncGenerator[pb.ExportCheckpointResponse, None]:
-        tenant = self.tenant(context)
         async for data in self.manager.checkpoints.export_checkpoint(request.checkpoint_id, tenant):
             yield pb.ExportCheckpointResponse(data=data)
 
     @unary
     async def ImportCheckpoint(
-        self, request_iterator: AsyncIterator[pb.ImportCheckpointRequest], context: Any
+        self, requests: AsyncIterator[pb.ImportCheckpointRequest], tenant: Tenant, context: Any
     ) -> pb.ImportCheckpointResponse:
         self._check_accepting()
-        tenant = self.tenant(context)
 
         async def data() -> AsyncIterator[bytes]:
-            async for request in request_iterator:
+            async for request in requests:
                 yield request.data
 
         row = await self.manager.checkpoints.import_checkpoint(data(), tenant)

@@ -15,6 +15,7 @@ import uvicorn
 from kvstashd.config import Settings
 from kvstashd.http.app import OpenAiDoor
 from kvstashd.http.guard import Peers, descriptor_share, guarded_protocol
+from kvstashd.http.limits import limited
 from kvstashd.sessions import SessionManager
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class HttpDoor:
         sock = listen(s.http_address)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.door.asgi,
+            limited(self.door),
             interface="asgi3",
             proxy_headers=False,
             lifespan="off",
