@@ -1,4 +1,4 @@
-"""kvstash benchmarks. Every figure is measured in the same run as the baseline it is
+"""kvkeep benchmarks. Every figure is measured in the same run as the baseline it is
 compared with, and reported as a ratio: this machine is shared and noisy.
 
     scripts/bench generate     one session's tokens/s vs llama-cpp-python create_completion
@@ -27,7 +27,7 @@ compared with, and reported as a ratio: this machine is shared and noisy.
                                and the session moving between two daemons sharing a catalog
 
 --charts DIR (before the benchmark's name) also draws PNG charts into DIR (matplotlib, in
-kvstash[dev]): checkpoint.png (restore vs re-prefill by context length; checkpoint runs
+kvkeep[dev]): checkpoint.png (restore vs re-prefill by context length; checkpoint runs
 three shorter lengths too), sessions.png (tokens/s by concurrent sessions) and
 turns.png (the swap turns' latencies).
 """
@@ -54,11 +54,11 @@ from typing import Any
 
 import grpc
 
-import kvstash
-from kvstash import SamplingParams
-from kvstash.v1 import kvstash_pb2 as pb
-from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
-from kvstashd.config import default_model_path
+import kvkeep
+from kvkeep import SamplingParams
+from kvkeep.v1 import kvkeep_pb2 as pb
+from kvkeep.v1 import kvkeep_pb2_grpc as pb_grpc
+from kvkeepd.config.settings import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 STORY = (
@@ -72,7 +72,7 @@ def daemon(*flags: str, state: Path | None = None) -> Iterator[tuple[str, Path]]
     """A daemon subprocess on a free port: (address, state dir). The state dir is fresh and
     removed afterwards unless one is given (then it is kept, for a restart)."""
     keep = state is not None
-    state = state or Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
+    state = state or Path(tempfile.mkdtemp(prefix="kvkeep-bench-"))
     (state / "ready").unlink(missing_ok=True)
     ready = state / "ready"
     log = (state / "daemon.log").open("w")
@@ -80,7 +80,7 @@ def daemon(*flags: str, state: Path | None = None) -> Iterator[tuple[str, Path]]
         [
             sys.executable,
             "-m",
-            "kvstashd",
+            "kvkeepd",
             "--address",
             "127.0.0.1:0",
             "--state-dir",
@@ -109,9 +109,9 @@ def daemon(*flags: str, state: Path | None = None) -> Iterator[tuple[str, Path]]
 
 
 @contextmanager
-def connected(*flags: str) -> Iterator[tuple[kvstash.Client, Path]]:
+def connected(*flags: str) -> Iterator[tuple[kvkeep.Client, Path]]:
     """A client of a fresh daemon subprocess: (client, the daemon's state dir)."""
-    with daemon(*flags) as (address, state), kvstash.Client(address) as client:
+    with daemon(*flags) as (address, state), kvkeep.Client(address) as client:
         yield client, state
 
 
@@ -192,7 +192,7 @@ def bench_generate(args: argparse.Namespace) -> None:
     table(
         [
             ("path", f"tokens/s (median of {args.repeat})", "ratio"),
-            ("kvstash SDK, one session (streamed)", f"{kv_rate:.1f}", f"{kv_rate / lc_rate:.2f}x"),
+            ("kvkeep SDK, one session (streamed)", f"{kv_rate:.1f}", f"{kv_rate / lc_rate:.2f}x"),
             ("llama-cpp-python create_completion", f"{lc_rate:.1f}", "1.00x"),
         ]
     )
@@ -201,7 +201,7 @@ def bench_generate(args: argparse.Namespace) -> None:
 # ---- checkpoint -------------------------------------------------------------------------------
 
 
-def checkpoint_run(client: kvstash.Client, text: str, persistent: bool, repeat: int) -> dict[str, Any]:
+def checkpoint_run(client: kvkeep.Client, text: str, persistent: bool, repeat: int) -> dict[str, Any]:
     """Prefill a session, checkpoint it, extend it by 64 tokens, checkpoint again, then time
     restore + first token of the first checkpoint."""
     s = client.create_session(sampling=SamplingParams(temperature=0.0), persistent=persistent)
@@ -275,19 +275,19 @@ def bench_checkpoint(args: argparse.Namespace) -> None:
     ]
     full, delta = ram["full"], ram["delta"]
     rows += [
-        ("kvstash checkpoint (full)", f"{ram['full_s'] * 1e3:.0f} ms, {full.bytes_written / 1e6:.1f} MB", ""),
+        ("kvkeep checkpoint (full)", f"{ram['full_s'] * 1e3:.0f} ms, {full.bytes_written / 1e6:.1f} MB", ""),
         (
-            f"kvstash restore + first token, ephemeral: RAM (median of {args.repeat})",
+            f"kvkeep restore + first token, ephemeral: RAM (median of {args.repeat})",
             f"{ram['restore'] * 1e3:.1f} ms",
             f"{prefill / ram['restore']:.0f}x ({load_s / ram['restore']:.1f}x vs load_state)",
         ),
         (
-            f"kvstash restore + first token, persistent: disk (median of {args.repeat})",
+            f"kvkeep restore + first token, persistent: disk (median of {args.repeat})",
             f"{disk['restore'] * 1e3:.1f} ms",
             f"{prefill / disk['restore']:.0f}x ({load_s / disk['restore']:.1f}x vs load_state)",
         ),
         (
-            f"kvstash checkpoint after {ram['grown']} more tokens",
+            f"kvkeep checkpoint after {ram['grown']} more tokens",
             f"{ram['delta_s'] * 1e3:.0f} ms, {delta.bytes_written / 1e6:.2f} MB",
             f"{100 * delta.bytes_written / full.bytes_written:.1f}% of full",
         ),
@@ -340,7 +340,7 @@ def raw_decode_rates(counts: list[int], steps: int, threads: int) -> dict[int, f
     """Tokens/s of llama_decode with batches of N tokens, one per sequence (exact mode)."""
     import llama_cpp as L
 
-    from kvstashd.context import route_llama_log
+    from kvkeepd.engine.context import route_llama_log
 
     route_llama_log()  # llama.cpp's chatter to logging (warnings and up)
     L.llama_backend_init()
@@ -399,7 +399,7 @@ def bench_sessions(args: argparse.Namespace) -> None:
                 s.complete(STORY, max_tokens=1)
             totals = [0] * count
 
-            def run(i: int, sessions: list[kvstash.Session] = sessions, totals: list[int] = totals) -> None:
+            def run(i: int, sessions: list[kvkeep.Session] = sessions, totals: list[int] = totals) -> None:
                 for chunk in sessions[i].generate("", max_tokens=steps):
                     totals[i] += len(chunk.token_ids)
 
@@ -415,11 +415,11 @@ def bench_sessions(args: argparse.Namespace) -> None:
     rows = [
         (
             "concurrent sessions",
-            "kvstash tok/s",
+            "kvkeep tok/s",
             "speed-up",
             "raw llama_decode tok/s",
             "speed-up",
-            "kvstash / raw speed-up",
+            "kvkeep / raw speed-up",
         )
     ]
     for c in counts:
@@ -435,7 +435,7 @@ def bench_sessions(args: argparse.Namespace) -> None:
 
 
 def draw_sessions(ax: Any, counts: list[int], rates: dict[int, float], raw: dict[int, float]) -> None:
-    ax.plot(counts, [rates[c] for c in counts], "o-", label="kvstash (through the SDK)")
+    ax.plot(counts, [rates[c] for c in counts], "o-", label="kvkeep (through the SDK)")
     ax.plot(counts, [raw[c] for c in counts], "s--", label="raw llama_decode, same batch shapes")
     ax.set_xscale("log", base=2)
     ax.set_xticks(counts, [str(c) for c in counts])
@@ -478,7 +478,7 @@ def swap_turns(args: argparse.Namespace) -> tuple[list[float], float]:
         "--ram-cache",
         str(8 << 30),
     )
-    with daemon(*flags) as (address, _), kvstash.Client(address) as client:
+    with daemon(*flags) as (address, _), kvkeep.Client(address) as client:
         sessions = []
         prefills = []
         for _ in range(n_sessions):
@@ -489,7 +489,7 @@ def swap_turns(args: argparse.Namespace) -> tuple[list[float], float]:
         for _ in range(rounds):
             for s in sessions:
 
-                def turn(s: kvstash.Session = s) -> None:
+                def turn(s: kvkeep.Session = s) -> None:
                     next(iter(s.generate(" And then", max_tokens=1)))
 
                 turns.append(timed(turn)[0])
@@ -526,7 +526,7 @@ def prefix_round(address: str, system: str, n: int, persistent: bool) -> dict[st
     """n new sessions with the same system prompt, one chat turn each: time to first token,
     tokens evaluated and reused."""
     ttft, evaluated, reused = [], 0, 0
-    with kvstash.Client(address, timeout=600) as client:
+    with kvkeep.Client(address, timeout=600) as client:
         for _ in range(n):
             s = client.create_session(system, sampling=SamplingParams(temperature=0.0), persistent=persistent)
             started = time.perf_counter()
@@ -562,7 +562,7 @@ def bench_prefix(args: argparse.Namespace) -> None:
         )
     ]
     runs = []
-    state = Path(tempfile.mkdtemp(prefix="kvstash-bench-prefix-"))
+    state = Path(tempfile.mkdtemp(prefix="kvkeep-bench-prefix-"))
     try:
         for label, extra, where in (
             ("prefix cache off", ("--no-prefix-cache",), None),
@@ -611,7 +611,7 @@ word ::= [a-zA-Z]+ | [0-9]+
 """
 
 
-def constrained_rates(client: kvstash.Client, n: int, repeat: int) -> dict[str, list[float]]:
+def constrained_rates(client: kvkeep.Client, n: int, repeat: int) -> dict[str, list[float]]:
     """Tokens/s of one streamed session, unconstrained and under each grammar, interleaved."""
     kinds: dict[str, dict[str, Any]] = {
         "unconstrained": {},
@@ -645,8 +645,8 @@ def mask_costs(tokens: list[int], gbnf: str) -> dict[str, list[float]]:
     import numpy as np
     from llguidance.llamacpp import lltokenizer_from_vocab
 
-    import kvstashd.sampling
-    from kvstashd.grammar import GrammarSpec, Matcher, compile_spec
+    import kvkeepd.engine.sampling
+    from kvkeepd.engine.grammar import GrammarSpec, Matcher, compile_spec
 
     params = lc.llama_model_default_params()
     params.vocab_only = True
@@ -659,7 +659,7 @@ def mask_costs(tokens: list[int], gbnf: str) -> dict[str, list[float]]:
         compile_spec(tokenizer, GrammarSpec("gbnf", gbnf), llguidance.LLParserLimits()), n_vocab
     )
     row = (np.random.default_rng(0).standard_normal(n_vocab) * 3).astype(np.float32)
-    params = kvstashd.sampling.SamplingParams(seed=1)
+    params = kvkeepd.engine.sampling.SamplingParams(seed=1)
     ours, plain, masked = [], [], []
     for i, t in enumerate(tokens):
         started = time.perf_counter()
@@ -667,10 +667,10 @@ def mask_costs(tokens: list[int], gbnf: str) -> dict[str, list[float]]:
         ours.append(time.perf_counter() - started)
         assert allowed[t]
         started = time.perf_counter()
-        kvstashd.sampling.sample(row, tokens[:i], params, i, allowed)
+        kvkeepd.engine.sampling.sample(row, tokens[:i], params, i, allowed)
         masked.append(time.perf_counter() - started + ours[-1])
         started = time.perf_counter()
-        kvstashd.sampling.sample(row, tokens[:i], params, i)
+        kvkeepd.engine.sampling.sample(row, tokens[:i], params, i)
         plain.append(time.perf_counter() - started)
         matcher.consume(t)
     sampler = lc.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
@@ -827,9 +827,9 @@ def haproxy(daemons: list[str]) -> Iterator[str]:
         address = f"127.0.0.1:{sock.getsockname()[1]}"
     env = {
         **os.environ,
-        "KVSTASH_PROXY_ADDRESS": address,
-        "KVSTASH_DAEMON_1": daemons[0],
-        "KVSTASH_DAEMON_2": daemons[1],
+        "KVKEEP_PROXY_ADDRESS": address,
+        "KVKEEP_DAEMON_1": daemons[0],
+        "KVKEEP_DAEMON_2": daemons[1],
     }
     proc = subprocess.Popen(
         [binary, "-db", "-f", str(ROOT / "deploy" / "haproxy.cfg")],
@@ -841,10 +841,10 @@ def haproxy(daemons: list[str]) -> Iterator[str]:
         deadline = time.monotonic() + 30
         while True:
             try:
-                with kvstash.Client(address, timeout=2) as client:
+                with kvkeep.Client(address, timeout=2) as client:
                     client.info()
                 break
-            except kvstash.KvstashError:
+            except kvkeep.KvkeepError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("haproxy did not start") from None
                 time.sleep(0.1)
@@ -856,7 +856,7 @@ def haproxy(daemons: list[str]) -> Iterator[str]:
 
 def bench_routing(args: argparse.Namespace) -> None:
     """The same calls, interleaved, on two sessions of one daemon: one reached through
-    HAProxy (which routes it by its x-kvstash-session header), one reached directly."""
+    HAProxy (which routes it by its x-kvkeep-session header), one reached directly."""
     flags = ("--slots", "2", "--ctx-per-session", "2048", "--threads", str(args.threads))
     greedy = SamplingParams(temperature=0.0)
     times: dict[str, dict[str, list[float]]] = {"direct": {}, "routed": {}}
@@ -865,11 +865,11 @@ def bench_routing(args: argparse.Namespace) -> None:
         daemon(*flags) as (a, _),
         daemon(*flags) as (b, _),
         haproxy([a, b]) as proxy,
-        kvstash.Client(proxy, timeout=600) as routed,
+        kvkeep.Client(proxy, timeout=600) as routed,
     ):
         proxied = routed.create_session(sampling=greedy)
         target = next(d for d in (a, b) if _has_session(d, proxied.session_id))
-        with kvstash.Client(target, timeout=600) as direct:
+        with kvkeep.Client(target, timeout=600) as direct:
             baseline = direct.create_session(sampling=greedy)
             pairs = {"routed": (routed, proxied), "direct": (direct, baseline)}
             for _, s in pairs.values():
@@ -877,7 +877,7 @@ def bench_routing(args: argparse.Namespace) -> None:
             base = {key: s.info().n_tokens for key, (_, s) in pairs.items()}
             checkpoints = {key: s.checkpoint().checkpoint_id for key, (_, s) in pairs.items()}
 
-            def measure(name: str, fn: Callable[[str, kvstash.Client, kvstash.Session], Any]) -> None:
+            def measure(name: str, fn: Callable[[str, kvkeep.Client, kvkeep.Session], Any]) -> None:
                 for i in range(args.repeat):
                     # Alternate which goes first, so that neither always follows the other.
                     for key, (client, session) in list(pairs.items())[:: 1 if i % 2 else -1]:
@@ -888,12 +888,12 @@ def bench_routing(args: argparse.Namespace) -> None:
 
             channels = {"routed": grpc.insecure_channel(proxy), "direct": grpc.insecure_channel(target)}
 
-            def export(key: str, client: kvstash.Client, session: kvstash.Session) -> None:
+            def export(key: str, client: kvkeep.Client, session: kvkeep.Session) -> None:
                 # An export names only its checkpoint, which the SDK cannot route; sent here
                 # with its session's header, the proxy takes it to the daemon that has it.
-                stub = pb_grpc.KvStashStub(channels[key])
+                stub = pb_grpc.KvKeepStub(channels[key])
                 request = pb.ExportCheckpointRequest(checkpoint_id=checkpoints[key])
-                metadata = [("x-kvstash-session", session.session_id)]
+                metadata = [("x-kvkeep-session", session.session_id)]
                 sizes[key] = sum(len(r.data) for r in stub.ExportCheckpoint(request, metadata=metadata))
 
             measure("GetSession", lambda k, c, s: s.info())
@@ -911,10 +911,10 @@ def bench_routing(args: argparse.Namespace) -> None:
 
 
 def _has_session(address: str, session_id: str) -> bool:
-    with kvstash.Client(address, timeout=30) as client:
+    with kvkeep.Client(address, timeout=30) as client:
         try:
             client.session(session_id)
-        except kvstash.NotFoundError:
+        except kvkeep.NotFoundError:
             return False
     return True
 
@@ -966,7 +966,7 @@ def daemon_pid(state: Path) -> int:
                 args = (proc / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if str(state).encode() in args and b"kvstashd" in args:
+            if str(state).encode() in args and b"kvkeepd" in args:
                 return int(proc.name)
     raise RuntimeError(f"no daemon process serves {state}")
 
@@ -980,7 +980,7 @@ def server_prefill(url: str, prompt: str) -> int:
     return int(answer["timings"]["prompt_n"])
 
 
-def kvstash_prefill(client: kvstash.Client, prompt: str) -> int:
+def kvkeep_prefill(client: kvkeep.Client, prompt: str) -> int:
     """The prompt tokens of one Generate of a fresh session, one token generated."""
     s = client.create_session(sampling=SamplingParams(temperature=0.0))
     c = s.complete(prompt, max_tokens=1)
@@ -996,9 +996,9 @@ def bench_prefill(args: argparse.Namespace) -> None:
         fast, fast_state = stack.enter_context(connected(*flags, "--flash-attn"))
         assert (exact.info().mode, fast.info().mode) == ("exact", "compact")
         paths: dict[str, tuple[Callable[[str], int], int]] = {
-            "kvstash exact mode": (functools.partial(kvstash_prefill, exact), daemon_pid(exact_state)),
-            "kvstash --flash-attn (compact)": (
-                functools.partial(kvstash_prefill, fast),
+            "kvkeep exact mode": (functools.partial(kvkeep_prefill, exact), daemon_pid(exact_state)),
+            "kvkeep --flash-attn (compact)": (
+                functools.partial(kvkeep_prefill, fast),
                 daemon_pid(fast_state),
             ),
         }
@@ -1012,7 +1012,7 @@ def bench_prefill(args: argparse.Namespace) -> None:
             paths["llama-server -fa off"] = (functools.partial(server_prefill, fa_off), fa_off_pid)
         # The prompt's length in tokens, then about --tokens of it.
         story = STORY * (args.tokens // 20)
-        n = kvstash_prefill(exact, story)
+        n = kvkeep_prefill(exact, story)
         prompt = STORY * max(1, round(len(story) / len(STORY) * args.tokens / n))
         wall: dict[str, list[float]] = {name: [] for name in paths}
         cpu: dict[str, list[float]] = {name: [] for name in paths}
@@ -1024,8 +1024,8 @@ def bench_prefill(args: argparse.Namespace) -> None:
                 wall[name].append(counts[name] / (time.perf_counter() - started))
                 cpu[name].append(counts[name] / (cpu_seconds(pid) - cpu_before))
     base, base_cpu = (
-        statistics.median(wall["kvstash exact mode"]),
-        statistics.median(cpu["kvstash exact mode"]),
+        statistics.median(wall["kvkeep exact mode"]),
+        statistics.median(cpu["kvkeep exact mode"]),
     )
     rows = [
         (
@@ -1052,7 +1052,7 @@ def bench_prefill(args: argparse.Namespace) -> None:
     table(rows)
 
 
-def one_token_turn(s: kvstash.Session, token: int) -> float:
+def one_token_turn(s: kvkeep.Session, token: int) -> float:
     """Seconds for a turn of a one-token prompt and one generated token, to its last chunk
     (a persistent turn's is sent once the turn is durable)."""
     started = time.perf_counter()
@@ -1068,9 +1068,9 @@ def bench_turns(args: argparse.Namespace) -> None:
     one-token turn, and the first turn after kill -9."""
     flags = ("--slots", "4", "--ctx-per-session", "4096", "--threads", str(args.threads), *args.flag)
     greedy = SamplingParams(temperature=0.0)
-    state = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
+    state = Path(tempfile.mkdtemp(prefix="kvkeep-bench-"))
     try:
-        with daemon(*flags, state=state) as (address, _), kvstash.Client(address) as client:
+        with daemon(*flags, state=state) as (address, _), kvkeep.Client(address) as client:
             persistent = client.create_session(sampling=greedy, persistent=True)
             probe = persistent.complete(STORY, max_tokens=1).usage.prompt_tokens
             persistent.complete(STORY * max(1, args.tokens // max(probe, 1) - 1), max_tokens=1)
@@ -1097,7 +1097,7 @@ def bench_turns(args: argparse.Namespace) -> None:
             sid = persistent.session_id
         after: dict[str, float] = {}
         for how in ("restart", "kill -9"):
-            with daemon(*flags, state=state) as (address, s_dir), kvstash.Client(address) as client:
+            with daemon(*flags, state=state) as (address, s_dir), kvkeep.Client(address) as client:
                 s = client.session(sid)
                 after[how] = one_token_turn(s, token)
                 for _ in range(3):  # turns that leave work for a replay after the kill
@@ -1159,7 +1159,7 @@ def store_servers(work: Path) -> tuple[Any, Any]:
     return redis, weed
 
 
-def restore_times(client: kvstash.Client, text: str, repeat: int) -> dict[str, Any]:
+def restore_times(client: kvkeep.Client, text: str, repeat: int) -> dict[str, Any]:
     """A persistent session of `text`: its prefill, a full checkpoint, and restore + first
     token of that checkpoint `repeat` times (each restore reads every block from the store)."""
     s = client.create_session(sampling=SamplingParams(temperature=0.0), persistent=True)
@@ -1185,13 +1185,13 @@ def move_times(
     lease taken, the head restored from the store, the first token)."""
     flags = (*common, "--catalog", catalog, *store, "--lease-seconds", str(LEASE_SECONDS))
     with daemon(*flags) as (a_address, a_state):
-        b_root = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
+        b_root = Path(tempfile.mkdtemp(prefix="kvkeep-bench-"))
         (b_root / "s").mkdir(mode=0o700)
         shutil.copy(a_state / "store.key", b_root / "s" / "store.key")  # shared manifests' key
         with (
             daemon(*flags, state=b_root) as (b_address, _),
-            kvstash.Client(a_address) as a,
-            kvstash.Client(b_address) as b,
+            kvkeep.Client(a_address) as a,
+            kvkeep.Client(b_address) as b,
         ):
             s = a.create_session(sampling=SamplingParams(temperature=0.0), persistent=True)
             s.complete(text, max_tokens=1)
@@ -1199,7 +1199,7 @@ def move_times(
             for i in range(2 * repeat):
                 address, there = ((b_address, b), (a_address, a))[i % 2]
 
-                def move(there: kvstash.Client = there) -> None:
+                def move(there: kvkeep.Client = there) -> None:
                     next(iter(there.session(s.session_id).generate("", max_tokens=1)))
 
                 if i < repeat:
@@ -1207,8 +1207,8 @@ def move_times(
                     continue
                 # Asked for and given up at once: the holder lets it go at its next renewal.
                 with (
-                    kvstash.Client(address, timeout=0.05) as asker,
-                    contextlib.suppress(kvstash.KvstashError),
+                    kvkeep.Client(address, timeout=0.05) as asker,
+                    contextlib.suppress(kvkeep.KvkeepError),
                 ):
                     asker.session(s.session_id)
                 time.sleep(LEASE_SECONDS / 3 + 0.5)
@@ -1218,7 +1218,7 @@ def move_times(
 
 
 def bench_store(args: argparse.Namespace) -> None:
-    work = Path(tempfile.mkdtemp(prefix="kvstash-bench-servers-"))
+    work = Path(tempfile.mkdtemp(prefix="kvkeep-bench-servers-"))
     redis, weed = store_servers(work)
     try:
         os.environ.update(weed.server.env)  # the daemons' S3 credentials (AWS_* variables)

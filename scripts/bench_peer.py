@@ -1,20 +1,20 @@
-"""scripts/bench peer LLAMA_SERVER: kvstash and llama-server side by side, in one run.
+"""scripts/bench peer LLAMA_SERVER: kvkeep and llama-server side by side, in one run.
 
 Both serve the same model with the same threads, context per session and batch size, and
 are driven the same way: token ids in, greedy sampling, over one kept-alive connection
-each (gRPC for kvstash, HTTP/1.1 for llama-server). Every measure is a median of rounds
+each (gRPC for kvkeep, HTTP/1.1 for llama-server). Every measure is a median of rounds
 that interleave the two, so the machine's noise falls on both alike.
 
 - a one-token turn on a hot session (~1,900 tokens): llama-server `/completion` with
-  `cache_prompt` and `n_predict` 1 on the slot that holds them; kvstash ephemeral and
+  `cache_prompt` and `n_predict` 1 on the slot that holds them; kvkeep ephemeral and
   persistent (the latter's turn is durable when acknowledged);
 - restore + one-token turn: llama-server `/slots/0?action=restore` of a file saved with
-  `--slot-save-path` (in the page cache); kvstash restoring a checkpoint of an ephemeral
+  `--slot-save-path` (in the page cache); kvkeep restoring a checkpoint of an ephemeral
   session (RAM: its whole state, kept when it was taken) and of a persistent one (disk, page
   cache: its blocks), alternating two checkpoints
   whose tokens part at the sixth, so that each restore loads a state (checked in GetInfo's
   swap-in count);
-- rollback + one-token turn: kvstash restoring the session's own checkpoint while it still
+- rollback + one-token turn: kvkeep restoring the session's own checkpoint while it still
   holds its cells (the slot is cut, nothing loaded), beside the same slot restore;
 - the first one-token turn of a persistent session after a daemon restart;
 - the same restores with a cold page cache (`echo 1 > /proc/sys/vm/drop_caches` before
@@ -22,7 +22,7 @@ that interleave the two, so the machine's noise falls on both alike.
 - tokens/s of one streamed session vs llama-cpp-python's `create_completion`, the two in
   turn within each round;
 - aggregate tokens/s of 1, 4 and 8 concurrent sessions vs llama-server `-np 8`: rounds that
-  run every count on kvstash, then on llama-server, each speed-up the median of the rounds'
+  run every count on kvkeep, then on llama-server, each speed-up the median of the rounds'
   own (N sessions vs 1 in the same round).
 """
 
@@ -48,9 +48,9 @@ from typing import Any
 
 from bench import STORY, daemon, llama, table, timed
 
-import kvstash
-from kvstash import SamplingParams
-from kvstashd.config import default_model_path
+import kvkeep
+from kvkeep import SamplingParams
+from kvkeepd.config.settings import default_model_path
 
 GREEDY = SamplingParams(temperature=0.0)
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
@@ -58,7 +58,7 @@ DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 def add_parser(sub: Any) -> None:
     """The `peer` sub-command's arguments."""
-    p = sub.add_parser("peer", help="kvstash vs llama-server, same model, threads and context")
+    p = sub.add_parser("peer", help="kvkeep vs llama-server, same model, threads and context")
     p.add_argument("llama_server", type=Path, metavar="LLAMA_SERVER", help="the llama-server binary")
     p.add_argument("--tokens", type=int, default=1900, help="tokens of the session (default 1900)")
     p.add_argument("--ctx", type=int, default=4096, help="context per session (default 4096)")
@@ -75,7 +75,7 @@ def add_parser(sub: Any) -> None:
         "--flash-attn",
         default="off",
         choices=["on", "off", "auto"],
-        help="llama-server's -fa (default off: the arithmetic of kvstash's exact mode)",
+        help="llama-server's -fa (default off: the arithmetic of kvkeep's exact mode)",
     )
     p.add_argument("--no-cold", action="store_true", help="leave out the cold page-cache rows")
 
@@ -226,13 +226,13 @@ def ratio(value: float, base: float) -> str:
     return f"{value:.1f} ms ({value / base:.2f}x)"
 
 
-def kv_turn(session: kvstash.Session, token: int) -> None:
+def kv_turn(session: kvkeep.Session, token: int) -> None:
     """A one-token prompt and one generated token, to the end of the stream."""
     for _ in session.generate([token], max_tokens=1):
         pass
 
 
-def kv_restore_turn(session: kvstash.Session, checkpoint_id: str, token: int) -> None:
+def kv_restore_turn(session: kvkeep.Session, checkpoint_id: str, token: int) -> None:
     session.restore(checkpoint_id)
     kv_turn(session, token)
 
@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> None:
     binary = args.llama_server.resolve()
     if not os.access(binary, os.X_OK):
         raise SystemExit(f"not an executable: {binary}")
-    work = Path(tempfile.mkdtemp(prefix="kvstash-bench-peer-"))
+    work = Path(tempfile.mkdtemp(prefix="kvkeep-bench-peer-"))
     if args.concurrency_only:
         try:
             print_concurrency(args, concurrency(args, binary, work))
@@ -282,7 +282,7 @@ def latencies(args: argparse.Namespace, binary: Path, work: Path) -> dict[str, A
         "--batch-size",
         "512",
     )
-    state = work / "kvstash"
+    state = work / "kvkeep"
     state.mkdir()
     out: dict[str, Any] = {}
     with llama_server(binary, args, 1, work) as server:
@@ -302,7 +302,7 @@ def latencies(args: argparse.Namespace, binary: Path, work: Path) -> dict[str, A
             server.slot("restore", "peer.bin")
             server.complete([*saved, token])
 
-        with daemon(*flags, state=state) as (address, _), kvstash.Client(address, timeout=600) as client:
+        with daemon(*flags, state=state) as (address, _), kvkeep.Client(address, timeout=600) as client:
             eph = client.create_session(sampling=GREEDY)
             per = client.create_session(sampling=GREEDY, persistent=True)
             for s in (eph, per):
@@ -320,7 +320,7 @@ def latencies(args: argparse.Namespace, binary: Path, work: Path) -> dict[str, A
                 alternate[alternate[ck]] = ck  # (left open: closing drops its checkpoints)
             turn_of = {eph.session_id: [eph_ck], per.session_id: [per_ck]}
 
-            def kv_alternating(session: kvstash.Session) -> None:
+            def kv_alternating(session: kvkeep.Session) -> None:
                 last = turn_of[session.session_id]
                 last[0] = alternate[last[0]]
                 kv_restore_turn(session, last[0], token)
@@ -395,7 +395,7 @@ def restarts(
     times: dict[str, list[float]] = {"server": [], "first": [], "server_cold": [], "first_cold": []}
     for i in range(args.restarts):
         cold = not args.no_cold and i % 2 == 1 and drop_caches()
-        with daemon(*flags, state=state) as (address, _), kvstash.Client(address, timeout=600) as client:
+        with daemon(*flags, state=state) as (address, _), kvkeep.Client(address, timeout=600) as client:
             if cold:
                 drop_caches()
             started = time.perf_counter()
@@ -409,7 +409,7 @@ def restarts(
 
 
 def streaming(args: argparse.Namespace) -> dict[str, float]:
-    """Tokens/s of one streamed greedy session, kvstash and llama-cpp-python in turn within
+    """Tokens/s of one streamed greedy session, kvkeep and llama-cpp-python in turn within
     each round (both loaded throughout, so a noisy stretch falls on both); the ratio is the
     median of the rounds' own."""
     n = args.stream_tokens
@@ -417,7 +417,7 @@ def streaming(args: argparse.Namespace) -> dict[str, float]:
     kv, direct = [], []
     flags = ("--slots", "1", "--threads", str(args.threads))
     llm = llama(2048, args.threads)
-    with daemon(*flags) as (address, _), kvstash.Client(address) as client:
+    with daemon(*flags) as (address, _), kvkeep.Client(address) as client:
         for _ in range(args.stream_rounds):
             s = client.create_session(sampling=GREEDY)
             s.complete(prompt, max_tokens=1)  # prefill outside the timing
@@ -431,10 +431,10 @@ def streaming(args: argparse.Namespace) -> dict[str, float]:
             got = sum(1 for _ in llm.create_completion(prompt, max_tokens=n, temperature=0.0, stream=True))
             direct.append(got / (time.perf_counter() - started))
     del llm
-    rates = {"kvstash": [round(x, 1) for x in kv], "llama-cpp-python": [round(x, 1) for x in direct]}
+    rates = {"kvkeep": [round(x, 1) for x in kv], "llama-cpp-python": [round(x, 1) for x in direct]}
     print(f"peer: streaming done, tok/s of each round: {rates}", file=sys.stderr)
     return {
-        "kvstash": statistics.median(kv),
+        "kvkeep": statistics.median(kv),
         "direct": statistics.median(direct),
         "ratio": statistics.median(a / b for a, b in zip(kv, direct, strict=True)),
     }
@@ -446,7 +446,7 @@ def concurrency(args: argparse.Namespace, binary: Path, work: Path) -> dict[str,
     is measured), so each round measures every count on both within seconds."""
     counts, n = (1, 4, 8), args.concurrent_tokens
     rates: dict[str, dict[int, list[float]]] = {
-        "kvstash": {c: [] for c in counts},
+        "kvkeep": {c: [] for c in counts},
         "server": {c: [] for c in counts},
     }
     prompts = [f"({i}) {STORY}" for i in range(max(counts))]
@@ -465,7 +465,7 @@ def concurrency(args: argparse.Namespace, binary: Path, work: Path) -> dict[str,
             t.join()
         return sum(got) / (time.perf_counter() - started)
 
-    def kv_round(client: kvstash.Client, count: int) -> float:
+    def kv_round(client: kvkeep.Client, count: int) -> float:
         sessions = [client.create_session(sampling=GREEDY) for _ in range(count)]
         try:
             for s, p in zip(sessions, prompts, strict=False):  # prefill outside the timing
@@ -486,14 +486,14 @@ def concurrency(args: argparse.Namespace, binary: Path, work: Path) -> dict[str,
     small = argparse.Namespace(**{**vars(args), "ctx": 512})
     with (
         daemon(*flags) as (address, _),
-        kvstash.Client(address) as client,
+        kvkeep.Client(address) as client,
         llama_server(binary, small, max(counts), work) as server,
     ):
         conns = [http.client.HTTPConnection("127.0.0.1", server.port, timeout=600) for _ in prompts]
         ids = [server.tokenize(p) for p in prompts]
         for _ in range(args.concurrent_rounds):
             for count in counts:
-                rates["kvstash"][count].append(kv_round(client, count))
+                rates["kvkeep"][count].append(kv_round(client, count))
             for count in counts:
                 rates["server"][count].append(server_round(server, conns, count))
             figures = {k: [round(r[c][-1], 1) for c in counts] for k, r in rates.items()}
@@ -514,8 +514,8 @@ def print_tables(
         (
             f"measure (median; {args.tokens}-token session, {args.threads} threads, -fa {args.flash_attn})",
             "llama-server",
-            "kvstash ephemeral",
-            "kvstash persistent",
+            "kvkeep ephemeral",
+            "kvkeep persistent",
         ),
         (
             f"one-token turn on a hot session ({args.repeat} rounds)",
@@ -524,7 +524,7 @@ def print_tables(
             ratio(median_ms(turn["persistent"]), t_server),
         ),
         (
-            "restore + one-token turn (llama-server: slot file, page cache; kvstash: RAM / disk)",
+            "restore + one-token turn (llama-server: slot file, page cache; kvkeep: RAM / disk)",
             f"{r_server:.1f} ms",
             ratio(median_ms(restore["ephemeral"]), r_server),
             ratio(median_ms(restore["persistent"]), r_server),
@@ -581,7 +581,7 @@ def print_tables(
                 "ratio",
             ),
             ("llama-cpp-python create_completion", f"{stream['direct']:.1f}", "1.00x"),
-            ("kvstash SDK", f"{stream['kvstash']:.1f}", f"{stream['ratio']:.2f}x"),
+            ("kvkeep SDK", f"{stream['kvkeep']:.1f}", f"{stream['ratio']:.2f}x"),
         ]
     )
     print()
@@ -589,7 +589,7 @@ def print_tables(
 
 
 def print_concurrency(args: argparse.Namespace, together: dict[str, dict[int, list[float]]]) -> None:
-    kv, sv = together["kvstash"], together["server"]
+    kv, sv = together["kvkeep"], together["server"]
 
     def speedup(rates: dict[int, list[float]], count: int) -> str:
         return f"{statistics.median(r / one for r, one in zip(rates[count], rates[1], strict=True)):.2f}x"
@@ -598,7 +598,7 @@ def print_concurrency(args: argparse.Namespace, together: dict[str, dict[int, li
     rows = [
         (
             f"concurrent sessions ({args.concurrent_tokens} tokens each; median of {rounds} rounds)",
-            "kvstash tok/s",
+            "kvkeep tok/s",
             "speed-up",
             "llama-server -np 8 tok/s",
             "speed-up",

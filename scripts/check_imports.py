@@ -1,4 +1,4 @@
-"""Import boundaries: who may import llama_cpp, grpc and kvstashd."""
+"""Import boundaries: who may import llama_cpp, grpc and kvkeepd."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RULES = {
     # module prefix -> files (relative to the package) allowed to import it
-    "llama_cpp": {"daemon/kvstashd/context.py"},
-    "grpc": {"daemon/kvstashd/service.py", "daemon/kvstashd/server.py"},
-    "grpc_health": {"daemon/kvstashd/server.py"},
-    "grpc_reflection": {"daemon/kvstashd/server.py"},
+    "llama_cpp": {"daemon/kvkeepd/engine/context.py"},
+    "grpc": {"daemon/kvkeepd/api/service.py", "daemon/kvkeepd/server.py"},
+    "grpc_health": {"daemon/kvkeepd/server.py"},
+    "grpc_reflection": {"daemon/kvkeepd/server.py"},
     # The HTTP door's stack (an optional extra) stays inside its package.
-    "starlette": {"daemon/kvstashd/http/app.py"},
-    "uvicorn": {"daemon/kvstashd/http/door.py"},
-    "pydantic": {"daemon/kvstashd/http/app.py", "daemon/kvstashd/http/schema.py"},
+    "starlette": {"daemon/kvkeepd/api/http/app.py"},
+    "uvicorn": {"daemon/kvkeepd/api/http/door.py", "daemon/kvkeepd/api/http/guard.py"},
+    "pydantic": {"daemon/kvkeepd/api/http/app.py", "daemon/kvkeepd/api/http/schema.py"},
 }
 # The same for the SDK: LangChain (an optional extra) only in its integration.
 CLIENT_RULES = {
-    "langchain_core": {"client/kvstash/integrations/langchain.py"},
+    "langchain_core": {"client/kvkeep/integrations/langchain.py"},
 }
 
 
@@ -47,7 +47,7 @@ def main() -> int:
     for path in sorted((ROOT / "client").rglob("*.py")):
         rel = str(path.relative_to(ROOT))
         names = imports(path)
-        if any(n.split(".")[0] == "kvstashd" for n in names) and rel != "client/kvstash/cli/_daemon.py":
+        if any(n.split(".")[0] == "kvkeepd" for n in names) and rel != "client/kvkeep/cli/_daemon.py":
             errors.append(f"{rel}: the client imports the daemon")
         for name in names:
             allowed = CLIENT_RULES.get(name.split(".")[0])

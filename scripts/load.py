@@ -1,4 +1,4 @@
-"""kvstash load generator: N clients send M requests in all, a weighted mix of Chat, Generate,
+"""kvkeep load generator: N clients send M requests in all, a weighted mix of Chat, Generate,
 Checkpoint, Restore, Fork, Rewind, Close, Export and Import, through the SDK's AsyncClient on
 one event loop; then throughput, p50/p99 latency per operation and errors by gRPC status.
 
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import kvstash
-from kvstash import SamplingParams
+import kvkeep
+from kvkeep import SamplingParams
 
 OPERATIONS = ("chat", "generate", "checkpoint", "restore", "fork", "rewind", "close", "export", "import")
 DEFAULT_WEIGHTS = "chat=3,generate=3,checkpoint=2,restore=2,fork=1,rewind=1,close=1,export=1,import=1"
@@ -45,7 +45,7 @@ CHECKPOINTS_KEPT = 8
 class Owned:
     """A session of one client, its length and its checkpoints (id, n_tokens)."""
 
-    session: kvstash.AsyncSession
+    session: kvkeep.AsyncSession
     n_tokens: int = 0
     checkpoints: list[tuple[str, int]] = field(default_factory=list)
 
@@ -66,7 +66,7 @@ class Worker:
         self.args = args
         self.stats = stats
         self.rng = random.Random(args.seed * 1000 + i)
-        self.client = kvstash.AsyncClient(args.address, token=args.token)
+        self.client = kvkeep.AsyncClient(args.address, token=args.token)
         self.sessions: list[Owned] = []
         self.imports: list[tuple[str, int]] = []
         self.export: tuple[Path, int] | None = None
@@ -79,7 +79,7 @@ class Worker:
         started = time.perf_counter()
         try:
             result = await asyncio.wait_for(coro, self.args.timeout)
-        except kvstash.KvstashError as e:
+        except kvkeep.KvkeepError as e:
             self._error(op, e.code, e.message)
             return None
         except TimeoutError:
@@ -230,11 +230,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     weights = parse_weights(args.weights)
     names, cum = list(weights), list(weights.values())
     stats = Stats()
-    async with kvstash.AsyncClient(args.address, token=args.token, timeout=args.timeout) as probe:
+    async with kvkeep.AsyncClient(args.address, token=args.token, timeout=args.timeout) as probe:
         n_ctx = (await probe.info()).ctx_per_session
     issued = 0
     deadline = time.monotonic() + args.duration
-    with tempfile.TemporaryDirectory(prefix="kvstash-load-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvkeep-load-") as tmp:
         workers = [Worker(i, args, stats, n_ctx, Path(tmp)) for i in range(args.clients)]
 
         async def drive(w: Worker) -> None:

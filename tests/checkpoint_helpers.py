@@ -3,8 +3,8 @@
 - token sequences: ``gen`` (the token ids of one generation);
 - ``Background``: threads that keep other sessions decoding while a test checks exactness;
 - the state directory as the tests see it: ``listing``, ``block_files``, ``flip_bit``;
-- the export format of ``kvstashd.checkpoints`` (records, final BLAKE2b) and the manifest format
-  of ``kvstashd.manifest``, read and rebuilt so that a test can forge a valid-looking export;
+- the export format of ``kvkeepd.storage.checkpoints`` (records, final BLAKE2b) and the manifest format
+  of ``kvkeepd.state.manifest``, read and rebuilt so that a test can forge a valid-looking export;
 - ``make_other_model``: the default GGUF with one tensor changed (another fingerprint);
 - ``own_daemon``: an in-process daemon on any model (the ``start_daemon`` fixture fixes the
   model to the default one).
@@ -27,15 +27,15 @@ from typing import Any
 import grpc
 from daemons import TEST_DEFAULTS, InProcessDaemon, model_path
 
-import kvstash
-from kvstash.v1 import kvstash_pb2 as pb
-from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
-from kvstashd.config import Settings
+import kvkeep
+from kvkeep.v1 import kvkeep_pb2 as pb
+from kvkeep.v1 import kvkeep_pb2_grpc as pb_grpc
+from kvkeepd.config.settings import Settings
 
 #: Sampled (not greedy) with a fixed seed: exactness must hold for the RNG too.
 SEED = 12345
-SAMPLED = kvstash.SamplingParams(temperature=0.8, seed=SEED)
-GREEDY = kvstash.SamplingParams(temperature=0.0, seed=SEED)
+SAMPLED = kvkeep.SamplingParams(temperature=0.8, seed=SEED)
+GREEDY = kvkeep.SamplingParams(temperature=0.0, seed=SEED)
 
 PROMPT = "The old lighthouse keeper climbed the stairs every night and"
 
@@ -45,8 +45,8 @@ PROMPT = "The old lighthouse keeper climbed the stairs every night and"
 THREADS = 1
 SPAWN_ARGS = ("--threads", str(THREADS))
 
-EXPORT_MAGIC = b"KVSTEXP1"
-MANIFEST_MAGIC = b"KVSTMAN1"
+EXPORT_MAGIC = b"KVKPEXP1"
+MANIFEST_MAGIC = b"KVKPMAN1"
 _REC = struct.Struct("<BI")
 _MAC_BYTES = 32
 
@@ -54,7 +54,7 @@ _MAC_BYTES = 32
 Trace = list[tuple[int, float]]
 
 
-def gen(session: kvstash.Session, prompt: str | Sequence[int] = "", n: int = 16, **kw: Any) -> Trace:
+def gen(session: kvkeep.Session, prompt: str | Sequence[int] = "", n: int = 16, **kw: Any) -> Trace:
     """One generation of exactly ``n`` tokens: (token id, log-probability) per token.
 
     Comparing log-probabilities too makes every exactness check bit-exact on the logits, not
@@ -85,7 +85,7 @@ def long_text(n_sentences: int, topic: str = "harbour") -> str:
 def restore_raw(address: str, session_id: str, checkpoint_id: str) -> pb.RestoreCheckpointResponse:
     """RestoreCheckpoint through the raw stub: the SDK does not expose ``reprefilled``."""
     with grpc.insecure_channel(address) as channel:
-        return pb_grpc.KvStashStub(channel).RestoreCheckpoint(
+        return pb_grpc.KvKeepStub(channel).RestoreCheckpoint(
             pb.RestoreCheckpointRequest(session_id=session_id, checkpoint_id=checkpoint_id),
             timeout=60,
         )
@@ -109,9 +109,9 @@ class Background:
 
     def _run(self, i: int) -> None:
         try:
-            with kvstash.Client(self.address, timeout=60) as client:
+            with kvkeep.Client(self.address, timeout=60) as client:
                 session = client.create_session(
-                    sampling=kvstash.SamplingParams(temperature=1.0, seed=1000 + i)
+                    sampling=kvkeep.SamplingParams(temperature=1.0, seed=1000 + i)
                 )
                 first = True
                 self._started.wait(60)
@@ -121,7 +121,7 @@ class Background:
                     self.generated += len(c.token_ids)
                     if c.finish_reason != "length" or session.info().n_tokens > 800:
                         session.rewind(1)
-                with contextlib.suppress(kvstash.KvstashError):
+                with contextlib.suppress(kvkeep.KvkeepError):
                     session.close()
         except BaseException as e:
             self.errors.append(e)
@@ -264,14 +264,14 @@ def edit_export(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
     return build_export(edit_manifest(manifest, edit), blocks)
 
 
-def export_bytes(client: kvstash.Client, checkpoint_id: str, path: Path) -> bytes:
+def export_bytes(client: kvkeep.Client, checkpoint_id: str, path: Path) -> bytes:
     written = client.export_checkpoint(checkpoint_id, path)
     data = path.read_bytes()
     assert written == len(data) > 0
     return data
 
 
-def checkpoint_tokens(client: kvstash.Client, checkpoint_id: str, tmp: Path) -> list[int]:
+def checkpoint_tokens(client: kvkeep.Client, checkpoint_id: str, tmp: Path) -> list[int]:
     """The token history saved in a checkpoint, read from its export."""
     manifest, _ = parse_export(export_bytes(client, checkpoint_id, tmp / f"{checkpoint_id}.tokens"))
     return manifest_parts(manifest)[1]
@@ -284,7 +284,7 @@ def manifest_blocks(manifest: bytes) -> list[str]:
 # ---- exactness of a whole history ----------------------------------------------------------
 
 
-def continues_like_its_history(client: kvstash.Client, session_id: str, tmp: Path) -> None:
+def continues_like_its_history(client: kvkeep.Client, session_id: str, tmp: Path) -> None:
     """The session's next tokens equal those of a fresh session given its whole history."""
     session = client.session(session_id)
     tokens = checkpoint_tokens(client, session.checkpoint("audit").checkpoint_id, tmp)
@@ -301,7 +301,7 @@ def continues_like_its_history(client: kvstash.Client, session_id: str, tmp: Pat
         control.close()
 
 
-def next_tokens(session: kvstash.Session, prompt: str | list[int]) -> tuple[str | None, Trace]:
+def next_tokens(session: kvkeep.Session, prompt: str | list[int]) -> tuple[str | None, Trace]:
     """Greedy (the draw counter does not matter): up to 6 tokens and their log-probabilities."""
     c = session.complete(prompt, max_tokens=6, logprobs=1, sampling=GREEDY)
     return c.finish_reason, [(t.sampled.token_id, t.sampled.logprob) for t in c.logprobs]

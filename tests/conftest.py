@@ -1,11 +1,11 @@
-"""Fixtures: real kvstash daemons on the real default model.
+"""Fixtures: real kvkeep daemons on the real default model.
 
 - ``daemon``: one in-process daemon for the whole run (slots=4, ctx_per_session=1024); share
   it wherever a test does not need special settings.
-- ``client``: a ``kvstash.Client`` connected to it.
+- ``client``: a ``kvkeep.Client`` connected to it.
 - ``start_daemon(**settings)``: an extra in-process daemon with other settings, stopped when
   the test ends.
-- ``spawn_daemon(*args)``: ``python -m kvstashd`` as a subprocess (DaemonProcess), for signals,
+- ``spawn_daemon(*args)``: ``python -m kvkeepd`` as a subprocess (DaemonProcess), for signals,
   kill -9 and restarts; its log is attached to the report of a failing test.
 - ``redis_server``, ``start_redis``, ``s3_server``, ``start_haproxy``: real servers on
   loopback (tests/servers.py).
@@ -22,7 +22,7 @@ import pytest
 from daemons import VIOLATION, DaemonProcess, InProcessDaemon
 from servers import redis_server, s3_server, start_haproxy, start_redis  # noqa: F401  (fixtures)
 
-import kvstash
+import kvkeep
 
 _counter = itertools.count()
 
@@ -34,8 +34,8 @@ def pytest_runtest_makereport(
     """Attach the logs of the test's subprocess daemons to its report when it fails."""
     report = yield
     if report.failed:
-        for proc in getattr(item, "_kvstash_daemon_processes", ()):
-            report.sections.append((f"kvstash daemon log ({proc.log_path})", proc.log()))
+        for proc in getattr(item, "_kvkeep_daemon_processes", ()):
+            report.sections.append((f"kvkeep daemon log ({proc.log_path})", proc.log()))
     return report
 
 
@@ -65,8 +65,8 @@ def daemon_address(daemon: InProcessDaemon) -> str:
 
 
 @pytest.fixture
-def client(daemon_address: str) -> Iterator[kvstash.Client]:
-    with kvstash.Client(daemon_address, timeout=30) as c:
+def client(daemon_address: str) -> Iterator[kvkeep.Client]:
+    with kvkeep.Client(daemon_address, timeout=30) as c:
         yield c
 
 
@@ -101,7 +101,7 @@ def spawn_daemon(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cal
     end of the test, and its log is attached to the report if the test fails.
     """
     procs: list[DaemonProcess] = []
-    request.node._kvstash_daemon_processes = procs
+    request.node._kvkeep_daemon_processes = procs
 
     def spawn(
         *args: str,

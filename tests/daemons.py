@@ -1,5 +1,5 @@
-"""Real kvstash daemons for the tests: in this process (a thread with its own event loop) or as
-a subprocess (``python -m kvstashd``) that can be stopped with SIGTERM, killed with SIGKILL and
+"""Real kvkeep daemons for the tests: in this process (a thread with its own event loop) or as
+a subprocess (``python -m kvkeepd``) that can be stopped with SIGTERM, killed with SIGKILL and
 started again on the same state directory.
 
 The fixtures in conftest.py hand these out and stop them; tests that need something special
@@ -26,9 +26,9 @@ from typing import Any, ClassVar, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import kvstash
-from kvstashd.config import Settings, default_model_path
-from kvstashd.server import SERVICE_NAME, Daemon
+import kvkeep
+from kvkeepd.config.settings import Settings, default_model_path
+from kvkeepd.server import SERVICE_NAME, Daemon
 
 T = TypeVar("T")
 
@@ -36,12 +36,12 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 #: Greedy sampling: the same prompt gives the same tokens.
-GREEDY = kvstash.SamplingParams(temperature=0.0)
+GREEDY = kvkeep.SamplingParams(temperature=0.0)
 
 #: The exactness probe's results, shared by every daemon of a test run: probes.py keys them by
 #: llama.cpp build, model, context settings and machine, so each configuration is probed once
 #: (about 5 s of CPU for SmolLM2) instead of at every start.
-PROBE_CACHE = Path(tempfile.mkdtemp(prefix="kvstash-probes-")) / "probes.json"
+PROBE_CACHE = Path(tempfile.mkdtemp(prefix="kvkeep-probes-")) / "probes.json"
 atexit.register(shutil.rmtree, PROBE_CACHE.parent, ignore_errors=True)
 
 #: Settings every test daemon starts from; small so that the suite stays fast on two cores.
@@ -98,7 +98,7 @@ def health_status(address: str, service: str = "", timeout: float = 2.0) -> int 
     return int(response.status)
 
 
-def check_serving(client: kvstash.Client) -> None:
+def check_serving(client: kvkeep.Client) -> None:
     """The daemon answers GetInfo and a fresh session generates (used after bad requests)."""
     assert client.info().slots >= 1
     session = client.create_session()
@@ -119,7 +119,7 @@ class InProcessDaemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="kvstash-test-daemon", daemon=True)
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvkeep-test-daemon", daemon=True)
         self._thread.start()
         self.daemon: Daemon | None = None
         try:
@@ -172,7 +172,7 @@ class InProcessDaemon:
 
 @dataclasses.dataclass
 class DaemonProcess:
-    """``python -m kvstashd`` in a subprocess, its stderr in ``log_path``.
+    """``python -m kvkeepd`` in a subprocess, its stderr in ``log_path``.
 
     ``start()`` returns once the gRPC health service reports SERVING. ``terminate()`` sends
     SIGTERM and waits for the exit status; ``kill()`` sends SIGKILL (nothing is saved). A
@@ -200,7 +200,7 @@ class DaemonProcess:
         return [
             sys.executable,
             "-m",
-            "kvstashd",
+            "kvkeepd",
             "--model",
             str(model_path()),
             "--address",

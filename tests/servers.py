@@ -211,10 +211,10 @@ class S3Server:
 class WeedMini:
     """SeaweedFS's all-in-one ``weed mini`` on free loopback ports, its data in ``data_dir``."""
 
-    def __init__(self, data_dir: Path, bucket: str = "kvstash-test") -> None:
+    def __init__(self, data_dir: Path, bucket: str = "kvkeep-test") -> None:
         self.data_dir = data_dir
         self.bucket = bucket
-        self.access_key = "kvstash" + secrets.token_hex(4)
+        self.access_key = "kvkeep" + secrets.token_hex(4)
         self.secret_key = secrets.token_hex(20)
         self.proc: subprocess.Popen[bytes] | None = None
         (

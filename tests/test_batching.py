@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from daemons import GREEDY, InProcessDaemon, wait_until
 
-import kvstash
-import kvstashd.context as context_module
-from kvstashd.steps import BUSY_PREFILL_CHUNK
+import kvkeep
+import kvkeepd.engine.context as context_module
+from kvkeepd.engine.steps import BUSY_PREFILL_CHUNK
 
 STORY = "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps. "
 
@@ -34,7 +34,7 @@ def batch_sizes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield sizes
 
 
-def _stream_in_background(session: kvstash.Session, n: int) -> tuple[threading.Thread, threading.Event]:
+def _stream_in_background(session: kvkeep.Session, n: int) -> tuple[threading.Thread, threading.Event]:
     started = threading.Event()
 
     def run() -> None:
@@ -50,7 +50,7 @@ def test_concurrent_sessions_share_each_decode(
     start_daemon: Callable[..., InProcessDaemon], batch_sizes: list[int]
 ) -> None:
     d = start_daemon(slots=4, ctx_per_session=512)
-    with kvstash.Client(d.address) as client:
+    with kvkeep.Client(d.address) as client:
         sessions = [client.create_session() for _ in range(4)]
         runs = [_stream_in_background(s, 40) for s in sessions]
         for thread, _ in runs:
@@ -63,7 +63,7 @@ def test_a_long_prompt_is_prefilled_in_small_chunks_while_others_decode(
     start_daemon: Callable[..., InProcessDaemon], batch_sizes: list[int]
 ) -> None:
     d = start_daemon(slots=2, ctx_per_session=1024, batch_size=512)
-    with kvstash.Client(d.address) as client:
+    with kvkeep.Client(d.address) as client:
         streaming, other = client.create_session(), client.create_session()
         thread, started = _stream_in_background(streaming, 300)
         wait_until(started.is_set, 60, "the first streamed token")
@@ -81,7 +81,7 @@ def test_a_lone_prompt_is_prefilled_in_full_batches(
     start_daemon: Callable[..., InProcessDaemon], batch_sizes: list[int]
 ) -> None:
     d = start_daemon(slots=2, ctx_per_session=1024, batch_size=512)
-    with kvstash.Client(d.address) as client:
+    with kvkeep.Client(d.address) as client:
         before = len(batch_sizes)
         client.create_session().complete(STORY * 40, max_tokens=1, sampling=GREEDY)
     assert max(batch_sizes[before:]) == 512

@@ -17,7 +17,7 @@ import pytest
 from checkpoint_helpers import GREEDY, gen, ids, long_text
 from daemons import InProcessDaemon
 
-import kvstash
+import kvkeep
 
 RAM = 100_000_000
 DISK = 200_000_000
@@ -70,15 +70,15 @@ class Watch:
 
 
 @pytest.fixture
-def big(start_daemon: Callable[..., InProcessDaemon]) -> Iterator[tuple[InProcessDaemon, kvstash.Client]]:
+def big(start_daemon: Callable[..., InProcessDaemon]) -> Iterator[tuple[InProcessDaemon, kvkeep.Client]]:
     d = start_daemon(ram_cache=RAM, disk_budget=DISK, ctx_per_session=2048, slots=2)
-    with kvstash.Client(d.address, timeout=300) as client:
+    with kvkeep.Client(d.address, timeout=300) as client:
         yield d, client
 
 
 @pytest.mark.timeout(900)
 def test_forks_and_restores_keep_ram_and_disk_within_their_budgets(
-    big: tuple[InProcessDaemon, kvstash.Client],
+    big: tuple[InProcessDaemon, kvkeep.Client],
 ) -> None:
     d, client = big
     source = client.create_session(persistent=True, sampling=GREEDY)
@@ -106,10 +106,10 @@ def test_an_ephemeral_checkpoint_beyond_the_ram_cache_is_refused(
     start_daemon: Callable[..., InProcessDaemon],
 ) -> None:
     d = start_daemon(ram_cache=8_000_000)
-    with kvstash.Client(d.address, timeout=300) as client:
+    with kvkeep.Client(d.address, timeout=300) as client:
         session = client.create_session(sampling=GREEDY)
         session.complete(long_text(27), max_tokens=1)  # ~500 tokens: 11.5 MB of state
-        with pytest.raises(kvstash.BusyError, match="RAM cache"):
+        with pytest.raises(kvkeep.BusyError, match="RAM cache"):
             session.checkpoint("too big")
         assert client.list_checkpoints(session.session_id) == []
         small = client.create_session(sampling=GREEDY)
@@ -123,7 +123,7 @@ def test_a_persistent_checkpoint_beyond_the_disk_budget_is_refused(
 ) -> None:
     budget = 16_000_000
     d = start_daemon(disk_budget=budget)
-    with kvstash.Client(d.address, timeout=300) as client:
+    with kvkeep.Client(d.address, timeout=300) as client:
         session = client.create_session(persistent=True, sampling=GREEDY)
         # The autosave of ~500 tokens (11.5 MB) fits, and so does a checkpoint sharing its
         # blocks; the blocks of a second, different history do not.
@@ -131,7 +131,7 @@ def test_a_persistent_checkpoint_beyond_the_disk_budget_is_refused(
         first = session.checkpoint("shares the head's blocks")
         assert first.bytes_written < 1_000_000
         other = client.create_session(persistent=True, sampling=GREEDY)
-        with pytest.raises(kvstash.BusyError, match="disk budget"):
+        with pytest.raises(kvkeep.BusyError, match="disk budget"):
             other.complete(long_text(27, topic="orchard"), max_tokens=1)
         assert disk_bytes(d.settings.state_dir) <= budget
         # The refused turn was undone: the history is as before, so sending it again is safe.

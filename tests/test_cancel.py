@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import pytest
 from daemons import InProcessDaemon, check_serving
 
-import kvstash
+import kvkeep
 
 PROMPT = "Once upon a time"
 # A fixed seed: the story does not end (EOS) within the few tokens these tests read.
-STORY = kvstash.SamplingParams(temperature=0.8, seed=7)
+STORY = kvkeep.SamplingParams(temperature=0.8, seed=7)
 # The engine may run ahead of what the client has read (chunks wait in gRPC's buffers) and
 # finishes the step in flight when the cancellation arrives; under load that is a few tokens.
 # 500 would mean it never stopped.
@@ -30,13 +30,13 @@ def own_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessDa
 
 
 @pytest.fixture
-def own_client(own_daemon: InProcessDaemon) -> Iterator[kvstash.Client]:
-    with kvstash.Client(own_daemon.address, timeout=30) as c:
+def own_client(own_daemon: InProcessDaemon) -> Iterator[kvkeep.Client]:
+    with kvkeep.Client(own_daemon.address, timeout=30) as c:
         yield c
 
 
 def check_settled(
-    client: kvstash.Client, session: kvstash.Session, generated_before: int, n_received: int
+    client: kvkeep.Client, session: kvkeep.Session, generated_before: int, n_received: int
 ) -> None:
     """The cancelled request left the session consistent, and it generates again.
 
@@ -56,7 +56,7 @@ def check_settled(
     check_serving(client)
 
 
-def test_closing_the_stream_cancels_the_generation(own_client: kvstash.Client) -> None:
+def test_closing_the_stream_cancels_the_generation(own_client: kvkeep.Client) -> None:
     session = own_client.create_session(sampling=STORY)
     before = own_client.info().tokens_generated
     stream = session.generate(PROMPT, max_tokens=500)
@@ -67,13 +67,13 @@ def test_closing_the_stream_cancels_the_generation(own_client: kvstash.Client) -
 
 
 def test_cancelling_an_async_task_cancels_the_generation(
-    own_daemon: InProcessDaemon, own_client: kvstash.Client
+    own_daemon: InProcessDaemon, own_client: kvkeep.Client
 ) -> None:
     async def scenario() -> tuple[str, int, int]:
-        async with kvstash.AsyncClient(own_daemon.address, timeout=30) as aclient:
+        async with kvkeep.AsyncClient(own_daemon.address, timeout=30) as aclient:
             session = await aclient.create_session(sampling=STORY)
             before = (await aclient.info()).tokens_generated
-            received: list[kvstash.Chunk] = []
+            received: list[kvkeep.Chunk] = []
             three = asyncio.Event()
 
             async def consume() -> None:
@@ -93,13 +93,13 @@ def test_cancelling_an_async_task_cancels_the_generation(
     check_settled(own_client, own_client.session(session_id), before, n_received)
 
 
-def test_client_that_disconnects_mid_stream(own_daemon: InProcessDaemon, own_client: kvstash.Client) -> None:
-    leaving = kvstash.Client(own_daemon.address)
+def test_client_that_disconnects_mid_stream(own_daemon: InProcessDaemon, own_client: kvkeep.Client) -> None:
+    leaving = kvkeep.Client(own_daemon.address)
     session_id = leaving.create_session(sampling=STORY).session_id
     before = own_client.info().tokens_generated
     stream = leaving.session(session_id).generate(PROMPT, max_tokens=500)
     received = [next(stream) for _ in range(2)]
     leaving.close()  # the channel goes away with the call in flight
-    with pytest.raises(kvstash.KvstashError):
+    with pytest.raises(kvkeep.KvkeepError):
         next(stream)
     check_settled(own_client, own_client.session(session_id), before, sum(len(c.token_ids) for c in received))

@@ -12,7 +12,7 @@ generations. Afterwards:
 - CloseSession was all or nothing: a session is either fully there (found, listed, back
   after a restart) or fully gone.
 
-``KVSTASH_CHAOS_OPS`` sets the number of random operations (default 600; run thousands by
+``KVKEEP_CHAOS_OPS`` sets the number of random operations (default 600; run thousands by
 hand).
 """
 
@@ -32,11 +32,11 @@ import grpc
 from checkpoint_helpers import SPAWN_ARGS, Trace, continues_like_its_history, gen
 from daemons import DaemonProcess
 
-import kvstash
-from kvstash.v1 import kvstash_pb2 as pb
-from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
+import kvkeep
+from kvkeep.v1 import kvkeep_pb2 as pb
+from kvkeep.v1 import kvkeep_pb2_grpc as pb_grpc
 
-OPS = int(os.environ.get("KVSTASH_CHAOS_OPS", "600"))
+OPS = int(os.environ.get("KVKEEP_CHAOS_OPS", "600"))
 SESSIONS = 6
 DEADLINES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.2, 2.0)
 # What a cut-short call may answer; anything else (INTERNAL, DATA_LOSS...) is a bug.
@@ -72,7 +72,7 @@ class World:
                 self.errors.append(f"{what}: {code.name} {e.details()}")
 
 
-def _one(world: World, stub: pb_grpc.KvStashStub, rng: random.Random) -> None:
+def _one(world: World, stub: pb_grpc.KvKeepStub, rng: random.Random) -> None:
     deadline = rng.choice(DEADLINES)
     with world.lock:
         pool = world.targets + world.forks
@@ -149,7 +149,7 @@ def _chaos(world: World, n_ops: int, threads: int = 6) -> None:
     def worker(seed: int, count: int) -> None:
         rng = random.Random(seed)
         with grpc.insecure_channel(world.address) as channel:
-            stub = pb_grpc.KvStashStub(channel)
+            stub = pb_grpc.KvKeepStub(channel)
             for _ in range(count):
                 _one(world, stub, rng)
 
@@ -163,11 +163,11 @@ def test_random_cancellations_leave_every_session_exact(
 ) -> None:
     d = spawn_daemon(*SPAWN_ARGS, "--slots", "2", "--max-queue", "16")
     after: dict[str, Trace] = {}
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         checkpoints = {}
         for i in range(SESSIONS):
             s = client.create_session(
-                sampling=kvstash.SamplingParams(temperature=0.8, seed=i), persistent=i % 2 == 0
+                sampling=kvkeep.SamplingParams(temperature=0.8, seed=i), persistent=i % 2 == 0
             )
             gen(s, f"Story {i}: the lighthouse keeper", 8)
             checkpoints[s.session_id] = s.checkpoint("base").checkpoint_id
@@ -181,7 +181,7 @@ def test_random_cancellations_leave_every_session_exact(
         assert not world.errors, world.errors
 
         started = time.monotonic()
-        assert kvstash.Client(d.address, timeout=2).info().slots == 2
+        assert kvkeep.Client(d.address, timeout=2).info().slots == 2
         assert time.monotonic() - started < 2
 
         listed = {s.session_id for s in client.list_sessions()}
@@ -189,7 +189,7 @@ def test_random_cancellations_leave_every_session_exact(
             try:
                 client.session(sid).info()
                 assert sid in listed, f"{sid} is found but not listed"
-            except kvstash.NotFoundError:
+            except kvkeep.NotFoundError:
                 assert sid not in listed, f"{sid} is listed but not found"
         for sid in sorted(listed):
             continues_like_its_history(client, sid, tmp_path)
@@ -199,7 +199,7 @@ def test_random_cancellations_leave_every_session_exact(
         persistent = {s.session_id for s in client.list_sessions() if s.persistent}
 
     d.restart(kill=True)
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         back = {s.session_id for s in client.list_sessions()}
         assert back == persistent
         for sid, ck in checkpoints.items():

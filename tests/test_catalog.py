@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 from servers import RedisServer
 
-from kvstashd.catalog import Catalog, CheckpointRow, ListedSession, SessionRow
-from kvstashd.config import ConfigError, Settings, catalog_url
-from kvstashd.errors import CatalogUnavailable, SessionElsewhere
-from kvstashd.resolution import resolve
-from kvstashd.sqlite_catalog import SqliteCatalog
-from kvstashd.store import redacted
+from kvkeepd.config.resolution import resolve
+from kvkeepd.config.settings import ConfigError, Settings, catalog_url
+from kvkeepd.errors import CatalogUnavailable, SessionElsewhere
+from kvkeepd.storage.blocks import redacted
+from kvkeepd.storage.catalog import Catalog, CheckpointRow, ListedSession, SessionRow
+from kvkeepd.storage.catalog.sqlite import SqliteCatalog
 
 TTL_MS = 400
 
 
 def redis_catalog(url: str, prefix: str | None = None) -> Catalog:
-    from kvstashd.redis_catalog import RedisCatalog
+    from kvkeepd.storage.catalog.redis import RedisCatalog
 
     return RedisCatalog(f"{url}?prefix={prefix or 'test-' + secrets.token_hex(6)}")
 
@@ -256,7 +256,7 @@ def test_a_server_that_is_not_there_stops_the_catalog_at_once(tmp_path: Path) ->
 
 def test_the_catalog_setting_takes_redis_urls_and_keeps_passwords_out_of_sight() -> None:
     assert catalog_url("redis://127.0.0.1:6379/2?prefix=blue") == ("redis://127.0.0.1:6379/2", "blue")
-    assert catalog_url("rediss://h:1/0")[1] == "kvstash"
+    assert catalog_url("rediss://h:1/0")[1] == "kvkeep"
     assert redacted("redis://:hunter2@h:6379/0") == "redis://:***@h:6379/0"
     with pytest.raises(ConfigError, match=r"catalog.*redis://"):
         Settings(catalog="postgres://h/db").validate()
@@ -267,8 +267,8 @@ def test_the_catalog_setting_takes_redis_urls_and_keeps_passwords_out_of_sight()
 
 
 def test_a_daemon_with_another_store_key_is_refused_at_start(redis_server: str, tmp_path: Path) -> None:
-    from kvstashd.server import durable_catalog
-    from kvstashd.statedir import StateDir
+    from kvkeepd.server import durable_catalog
+    from kvkeepd.storage.statedir import StateDir
 
     settings = Settings(catalog=f"{redis_server}?prefix=test-{secrets.token_hex(6)}")
     state = StateDir.take(tmp_path / "state")

@@ -35,9 +35,9 @@ from checkpoint_helpers import (
 from click.testing import CliRunner
 from daemons import DaemonProcess, InProcessDaemon
 
-import kvstash
-from kvstash.cli import main as cli_main
-from kvstashd.placement import InSlot
+import kvkeep
+from kvkeep.cli import main as cli_main
+from kvkeepd.sessions.residency import InSlot
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +48,12 @@ def daemon1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessDaemo
 
 
 @pytest.fixture
-def client1(daemon1: InProcessDaemon) -> Iterator[kvstash.Client]:
-    with kvstash.Client(daemon1.address, timeout=60) as c:
+def client1(daemon1: InProcessDaemon) -> Iterator[kvkeep.Client]:
+    with kvkeep.Client(daemon1.address, timeout=60) as c:
         yield c
 
 
-def one_call(client: kvstash.Client, n: int, prompt: str = PROMPT) -> Trace:
+def one_call(client: kvkeep.Client, n: int, prompt: str = PROMPT) -> Trace:
     """The reference: ``n`` tokens of PROMPT in one call of a fresh session with SAMPLED."""
     ref_session = client.create_session(sampling=SAMPLED)
     try:
@@ -71,7 +71,7 @@ def test_resume_after_kill9_continues_like_one_call(
     """32 tokens in one call == 16, checkpoint, kill -9, restart, 16 more (empty prompt); and
     the checkpoint, restored or forked after the restart, continues the same way."""
     proc = spawn_daemon(*SPAWN_ARGS)
-    with kvstash.Client(proc.address, timeout=60) as client, Background(proc.address, 2):
+    with kvkeep.Client(proc.address, timeout=60) as client, Background(proc.address, 2):
         ref = one_call(client, 32)
         s = client.create_session(sampling=SAMPLED, persistent=True)
         assert gen(s, PROMPT, 16) == ref[:16]
@@ -82,7 +82,7 @@ def test_resume_after_kill9_continues_like_one_call(
     assert proc.kill() == -9
     proc.start()
 
-    with kvstash.Client(proc.address, timeout=60) as client, Background(proc.address, 2):
+    with kvkeep.Client(proc.address, timeout=60) as client, Background(proc.address, 2):
         assert s.session_id in {i.session_id for i in client.list_sessions()}
         resumed = client.session(s.session_id)
         info = resumed.info()
@@ -100,7 +100,7 @@ def test_resume_after_kill9_continues_like_one_call(
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["ephemeral", "persistent"])
 def test_a_rollback_to_its_own_checkpoint_cuts_the_cells_it_holds(
-    daemon1: InProcessDaemon, client1: kvstash.Client, persistent: bool
+    daemon1: InProcessDaemon, client1: kvkeep.Client, persistent: bool
 ) -> None:
     """Restoring one of the session's own checkpoints while the session still holds its
     cells loads nothing (the slot is cut) and continues as the uninterrupted run did; once
@@ -130,7 +130,7 @@ def test_a_rollback_to_its_own_checkpoint_cuts_the_cells_it_holds(
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["ephemeral", "persistent"])
 def test_restore_generates_the_same_tokens_again(
-    daemon1: InProcessDaemon, client1: kvstash.Client, persistent: bool
+    daemon1: InProcessDaemon, client1: kvkeep.Client, persistent: bool
 ) -> None:
     with Background(daemon1.address, 3):
         ref = one_call(client1, 48)
@@ -153,7 +153,7 @@ def test_restore_generates_the_same_tokens_again(
         s.close()
 
 
-def test_fork_continues_like_its_parent(daemon1: InProcessDaemon, client1: kvstash.Client) -> None:
+def test_fork_continues_like_its_parent(daemon1: InProcessDaemon, client1: kvkeep.Client) -> None:
     with Background(daemon1.address, 3):
         ref = one_call(client1, 32)
         parent = client1.create_session(sampling=SAMPLED, persistent=True)
@@ -183,11 +183,11 @@ def test_exact_when_the_state_lands_in_another_slot(
     assert d.daemon is not None and d.daemon.manager is not None
     manager = d.daemon.manager
 
-    def slot_of(s: kvstash.Session) -> int | None:
+    def slot_of(s: kvkeep.Session) -> int | None:
         where = manager.residency.where(manager.sessions[s.session_id])
         return where.slot if isinstance(where, InSlot) else None
 
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         ref = one_call(client, 40)
         a = client.create_session(sampling=SAMPLED)
         b = client.create_session(sampling=SAMPLED)
@@ -228,7 +228,7 @@ def test_exact_when_the_state_lands_in_another_slot(
 
 
 def test_rewind_continues_like_the_session_that_never_went_further(
-    daemon1: InProcessDaemon, client1: kvstash.Client, tmp_path: Path
+    daemon1: InProcessDaemon, client1: kvkeep.Client, tmp_path: Path
 ) -> None:
     """Greedy (the RNG plays no part). Rewound into its generated tokens, a session continues
     exactly as its first run did past that point: that first run is the session that never
@@ -260,7 +260,7 @@ def test_rewind_continues_like_the_session_that_never_went_further(
 # inside a chunk. Exact mode requires both to give the same logits (llama.cpp built without
 # its tinyBLAS kernels, which serve only products of 2+ columns).
 def test_rewind_greedy_continues_like_a_fresh_session_given_the_kept_tokens(
-    daemon1: InProcessDaemon, client1: kvstash.Client, tmp_path: Path
+    daemon1: InProcessDaemon, client1: kvkeep.Client, tmp_path: Path
 ) -> None:
     """The strongest comparison: greedy, a session rewound to prompt + 12 generated tokens
     continues exactly like a fresh session given those tokens as prompt token ids."""
@@ -283,7 +283,7 @@ def test_rewind_greedy_continues_like_a_fresh_session_given_the_kept_tokens(
 
 
 def test_rewind_sampled_continues_like_a_session_with_the_same_draw_count(
-    daemon1: InProcessDaemon, client1: kvstash.Client, tmp_path: Path
+    daemon1: InProcessDaemon, client1: kvkeep.Client, tmp_path: Path
 ) -> None:
     """A session's draw counter counts every token it sampled, and Rewind keeps it (Rewind
     truncates history, not the RNG stream). So a session that sampled 32 tokens and is rewound
@@ -326,7 +326,7 @@ def test_persistent_sessions_survive_kill9_and_sigterm_ephemeral_ones_do_not(
     spawn_daemon: Callable[..., DaemonProcess],
 ) -> None:
     proc = spawn_daemon(*SPAWN_ARGS)
-    with kvstash.Client(proc.address, timeout=60) as client:
+    with kvkeep.Client(proc.address, timeout=60) as client:
         p = client.create_session("You are a lighthouse keeper.", sampling=SAMPLED, persistent=True)
         e = client.create_session("You are a lighthouse keeper.", sampling=SAMPLED)
         gen(p, PROMPT, 8)
@@ -337,10 +337,10 @@ def test_persistent_sessions_survive_kill9_and_sigterm_ephemeral_ones_do_not(
 
     for kill in (True, False):
         proc.restart(kill=kill)
-        with kvstash.Client(proc.address, timeout=60) as client:
+        with kvkeep.Client(proc.address, timeout=60) as client:
             listed = {i.session_id: i for i in client.list_sessions()}
             assert e.session_id not in listed
-            with pytest.raises(kvstash.NotFoundError):
+            with pytest.raises(kvkeep.NotFoundError):
                 client.session(e.session_id)
             info = listed[p.session_id]
             assert info.persistent
@@ -360,7 +360,7 @@ def test_autosave_happens_before_the_final_chunk(
     """Kill -9 the daemon the moment the last chunk of a generation arrives: the whole
     generation survived."""
     proc = spawn_daemon(*SPAWN_ARGS)
-    with kvstash.Client(proc.address, timeout=60) as client:
+    with kvkeep.Client(proc.address, timeout=60) as client:
         p = client.create_session(sampling=SAMPLED, persistent=True)
         gen(p, PROMPT, 4)
         ref = gen(p.fork(), "", 20)
@@ -376,7 +376,7 @@ def test_autosave_happens_before_the_final_chunk(
         assert got == ids(ref[:12])
 
     proc.start()
-    with kvstash.Client(proc.address, timeout=60) as client:
+    with kvkeep.Client(proc.address, timeout=60) as client:
         p = client.session(p.session_id)
         assert p.info().n_tokens == n0 + 12
         assert gen(p, "", 8) == ref[12:]
@@ -386,7 +386,7 @@ def test_a_killed_generation_resumes_from_the_last_completed_save(
     spawn_daemon: Callable[..., DaemonProcess],
 ) -> None:
     proc = spawn_daemon(*SPAWN_ARGS)
-    with kvstash.Client(proc.address, timeout=60) as client:
+    with kvkeep.Client(proc.address, timeout=60) as client:
         p = client.create_session(sampling=SAMPLED, persistent=True)
         gen(p, PROMPT, 4)
         ref = gen(p.fork(), "", 8)
@@ -395,12 +395,12 @@ def test_a_killed_generation_resumes_from_the_last_completed_save(
         first = next(stream)
         assert first.finish_reason is None
         proc.kill()
-        with pytest.raises(kvstash.KvstashError):
+        with pytest.raises(kvkeep.KvkeepError):
             for _ in stream:
                 pass
 
     proc.start()
-    with kvstash.Client(proc.address, timeout=60) as client:
+    with kvkeep.Client(proc.address, timeout=60) as client:
         p = client.session(p.session_id)
         assert p.info().n_tokens == n0
         assert gen(p, "", 8) == ref
@@ -411,7 +411,7 @@ def test_ephemeral_sessions_never_touch_the_disk(
 ) -> None:
     d = start_daemon(threads=THREADS)
     state_dir = d.settings.state_dir
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         client.info()
         baseline = listing(state_dir)
         assert baseline, "the daemon made its state directory at start"
@@ -455,7 +455,7 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessDaemon]:
 
 def test_a_second_checkpoint_writes_only_new_blocks(big: InProcessDaemon) -> None:
     system = "Delta test. " + long_text(75, "delta")
-    with kvstash.Client(big.address, timeout=120) as client:
+    with kvkeep.Client(big.address, timeout=120) as client:
         # Ephemeral: its explicit checkpoints are the only writes, so bytes_written is the delta.
         s = client.create_session(system, sampling=SAMPLED)
         gen(s, NEXT, 4)
@@ -490,10 +490,10 @@ def test_a_second_checkpoint_writes_only_new_blocks(big: InProcessDaemon) -> Non
 def test_a_shared_system_prompt_is_stored_once(big: InProcessDaemon) -> None:
     system = "Dedup test. " + long_text(75, "dedup")
     state_dir = big.settings.state_dir
-    with kvstash.Client(big.address, timeout=120) as client:
+    with kvkeep.Client(big.address, timeout=120) as client:
         before = block_files(state_dir)
         p1 = client.create_session(
-            system, sampling=kvstash.SamplingParams(temperature=0.8, seed=1), persistent=True
+            system, sampling=kvkeep.SamplingParams(temperature=0.8, seed=1), persistent=True
         )
         assert block_files(state_dir) == before  # saved on creation, but no KV yet
         gen(p1, NEXT, 4)
@@ -503,7 +503,7 @@ def test_a_shared_system_prompt_is_stored_once(big: InProcessDaemon) -> None:
         assert len(new1) >= n_shared // 64 >= 14
 
         p2 = client.create_session(
-            system, sampling=kvstash.SamplingParams(temperature=0.8, seed=2), persistent=True
+            system, sampling=kvkeep.SamplingParams(temperature=0.8, seed=2), persistent=True
         )
         gen(p2, NEXT, 4)
         after2 = block_files(state_dir)
@@ -528,7 +528,7 @@ def test_a_shared_system_prompt_is_stored_once(big: InProcessDaemon) -> None:
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["ephemeral", "persistent"])
 def test_sdk_checkpoints_export_and_import(
-    client1: kvstash.Client,
+    client1: kvkeep.Client,
     start_daemon: Callable[..., InProcessDaemon],
     tmp_path: Path,
     persistent: bool,
@@ -549,7 +549,7 @@ def test_sdk_checkpoints_export_and_import(
     assert info.n_checkpoints == 2
     if persistent:
         assert info.head_checkpoint_id not in (None, c1.checkpoint_id, c2.checkpoint_id)
-        with pytest.raises(kvstash.CheckpointInUseError):
+        with pytest.raises(kvkeep.CheckpointInUseError):
             client1.delete_checkpoint(info.head_checkpoint_id)
 
     restored = s.restore(c1.checkpoint_id)
@@ -570,24 +570,24 @@ def test_sdk_checkpoints_export_and_import(
     assert imported.n_tokens == c1.n_tokens
     assert gen(client1.fork_session(checkpoint_id=imported.checkpoint_id), "", 16) == ref
     other = start_daemon(threads=THREADS)
-    with kvstash.Client(other.address, timeout=60) as other_client:
+    with kvkeep.Client(other.address, timeout=60) as other_client:
         there = other_client.import_checkpoint(io.BytesIO(path.read_bytes()))
         assert there.n_tokens == c1.n_tokens
         assert gen(other_client.fork_session(checkpoint_id=there.checkpoint_id), "", 16) == ref
 
     client1.delete_checkpoint(c2.checkpoint_id)
     assert [c.checkpoint_id for c in s.checkpoints()] == [c1.checkpoint_id]
-    with pytest.raises(kvstash.NotFoundError):
+    with pytest.raises(kvkeep.NotFoundError):
         s.restore(c2.checkpoint_id)
-    with pytest.raises(kvstash.NotFoundError):
+    with pytest.raises(kvkeep.NotFoundError):
         client1.delete_checkpoint(c2.checkpoint_id)
-    with pytest.raises(kvstash.InvalidRequestError):
+    with pytest.raises(kvkeep.InvalidRequestError):
         s.restore("not-a-checkpoint")
     s.close()
 
 
 def test_cli_checkpoint_and_fork_commands(
-    daemon1: InProcessDaemon, client1: kvstash.Client, tmp_path: Path
+    daemon1: InProcessDaemon, client1: kvkeep.Client, tmp_path: Path
 ) -> None:
     runner = CliRunner()
 

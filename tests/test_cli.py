@@ -1,4 +1,4 @@
-"""The ``kvstash`` command against the shared daemon, through click's CliRunner."""
+"""The ``kvkeep`` command against the shared daemon, through click's CliRunner."""
 
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from checkpoint_helpers import own_daemon
 from click.testing import CliRunner, Result
 from daemons import GREEDY
 
-import kvstash
-from kvstash.cli import DEFAULT_MAX_TOKENS, main
+import kvkeep
+from kvkeep.cli import DEFAULT_MAX_TOKENS, main
 
 Invoke = Callable[..., Result]
 
 
 @pytest.fixture
 def kv(daemon_address: str) -> Invoke:
-    """Run ``kvstash --address <daemon> ARGS...``; ``input`` feeds stdin."""
+    """Run ``kvkeep --address <daemon> ARGS...``; ``input`` feeds stdin."""
 
     def invoke(*args: str, input: str | None = None) -> Result:
         runner = CliRunner()
@@ -49,7 +49,7 @@ def one_error_line(result: Result) -> str:
     return lines[0]
 
 
-def test_info_json(kv: Invoke, client: kvstash.Client) -> None:
+def test_info_json(kv: Invoke, client: kvkeep.Client) -> None:
     info = ok_json(kv("--json", "info"))
     assert info["mode"] == "exact"
     assert info["slots"] == 4
@@ -64,7 +64,7 @@ def test_info_text(kv: Invoke) -> None:
     assert "slots: 4" in result.stdout.splitlines()
 
 
-def test_run_answers_in_a_session_it_closes(kv: Invoke, client: kvstash.Client) -> None:
+def test_run_answers_in_a_session_it_closes(kv: Invoke, client: kvkeep.Client) -> None:
     sessions_before = {s.session_id for s in client.list_sessions()}
     result = kv("run", "Say hello.", "--max-tokens", "8", "--temperature", "0")
     assert result.exit_code == 0, result.output
@@ -109,7 +109,7 @@ def test_session_create_list_show_close(kv: Invoke) -> None:
     assert session_id not in [s["session_id"] for s in listed]
 
 
-def test_session_create_takes_a_context_policy(kv: Invoke, client: kvstash.Client) -> None:
+def test_session_create_takes_a_context_policy(kv: Invoke, client: kvkeep.Client) -> None:
     created = ok_json(kv("--json", "session", "create", "--context-policy", "truncate"))
     assert created["context_policy"] == "truncate"
     assert client.session(created["session_id"]).info().context_policy == "truncate"
@@ -117,7 +117,7 @@ def test_session_create_takes_a_context_policy(kv: Invoke, client: kvstash.Clien
     assert kv("session", "create", "--context-policy", "forget").exit_code == 2
 
 
-def test_session_create_prints_the_id(kv: Invoke, client: kvstash.Client) -> None:
+def test_session_create_prints_the_id(kv: Invoke, client: kvkeep.Client) -> None:
     result = kv("session", "create")
     assert result.exit_code == 0, result.output
     session_id = result.stdout.strip()
@@ -125,7 +125,7 @@ def test_session_create_prints_the_id(kv: Invoke, client: kvstash.Client) -> Non
     client.session(session_id).close()
 
 
-def test_chat_on_a_new_session(kv: Invoke, client: kvstash.Client) -> None:
+def test_chat_on_a_new_session(kv: Invoke, client: kvkeep.Client) -> None:
     result = kv("chat", "--max-tokens", "8", "--temperature", "0", input="hello\n\nbye\n")
     assert result.exit_code == 0, result.output
     first_line = result.stderr.splitlines()[0]
@@ -170,7 +170,7 @@ def test_run_on_a_model_without_a_chat_template_completes_the_text(tmp_path: Pat
     gemma = testmodels.gemma3_270m()
     with (
         own_daemon(tmp_path, model=gemma, slots=1, ctx_per_session=512) as d,
-        kvstash.Client(d.address, timeout=60) as client,
+        kvkeep.Client(d.address, timeout=60) as client,
     ):
         assert not client.info().has_chat_template
         session = client.create_session(sampling=GREEDY)
@@ -188,17 +188,17 @@ def test_run_on_a_model_without_a_chat_template_completes_the_text(tmp_path: Pat
         assert client.list_sessions() == []
 
         chat = runner.invoke(main, ["--address", d.address, "chat"], input="hello\n")
-        assert "kvstash run" in one_error_line(chat)
+        assert "kvkeep run" in one_error_line(chat)
         assert client.list_sessions() == []
 
 
 def test_fork_an_imported_checkpoint_without_a_session(
-    kv: Invoke, client: kvstash.Client, tmp_path: Path
+    kv: Invoke, client: kvkeep.Client, tmp_path: Path
 ) -> None:
     source = client.create_session(sampling=GREEDY)
     source.complete("Once upon a time", max_tokens=4)
     checkpoint = source.checkpoint()
-    path = tmp_path / "story.kvstash"
+    path = tmp_path / "story.kvkeep"
     client.export_checkpoint(checkpoint.checkpoint_id, path)
     source.close()
 
@@ -221,7 +221,7 @@ def _cli_on_a_terminal(*args: str) -> tuple[int, str, str]:
     controller, terminal = pty.openpty()
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", "from kvstash.cli import main; main()", *args],
+            [sys.executable, "-c", "from kvkeep.cli import main; main()", *args],
             stdout=subprocess.PIPE,
             stderr=terminal,
             stdin=subprocess.DEVNULL,
@@ -243,12 +243,12 @@ def _cli_on_a_terminal(*args: str) -> tuple[int, str, str]:
 
 
 def test_export_and_import_show_progress_on_a_terminal(
-    kv: Invoke, daemon_address: str, client: kvstash.Client, tmp_path: Path
+    kv: Invoke, daemon_address: str, client: kvkeep.Client, tmp_path: Path
 ) -> None:
     session = client.create_session(sampling=GREEDY)
     session.complete("Once upon a time", max_tokens=4)
     checkpoint = session.checkpoint()
-    path = tmp_path / "progress.kvstash"
+    path = tmp_path / "progress.kvkeep"
 
     rc, out, terminal = _cli_on_a_terminal(
         "--address", daemon_address, "checkpoint", "export", checkpoint.checkpoint_id, str(path)
@@ -265,7 +265,7 @@ def test_export_and_import_show_progress_on_a_terminal(
     assert "importing" in terminal and f"{size}/{size}" in terminal and "100%" in terminal
 
     # Not on a terminal: no bar, only the result.
-    again = kv("checkpoint", "export", checkpoint.checkpoint_id, str(tmp_path / "quiet.kvstash"))
+    again = kv("checkpoint", "export", checkpoint.checkpoint_id, str(tmp_path / "quiet.kvkeep"))
     assert again.exit_code == 0, again.output
     assert again.stderr == ""
     assert again.stdout.startswith("wrote ")
@@ -291,12 +291,12 @@ sys.meta_path.insert(0, _NoLlamaCpp())
 def test_without_the_daemon_extra_the_client_works_and_serve_says_what_to_install(
     daemon_address: str, tmp_path: Path
 ) -> None:
-    # A sitecustomize makes llama-cpp-python unimportable, as in `pip install kvstash`.
+    # A sitecustomize makes llama-cpp-python unimportable, as in `pip install kvkeep`.
     (tmp_path / "sitecustomize.py").write_text(_BLOCK_LLAMA_CPP)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-c", "from kvstash.cli import main; main()", *args]
+        command = [sys.executable, "-c", "from kvkeep.cli import main; main()", *args]
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
 
     blocked = subprocess.run(
@@ -314,6 +314,6 @@ def test_without_the_daemon_extra_the_client_works_and_serve_says_what_to_instal
         assert serve.stdout == ""
         assert "Traceback" not in serve.stderr
         assert serve.stderr.splitlines() == [
-            "error: kvstash serve needs the daemon's dependencies (no module 'llama_cpp'): "
-            "pip install 'kvstash[daemon]'"
+            "error: kvkeep serve needs the daemon's dependencies (no module 'llama_cpp'): "
+            "pip install 'kvkeep[daemon]'"
         ]

@@ -18,12 +18,12 @@ import grpc
 import pytest
 from click.testing import CliRunner
 
-import kvstash
-from kvstash import _convert as conv
-from kvstash._errors import from_rpc_error
-from kvstash.cli import main
-from kvstash.v1 import kvstash_pb2 as pb
-from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
+import kvkeep
+from kvkeep import _convert as conv
+from kvkeep._errors import from_rpc_error
+from kvkeep.cli import main
+from kvkeep.v1 import kvkeep_pb2 as pb
+from kvkeep.v1 import kvkeep_pb2_grpc as pb_grpc
 
 
 class FakeRpcError(grpc.RpcError):
@@ -50,26 +50,26 @@ class FakeRpcError(grpc.RpcError):
 @pytest.mark.parametrize(
     ("status", "cls"),
     [
-        (grpc.StatusCode.INVALID_ARGUMENT, kvstash.InvalidRequestError),
-        (grpc.StatusCode.NOT_FOUND, kvstash.NotFoundError),
-        (grpc.StatusCode.ALREADY_EXISTS, kvstash.AlreadyExistsError),
-        (grpc.StatusCode.OUT_OF_RANGE, kvstash.ContextFullError),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, kvstash.BusyError),
-        (grpc.StatusCode.FAILED_PRECONDITION, kvstash.FailedPreconditionError),
-        (grpc.StatusCode.DATA_LOSS, kvstash.CorruptCheckpointError),
-        (grpc.StatusCode.UNAUTHENTICATED, kvstash.AuthError),
-        (grpc.StatusCode.UNAVAILABLE, kvstash.UnavailableError),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, kvstash.UnavailableError),
-        (grpc.StatusCode.INTERNAL, kvstash.InternalError),
-        (grpc.StatusCode.UNKNOWN, kvstash.InternalError),
-        (grpc.StatusCode.CANCELLED, kvstash.InternalError),
-        (grpc.StatusCode.UNIMPLEMENTED, kvstash.InternalError),
+        (grpc.StatusCode.INVALID_ARGUMENT, kvkeep.InvalidRequestError),
+        (grpc.StatusCode.NOT_FOUND, kvkeep.NotFoundError),
+        (grpc.StatusCode.ALREADY_EXISTS, kvkeep.AlreadyExistsError),
+        (grpc.StatusCode.OUT_OF_RANGE, kvkeep.ContextFullError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, kvkeep.BusyError),
+        (grpc.StatusCode.FAILED_PRECONDITION, kvkeep.FailedPreconditionError),
+        (grpc.StatusCode.DATA_LOSS, kvkeep.CorruptCheckpointError),
+        (grpc.StatusCode.UNAUTHENTICATED, kvkeep.AuthError),
+        (grpc.StatusCode.UNAVAILABLE, kvkeep.UnavailableError),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, kvkeep.UnavailableError),
+        (grpc.StatusCode.INTERNAL, kvkeep.InternalError),
+        (grpc.StatusCode.UNKNOWN, kvkeep.InternalError),
+        (grpc.StatusCode.CANCELLED, kvkeep.InternalError),
+        (grpc.StatusCode.UNIMPLEMENTED, kvkeep.InternalError),
     ],
 )
 def test_status_maps_to_error_class(status: grpc.StatusCode, cls: type[Exception]) -> None:
     error = from_rpc_error(FakeRpcError(status, "it broke"))
     assert type(error) is cls
-    assert isinstance(error, kvstash.KvstashError)
+    assert isinstance(error, kvkeep.KvkeepError)
     assert error.code == status.name
     assert error.message == "it broke" == str(error)
 
@@ -77,21 +77,21 @@ def test_status_maps_to_error_class(status: grpc.StatusCode, cls: type[Exception
 @pytest.mark.parametrize(
     ("status", "cause", "cls"),
     [
-        (grpc.StatusCode.FAILED_PRECONDITION, "incompatible-checkpoint", kvstash.IncompatibleCheckpointError),
-        (grpc.StatusCode.FAILED_PRECONDITION, "no-chat-template", kvstash.NoChatTemplateError),
-        (grpc.StatusCode.FAILED_PRECONDITION, "checkpoint-in-use", kvstash.CheckpointInUseError),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, "store-write-failed", kvstash.StoreWriteError),
-        (grpc.StatusCode.UNAVAILABLE, "store-read-failed", kvstash.StoreReadError),
-        (grpc.StatusCode.UNAVAILABLE, "store-unreachable", kvstash.StoreUnreachableError),
+        (grpc.StatusCode.FAILED_PRECONDITION, "incompatible-checkpoint", kvkeep.IncompatibleCheckpointError),
+        (grpc.StatusCode.FAILED_PRECONDITION, "no-chat-template", kvkeep.NoChatTemplateError),
+        (grpc.StatusCode.FAILED_PRECONDITION, "checkpoint-in-use", kvkeep.CheckpointInUseError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "store-write-failed", kvkeep.StoreWriteError),
+        (grpc.StatusCode.UNAVAILABLE, "store-read-failed", kvkeep.StoreReadError),
+        (grpc.StatusCode.UNAVAILABLE, "store-unreachable", kvkeep.StoreUnreachableError),
         # A cause nobody knows, or one that belongs to another status, leaves the status's class.
-        (grpc.StatusCode.FAILED_PRECONDITION, "something-new", kvstash.FailedPreconditionError),
-        (grpc.StatusCode.NOT_FOUND, "no-chat-template", kvstash.NotFoundError),
+        (grpc.StatusCode.FAILED_PRECONDITION, "something-new", kvkeep.FailedPreconditionError),
+        (grpc.StatusCode.NOT_FOUND, "no-chat-template", kvkeep.NotFoundError),
     ],
 )
 def test_the_daemons_cause_picks_the_subclass(
-    status: grpc.StatusCode, cause: str, cls: type[kvstash.KvstashError]
+    status: grpc.StatusCode, cause: str, cls: type[kvkeep.KvkeepError]
 ) -> None:
-    error = from_rpc_error(FakeRpcError(status, "why", (("other", "x"), ("kvstash-error", cause))))
+    error = from_rpc_error(FakeRpcError(status, "why", (("other", "x"), ("kvkeep-error", cause))))
     assert type(error) is cls
     assert error.code == status.name
     assert error.message == "why"
@@ -103,20 +103,20 @@ def test_error_without_details_says_its_status() -> None:
 
 def test_rpc_error_that_is_not_a_call_is_internal() -> None:
     error = from_rpc_error(grpc.RpcError())
-    assert isinstance(error, kvstash.InternalError)
+    assert isinstance(error, kvkeep.InternalError)
     assert error.code == "UNKNOWN"
 
 
 def test_errors_made_by_hand_carry_their_class_code() -> None:
-    assert kvstash.NotFoundError("gone").code == "NOT_FOUND"
-    assert kvstash.KvstashError("x", code="ABORTED").code == "ABORTED"
+    assert kvkeep.NotFoundError("gone").code == "NOT_FOUND"
+    assert kvkeep.KvkeepError("x", code="ABORTED").code == "ABORTED"
 
 
 # --- conversions ------------------------------------------------------------------------------
 
 
 def test_sampling_round_trip_keeps_unset_fields_unset() -> None:
-    full = kvstash.SamplingParams(
+    full = kvkeep.SamplingParams(
         temperature=0.7,
         top_k=40,
         top_p=0.95,
@@ -130,24 +130,24 @@ def test_sampling_round_trip_keeps_unset_fields_unset() -> None:
     # float32 on the wire, yet the numbers come back as typed.
     assert conv.sampling_from_pb(message) == full
 
-    partial = kvstash.SamplingParams(temperature=0.0, seed=0)
+    partial = kvkeep.SamplingParams(temperature=0.0, seed=0)
     message = conv.sampling_to_pb(partial)
     assert message is not None
     assert message.HasField("temperature") and message.HasField("seed")
     assert not message.HasField("top_k")
     assert conv.sampling_from_pb(message) == partial
     assert conv.sampling_to_pb(None) is None
-    assert conv.sampling_from_pb(pb.SamplingParams()) == kvstash.SamplingParams()
+    assert conv.sampling_from_pb(pb.SamplingParams()) == kvkeep.SamplingParams()
 
 
-def _chunk(final: bool) -> kvstash.Chunk:
-    top = (kvstash.TokenLogprob(7, " a", -0.25), kvstash.TokenLogprob(8, " b", -2.5))
-    return kvstash.Chunk(
+def _chunk(final: bool) -> kvkeep.Chunk:
+    top = (kvkeep.TokenLogprob(7, " a", -0.25), kvkeep.TokenLogprob(8, " b", -2.5))
+    return kvkeep.Chunk(
         text=" a",
         token_ids=(7,),
-        logprobs=(kvstash.GeneratedToken(sampled=top[0], top=top),),
+        logprobs=(kvkeep.GeneratedToken(sampled=top[0], top=top),),
         finish_reason="eos" if final else None,
-        usage=kvstash.Usage(5, 1, 3, 2) if final else None,
+        usage=kvkeep.Usage(5, 1, 3, 2) if final else None,
     )
 
 
@@ -166,17 +166,17 @@ def test_every_finish_reason_round_trips() -> None:
 
 
 def test_session_info_round_trip() -> None:
-    info = kvstash.SessionInfo(
+    info = kvkeep.SessionInfo(
         session_id="s1",
         persistent=True,
         n_tokens=12,
         n_ctx=2048,
-        sampling=kvstash.SamplingParams(temperature=0.5, seed=3),
+        sampling=kvkeep.SamplingParams(temperature=0.5, seed=3),
         stop=("\n\n",),
         messages=(
-            kvstash.Message("system", "Be brief."),
-            kvstash.Message("user", "Hi"),
-            kvstash.Message("assistant", "Hello."),
+            kvkeep.Message("system", "Be brief."),
+            kvkeep.Message("user", "Hi"),
+            kvkeep.Message("assistant", "Hello."),
         ),
         residency="warm",
         created_at=1700000000.5,
@@ -193,7 +193,7 @@ def test_session_info_round_trip() -> None:
 
 @pytest.mark.parametrize("label", [None, "before-tools"])
 def test_checkpoint_info_round_trip(label: str | None) -> None:
-    info = kvstash.CheckpointInfo("c1", "s1", label, 99, 4096, 1 << 40, 1700000000.0)
+    info = kvkeep.CheckpointInfo("c1", "s1", label, 99, 4096, 1 << 40, 1700000000.0)
     assert conv.checkpoint_info_from_pb(conv.checkpoint_info_to_pb(info)) == info
 
 
@@ -236,8 +236,8 @@ def test_join_chunks() -> None:
     assert completion.token_ids == (7, 7)
     assert len(completion.logprobs) == 2
     assert completion.finish_reason == "eos"
-    assert completion.usage == kvstash.Usage(5, 1, 3, 2)
-    with pytest.raises(kvstash.InternalError):
+    assert completion.usage == kvkeep.Usage(5, 1, 3, 2)
+    with pytest.raises(kvkeep.InternalError):
         conv.join_chunks([_chunk(False)])
 
 
@@ -253,20 +253,20 @@ def test_cli_unreachable_daemon_is_one_error_line(args: list[str]) -> None:
     assert result.stdout == ""
     lines = result.stderr.splitlines()
     assert len(lines) == 1
-    assert lines[0].startswith("error: cannot reach kvstash at 127.0.0.1:1: ")
+    assert lines[0].startswith("error: cannot reach kvkeep at 127.0.0.1:1: ")
     assert "Traceback" not in result.output
 
 
 def test_cli_address_comes_from_the_environment() -> None:
-    result = CliRunner(env={"KVSTASH_ADDRESS": "127.0.0.1:1"}).invoke(main, ["info"])
+    result = CliRunner(env={"KVKEEP_ADDRESS": "127.0.0.1:1"}).invoke(main, ["info"])
     assert result.exit_code == 1
-    assert "cannot reach kvstash at 127.0.0.1:1" in result.stderr
+    assert "cannot reach kvkeep at 127.0.0.1:1" in result.stderr
 
 
 # --- a fake daemon in this process ------------------------------------------------------------
 
 
-class FakeDaemon(pb_grpc.KvStashServicer):
+class FakeDaemon(pb_grpc.KvKeepServicer):
     """Just enough of the service to drive the client: one session "s1", one checkpoint "c1"."""
 
     def __init__(self) -> None:
@@ -281,7 +281,7 @@ class FakeDaemon(pb_grpc.KvStashServicer):
     def _held_elsewhere(self, context: grpc.ServicerContext) -> None:
         if self.refused < self.elsewhere:
             self.refused += 1
-            hint = (("kvstash-error", "session-elsewhere"), ("kvstash-retry-after-ms", "20"))
+            hint = (("kvkeep-error", "session-elsewhere"), ("kvkeep-retry-after-ms", "20"))
             context.set_trailing_metadata(hint)
             context.abort(grpc.StatusCode.UNAVAILABLE, "session moving is held by another daemon")
 
@@ -344,7 +344,7 @@ class FakeDaemon(pb_grpc.KvStashServicer):
 def fake() -> Iterator[tuple[FakeDaemon, str]]:
     daemon = FakeDaemon()  # type: ignore[abstract]  # the RPCs it lacks answer UNIMPLEMENTED
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    pb_grpc.add_KvStashServicer_to_server(daemon, server)
+    pb_grpc.add_KvKeepServicer_to_server(daemon, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
@@ -355,16 +355,16 @@ def fake() -> Iterator[tuple[FakeDaemon, str]]:
 
 def test_chat_and_errors_through_a_server(fake: tuple[FakeDaemon, str]) -> None:
     _, address = fake
-    with kvstash.Client(address, timeout=5) as client:
+    with kvkeep.Client(address, timeout=5) as client:
         session = client.create_session("Be brief.")
         completion = session.chat("hi")
         assert completion.text == "echo: hi"
         assert completion.finish_reason == "eos"
         assert completion.usage.generated_tokens == 2
-        with pytest.raises(kvstash.NotFoundError, match="no session 'nope'"):
+        with pytest.raises(kvkeep.NotFoundError, match="no session 'nope'"):
             client.session("nope")
         # An error in the middle of a stream is converted too.
-        with pytest.raises(kvstash.ContextFullError, match="context is full"):
+        with pytest.raises(kvkeep.ContextFullError, match="context is full"):
             list(session.chat_stream("overflow"))
 
 
@@ -374,7 +374,7 @@ def test_a_call_about_a_session_held_elsewhere_is_sent_again_after_each_hint(
 ) -> None:
     daemon, address = fake
 
-    async def calls(client: kvstash.AsyncClient) -> tuple[int, str]:
+    async def calls(client: kvkeep.AsyncClient) -> tuple[int, str]:
         session = await client.session("moving")
         n = (await session.info()).n_tokens
         daemon.refused = 0
@@ -384,11 +384,11 @@ def test_a_call_about_a_session_held_elsewhere_is_sent_again_after_each_hint(
         if asynchronous:
 
             async def main() -> tuple[int, str]:
-                async with kvstash.AsyncClient(address, timeout=5, **kw) as client:
+                async with kvkeep.AsyncClient(address, timeout=5, **kw) as client:
                     return await calls(client)
 
             return asyncio.run(main())
-        with kvstash.Client(address, timeout=5, **kw) as client:
+        with kvkeep.Client(address, timeout=5, **kw) as client:
             session = client.session("moving")
             n = session.info().n_tokens
             daemon.refused = 0
@@ -399,7 +399,7 @@ def test_a_call_about_a_session_held_elsewhere_is_sent_again_after_each_hint(
     assert daemon.refused == 3
     daemon.refused = 0
     for wait in (0, 0.01):  # no wait, or less than the hint: raised at the first refusal
-        with pytest.raises(kvstash.SessionElsewhereError) as refused:
+        with pytest.raises(kvkeep.SessionElsewhereError) as refused:
             run(elsewhere_wait=wait)
         assert refused.value.retry_after == 0.02 and daemon.refused == 1
         daemon.refused = 0
@@ -407,11 +407,11 @@ def test_a_call_about_a_session_held_elsewhere_is_sent_again_after_each_hint(
 
 def test_a_stream_refused_after_its_first_chunk_is_not_sent_again(fake: tuple[FakeDaemon, str]) -> None:
     daemon, address = fake
-    with kvstash.Client(address, timeout=5) as client:
+    with kvkeep.Client(address, timeout=5) as client:
         session = client.session("moving")
         daemon.elsewhere = 1
         chunks: list[str] = []
-        with pytest.raises(kvstash.SessionElsewhereError):
+        with pytest.raises(kvkeep.SessionElsewhereError):
             for chunk in session.chat_stream("late"):
                 chunks.append(chunk.text)
     assert chunks == ["partial"] and daemon.refused == 1
@@ -419,7 +419,7 @@ def test_a_stream_refused_after_its_first_chunk_is_not_sent_again(fake: tuple[Fa
 
 def test_leaving_a_stream_early_cancels_the_call(fake: tuple[FakeDaemon, str]) -> None:
     daemon, address = fake
-    with kvstash.Client(address) as client:
+    with kvkeep.Client(address) as client:
         for n, _chunk in enumerate(client.session("s1").generate("go")):
             if n == 3:
                 break
@@ -428,25 +428,25 @@ def test_leaving_a_stream_early_cancels_the_call(fake: tuple[FakeDaemon, str]) -
 
 def test_export_and_import_through_a_path(fake: tuple[FakeDaemon, str], tmp_path: Path) -> None:
     daemon, address = fake
-    target = tmp_path / "c1.kvstash"
-    with kvstash.Client(address) as client:
+    target = tmp_path / "c1.kvkeep"
+    with kvkeep.Client(address) as client:
         assert client.export_checkpoint("c1", target) == len(daemon.blob)
         assert target.read_bytes() == daemon.blob
         assert client.import_checkpoint(str(target)).checkpoint_id == "c2"
         assert daemon.imported == daemon.blob
-        with pytest.raises(kvstash.NotFoundError):
-            client.export_checkpoint("nope", tmp_path / "nope.kvstash")
+        with pytest.raises(kvkeep.NotFoundError):
+            client.export_checkpoint("nope", tmp_path / "nope.kvkeep")
     # A failed export leaves neither the file nor its temporary.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c1.kvstash"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c1.kvkeep"]
 
 
 def test_async_client(fake: tuple[FakeDaemon, str]) -> None:
     _, address = fake
 
     async def go() -> str:
-        async with kvstash.AsyncClient(address, timeout=5) as client:
+        async with kvkeep.AsyncClient(address, timeout=5) as client:
             session = await client.session("s1")
-            with pytest.raises(kvstash.NotFoundError):
+            with pytest.raises(kvkeep.NotFoundError):
                 await client.session("nope")
             return (await session.chat("hi")).text
 
@@ -455,10 +455,10 @@ def test_async_client(fake: tuple[FakeDaemon, str]) -> None:
 
 def test_async_export_import_and_leaving_a_stream(fake: tuple[FakeDaemon, str], tmp_path: Path) -> None:
     daemon, address = fake
-    target = tmp_path / "c1.kvstash"
+    target = tmp_path / "c1.kvkeep"
 
     async def go() -> tuple[int, str, str]:
-        async with kvstash.AsyncClient(address, timeout=5) as client:
+        async with kvkeep.AsyncClient(address, timeout=5) as client:
             written = await client.export_checkpoint("c1", target)
             imported = await client.import_checkpoint(target)
             session = await client.session("s1")
@@ -477,7 +477,7 @@ def test_async_export_import_and_leaving_a_stream(fake: tuple[FakeDaemon, str], 
 
 @pytest.mark.parametrize(
     ("blocking", "asynchronous"),
-    [(kvstash.Client, kvstash.AsyncClient), (kvstash.Session, kvstash.AsyncSession)],
+    [(kvkeep.Client, kvkeep.AsyncClient), (kvkeep.Session, kvkeep.AsyncSession)],
 )
 def test_both_faces_have_the_same_methods_arguments_and_docstrings(
     blocking: type[Any], asynchronous: type[Any]
@@ -523,16 +523,16 @@ def test_cli_daemon_error_is_one_line(fake: tuple[FakeDaemon, str]) -> None:
 
 
 def test_serve_without_the_daemon_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "kvstashd.server", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "kvkeepd.server", None)  # makes the import fail
     result = CliRunner().invoke(main, ["serve", "--model", "x.gguf"])
     assert result.exit_code == 1
     assert result.stderr == (
-        "error: kvstash serve needs the daemon's dependencies (no module 'kvstashd.server'): "
-        "pip install 'kvstash[daemon]'\n"
+        "error: kvkeep serve needs the daemon's dependencies (no module 'kvkeepd.server'): "
+        "pip install 'kvkeep[daemon]'\n"
     )
 
 
 def test_the_client_does_not_import_the_daemon() -> None:
-    code = "import sys, kvstash, kvstash.cli; print([m for m in sys.modules if 'kvstashd' in m])"
+    code = "import sys, kvkeep, kvkeep.cli; print([m for m in sys.modules if 'kvkeepd' in m])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

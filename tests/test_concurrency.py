@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 from daemons import InProcessDaemon
 
-import kvstash
+import kvkeep
 
 PROMPTS = [
     "Once upon a time",
@@ -26,14 +26,14 @@ PROMPTS = [
 def test_eight_clients_on_eight_sessions(start_daemon: Callable[..., InProcessDaemon], slots: int) -> None:
     d = start_daemon(slots=slots, ctx_per_session=256)
     max_tokens = 12
-    results: dict[int, tuple[list[kvstash.Chunk], int]] = {}
+    results: dict[int, tuple[list[kvkeep.Chunk], int]] = {}
     errors: list[BaseException] = []
     barrier = threading.Barrier(len(PROMPTS), timeout=60)
 
     def worker(n: int) -> None:
         try:
-            with kvstash.Client(d.address, timeout=120) as client:
-                session = client.create_session(sampling=kvstash.SamplingParams(seed=n))
+            with kvkeep.Client(d.address, timeout=120) as client:
+                session = client.create_session(sampling=kvkeep.SamplingParams(seed=n))
                 barrier.wait()  # all eight start generating together
                 chunks = list(session.generate(PROMPTS[n], max_tokens=max_tokens))
                 results[n] = (chunks, session.info().n_tokens)
@@ -66,7 +66,7 @@ def test_eight_clients_on_eight_sessions(start_daemon: Callable[..., InProcessDa
         assert usage.evaluated_tokens == usage.prompt_tokens + usage.generated_tokens - 1
         generated += usage.generated_tokens
 
-    with kvstash.Client(d.address, timeout=30) as client:
+    with kvkeep.Client(d.address, timeout=30) as client:
         info = client.info()
         assert info.sessions == len(PROMPTS)
         assert info.slots_in_use <= slots

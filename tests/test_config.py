@@ -1,7 +1,7 @@
-"""`kvstash serve`'s settings: flag > environment > file > default, `--print-config`, and a
+"""`kvkeep serve`'s settings: flag > environment > file > default, `--print-config`, and a
 bad value from any source is one line naming the setting and a non-zero exit.
 
-These run `python -m kvstashd` as a subprocess with `--print-config` (which reads and checks
+These run `python -m kvkeepd` as a subprocess with `--print-config` (which reads and checks
 every setting, then exits before anything starts), so they need no model loaded.
 """
 
@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 from daemons import model_path
 
-from kvstashd import config
+from kvkeepd.config import settings as config
 
 ORIGIN = re.compile(r"^#?\s*([a-z0-9-]+)\b.*#\s*(.+)$")
 
 
-def kvstash_serve(
+def kvkeep_serve(
     *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """`kvstash serve ARGS` with only `env` of KVSTASH_* set."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVSTASH_")}
+    """`kvkeep serve ARGS` with only `env` of KVKEEP_* set."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVKEEP_")}
     return subprocess.run(
-        [sys.executable, "-m", "kvstashd", *args],
+        [sys.executable, "-m", "kvkeepd", *args],
         env={**clean, **(env or {})},
         capture_output=True,
         text=True,
@@ -39,7 +39,7 @@ def kvstash_serve(
 
 def printed(*args: str, env: dict[str, str] | None = None) -> tuple[dict[str, object], dict[str, str]]:
     """The settings `--print-config` prints (as TOML) and each one's origin."""
-    result = kvstash_serve("--print-config", *args, env=env)
+    result = kvkeep_serve("--print-config", *args, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     values = tomllib.loads(result.stdout)
@@ -52,39 +52,39 @@ def printed(*args: str, env: dict[str, str] | None = None) -> tuple[dict[str, ob
 
 
 def test_flag_over_environment_over_file_over_default(tmp_path: Path) -> None:
-    file = tmp_path / "kvstash.toml"
+    file = tmp_path / "kvkeep.toml"
     file.write_text('slots = 2\nthreads = 3\ncodec = "zstd"\nidle_ttl = 5\nprefix-cache = false\n')
     values, origins = printed(
-        "--config", str(file), "--slots", "7", env={"KVSTASH_SLOTS": "5", "KVSTASH_THREADS": "6"}
+        "--config", str(file), "--slots", "7", env={"KVKEEP_SLOTS": "5", "KVKEEP_THREADS": "6"}
     )
     assert values["slots"] == 7 and origins["slots"] == "flag --slots"
-    assert values["threads"] == 6 and origins["threads"] == "environment KVSTASH_THREADS"
+    assert values["threads"] == 6 and origins["threads"] == "environment KVKEEP_THREADS"
     assert values["codec"] == "zstd" and origins["codec"] == f"file {file}"
     assert values["idle-ttl"] == 5.0 and origins["idle-ttl"] == f"file {file}"
     assert values["prefix-cache"] is False and origins["prefix-cache"] == f"file {file}"
     assert values["batch-size"] == 512 and origins["batch-size"] == "default"
-    # KVSTASH_CONFIG names the file as --config does; a boolean flag beats the file.
-    values, origins = printed("--prefix-cache", env={"KVSTASH_CONFIG": str(file)})
+    # KVKEEP_CONFIG names the file as --config does; a boolean flag beats the file.
+    values, origins = printed("--prefix-cache", env={"KVKEEP_CONFIG": str(file)})
     assert values["slots"] == 2 and origins["slots"] == f"file {file}"
     assert values["prefix-cache"] is True and origins["prefix-cache"] == "flag --prefix-cache"
 
 
 def test_print_config_lists_every_setting_and_reads_back(tmp_path: Path) -> None:
-    values, origins = printed("--disk-budget", "5GiB", env={"KVSTASH_RAM_CACHE": "512MiB"})
+    values, origins = printed("--disk-budget", "5GiB", env={"KVKEEP_RAM_CACHE": "512MiB"})
     assert set(origins) == {o.key for o in config.options()}
     assert values["disk-budget"] == 5 << 30 and values["ram-cache"] == 512 << 20
     assert values["model"] == str(model_path())
     assert "auth-file" not in values and origins["auth-file"] == "default"  # unset: a comment
     # The output is a config file: fed back, every value is the same and comes from it.
     file = tmp_path / "printed.toml"
-    file.write_text(kvstash_serve("--print-config", "--slots", "3").stdout)
+    file.write_text(kvkeep_serve("--print-config", "--slots", "3").stdout)
     again, from_file = printed("--config", str(file))
     assert again == {**printed("--slots", "3")[0]}
     assert {from_file[k] for k in again} == {f"file {file}"}
 
 
 def test_every_setting_has_a_flag_a_variable_and_help() -> None:
-    result = kvstash_serve("--help")
+    result = kvkeep_serve("--help")
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     for option in config.options():
@@ -106,32 +106,32 @@ def test_every_setting_has_a_flag_a_variable_and_help() -> None:
             None,
             "tls-cert (flag --tls-cert): no file /nonexistent.pem",
         ),
-        ([], {"KVSTASH_SLOTS": "many"}, None, "slots (environment KVSTASH_SLOTS): not an integer: 'many'"),
+        ([], {"KVKEEP_SLOTS": "many"}, None, "slots (environment KVKEEP_SLOTS): not an integer: 'many'"),
         (
             [],
-            {"KVSTASH_CTX_PER_SESSION": "300"},
+            {"KVKEEP_CTX_PER_SESSION": "300"},
             None,
-            "ctx-per-session (environment KVSTASH_CTX_PER_SESSION): must be in [256, 1048576], "
+            "ctx-per-session (environment KVKEEP_CTX_PER_SESSION): must be in [256, 1048576], "
             "a multiple of 256, got 300",
         ),
         (
             [],
-            {"KVSTASH_PREFIX_CACHE": "maybe"},
+            {"KVKEEP_PREFIX_CACHE": "maybe"},
             None,
-            "prefix-cache (environment KVSTASH_PREFIX_CACHE): not a",
+            "prefix-cache (environment KVKEEP_PREFIX_CACHE): not a",
         ),
-        ([], {"KVSTASH_IDLE_TTL": "nan"}, None, "idle-ttl (environment KVSTASH_IDLE_TTL): not a number"),
+        ([], {"KVKEEP_IDLE_TTL": "nan"}, None, "idle-ttl (environment KVKEEP_IDLE_TTL): not a number"),
         (
             ["--batch-size", "40"],
-            {"KVSTASH_SLOTS": "64"},
+            {"KVKEEP_SLOTS": "64"},
             None,
             "batch-size (flag --batch-size): must be at least slots (64), got 40",
         ),
         (
             [],
-            {"KVSTASH_MAX_PROMPT_TOKENS": "4096"},
+            {"KVKEEP_MAX_PROMPT_TOKENS": "4096"},
             None,
-            "max-prompt-tokens (environment KVSTASH_MAX_PROMPT_TOKENS): must be at most "
+            "max-prompt-tokens (environment KVKEEP_MAX_PROMPT_TOKENS): must be at most "
             "ctx-per-session (2048)",
         ),
         ([], {}, "batch_size = 16", "batch-size (file {file}): must be in [32, 8192], got 16"),
@@ -142,18 +142,18 @@ def test_every_setting_has_a_flag_a_variable_and_help() -> None:
         ([], {}, "slots = ", "config: {file} is not valid TOML"),
         (["--slotz", "4"], {}, None, "No such option '--slotz'"),
         (["--store", "ftp://host/x"], {}, None, "store (flag --store): must be local, s3://BUCKET/PREFIX"),
-        ([], {"KVSTASH_STORE": "s3://No_Such/x"}, None, "store (environment KVSTASH_STORE): the bucket of"),
+        ([], {"KVKEEP_STORE": "s3://No_Such/x"}, None, "store (environment KVKEEP_STORE): the bucket of"),
     ],
 )
 def test_a_bad_setting_is_one_line_and_a_non_zero_exit(
     tmp_path: Path, args: list[str], env: dict[str, str], toml: str | None, line: str
 ) -> None:
-    file = tmp_path / "kvstash.toml"
+    file = tmp_path / "kvkeep.toml"
     if toml is not None:
         file.write_text(toml + "\n")
         args = ["--config", str(file), *args]
     for run in (("--print-config", *args), args):  # checked before anything starts, either way
-        result = kvstash_serve(*run, "--state-dir", str(tmp_path / "state"), env=env)
+        result = kvkeep_serve(*run, "--state-dir", str(tmp_path / "state"), env=env)
         assert result.returncode == 2
         assert result.stdout == ""
         lines = result.stderr.splitlines()
@@ -172,7 +172,7 @@ def test_print_config_hides_a_remote_stores_password() -> None:
 
 
 def test_a_missing_config_file_is_one_line(tmp_path: Path) -> None:
-    result = kvstash_serve("--config", str(tmp_path / "absent.toml"), "--print-config")
+    result = kvkeep_serve("--config", str(tmp_path / "absent.toml"), "--print-config")
     assert result.returncode == 2
     assert (
         result.stderr == f"error: config: cannot read {tmp_path / 'absent.toml'}: No such file or directory\n"

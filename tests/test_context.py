@@ -18,8 +18,8 @@ import pytest
 from daemons import GREEDY, DaemonProcess, InProcessDaemon
 from test_faults import FailingFsync
 
-import kvstash
-from kvstashd.store import local
+import kvkeep
+from kvkeepd.storage.blocks import local
 
 SYSTEM = "You are a patient assistant who answers in full sentences."
 QUESTIONS = [
@@ -36,7 +36,7 @@ QUESTIONS = [
 REPLY = 24
 
 
-def _fresh_reply(client: kvstash.Client, kept: tuple[kvstash.Message, ...]) -> kvstash.Completion:
+def _fresh_reply(client: kvkeep.Client, kept: tuple[kvkeep.Message, ...]) -> kvkeep.Completion:
     """The reply of a new session given the conversation a truncated session kept."""
     fresh = client.create_session(SYSTEM, sampling=GREEDY)
     try:
@@ -49,16 +49,16 @@ def test_truncate_keeps_the_system_prompt_and_recent_turns(
     start_daemon: Callable[..., InProcessDaemon],
 ) -> None:
     small = start_daemon(slots=2, ctx_per_session=256)
-    with kvstash.Client(small.address, timeout=120) as client:
+    with kvkeep.Client(small.address, timeout=120) as client:
         s = client.create_session(SYSTEM, sampling=GREEDY, context_policy="truncate")
         dropped_total, truncating = 0, 0
         for question in QUESTIONS:
             reply = s.chat(question, max_tokens=REPLY, logprobs=2)
             info = s.info()
             assert info.n_tokens <= 256
-            assert info.messages[0] == kvstash.Message("system", SYSTEM)
-            assert info.messages[-2] == kvstash.Message("user", question)
-            assert info.messages[-1] == kvstash.Message("assistant", reply.text)
+            assert info.messages[0] == kvkeep.Message("system", SYSTEM)
+            assert info.messages[-2] == kvkeep.Message("user", question)
+            assert info.messages[-1] == kvkeep.Message("assistant", reply.text)
             if info.truncations > truncating:
                 truncating += 1
                 assert reply.usage.dropped_tokens > 0
@@ -83,44 +83,44 @@ def test_error_policy_refuses_and_changes_nothing(
 ) -> None:
     small = start_daemon(slots=1, ctx_per_session=256)
     long_question = " ".join(QUESTIONS[:4])
-    with kvstash.Client(small.address, timeout=120) as client:
+    with kvkeep.Client(small.address, timeout=120) as client:
         s = client.create_session(SYSTEM, sampling=GREEDY)
         assert s.info().context_policy == "error"
-        with pytest.raises(kvstash.ContextFullError):
+        with pytest.raises(kvkeep.ContextFullError):
             for _ in range(8):
                 s.chat(long_question, max_tokens=REPLY)
         before = s.info()
-        with pytest.raises(kvstash.ContextFullError):
+        with pytest.raises(kvkeep.ContextFullError):
             s.chat(long_question, max_tokens=REPLY)
         after = s.info()
         assert (after.n_tokens, after.messages, after.truncations) == (before.n_tokens, before.messages, 0)
 
         # Truncating cannot make room for new messages that do not fit on their own.
         t = client.create_session(SYSTEM, sampling=GREEDY, context_policy="truncate")
-        with pytest.raises(kvstash.ContextFullError):
+        with pytest.raises(kvkeep.ContextFullError):
             t.chat(long_question, max_tokens=200)
-        assert t.info().messages == (kvstash.Message("system", SYSTEM),)
+        assert t.info().messages == (kvkeep.Message("system", SYSTEM),)
 
 
 def test_generate_is_not_truncated_and_bad_policies_are_refused(
     start_daemon: Callable[..., InProcessDaemon],
 ) -> None:
     small = start_daemon(slots=1, ctx_per_session=256)
-    with kvstash.Client(small.address, timeout=120) as client:
+    with kvkeep.Client(small.address, timeout=120) as client:
         s = client.create_session(sampling=GREEDY, context_policy="truncate")
         s.complete("Once upon a time " * 30, max_tokens=8)
         n = s.info().n_tokens
-        with pytest.raises(kvstash.ContextFullError, match="truncate"):
+        with pytest.raises(kvkeep.ContextFullError, match="truncate"):
             s.complete("and then " * 80, max_tokens=8)
         assert s.info().n_tokens == n
         for bad in ("drop", "TRUNCATE", "x" * 500):
-            with pytest.raises(kvstash.InvalidRequestError, match="context_policy"):
+            with pytest.raises(kvkeep.InvalidRequestError, match="context_policy"):
                 client.create_session(context_policy=bad)
 
 
 def test_policy_survives_kill_and_forks(spawn_daemon: Callable[..., DaemonProcess]) -> None:
     proc = spawn_daemon("--ctx-per-session", "256", "--slots", "2")
-    with kvstash.Client(proc.address, timeout=120) as client:
+    with kvkeep.Client(proc.address, timeout=120) as client:
         s = client.create_session(SYSTEM, sampling=GREEDY, persistent=True, context_policy="truncate")
         for question in QUESTIONS:
             s.chat(question, max_tokens=REPLY)
@@ -129,7 +129,7 @@ def test_policy_survives_kill_and_forks(spawn_daemon: Callable[..., DaemonProces
         before = s.info()
         assert before.truncations >= 1
     proc.restart(kill=True)
-    with kvstash.Client(proc.address, timeout=120) as client:
+    with kvkeep.Client(proc.address, timeout=120) as client:
         s = client.session(before.session_id)
         after = s.info()
         assert (after.context_policy, after.truncations, after.dropped_tokens) == (
@@ -148,7 +148,7 @@ def test_policy_survives_kill_and_forks(spawn_daemon: Callable[..., DaemonProces
         fork.close()
 
 
-def _to_the_edge(s: kvstash.Session) -> str:
+def _to_the_edge(s: kvkeep.Session) -> str:
     """Chat until the next question would truncate (a fork tries it); that question."""
     for question in QUESTIONS:
         probe = s.fork()
@@ -165,7 +165,7 @@ def test_a_truncating_turn_cancelled_mid_reply_keeps_the_kept_conversation(
     start_daemon: Callable[..., InProcessDaemon],
 ) -> None:
     small = start_daemon(slots=2, ctx_per_session=256)
-    with kvstash.Client(small.address, timeout=120) as client:
+    with kvkeep.Client(small.address, timeout=120) as client:
         s = client.create_session(SYSTEM, sampling=GREEDY, context_policy="truncate")
         question = _to_the_edge(s)
         stream = s.chat_stream(question, max_tokens=REPLY)
@@ -175,9 +175,9 @@ def test_a_truncating_turn_cancelled_mid_reply_keeps_the_kept_conversation(
         assert small.check_invariant() == []  # settles first: the cancelled turn has ended
         info = s.info()
         assert info.truncations == 1 and info.n_tokens <= 256
-        assert info.messages[0] == kvstash.Message("system", SYSTEM)
+        assert info.messages[0] == kvkeep.Message("system", SYSTEM)
         assert info.messages[1].role == "user"
-        assert info.messages[-2] == kvstash.Message("user", question)
+        assert info.messages[-2] == kvkeep.Message("user", question)
         assert info.messages[-1].role == "assistant"
         # The conversation goes on; a turn that truncates again is a fresh session's.
         for question in QUESTIONS[-3:]:
@@ -196,12 +196,12 @@ def test_a_truncating_turn_whose_autosave_fails_is_undone(
     faulty = FailingFsync()
     monkeypatch.setattr(local, "os", faulty)
     small = start_daemon(slots=2, ctx_per_session=256)
-    with kvstash.Client(small.address, timeout=120) as client:
+    with kvkeep.Client(small.address, timeout=120) as client:
         s = client.create_session(SYSTEM, sampling=GREEDY, persistent=True, context_policy="truncate")
         question = _to_the_edge(s)
         before = s.info()
         faulty.failing = True
-        with pytest.raises(kvstash.BusyError, match="state store is failing"):
+        with pytest.raises(kvkeep.BusyError, match="state store is failing"):
             s.chat(question, max_tokens=REPLY)
         faulty.failing = False
         after = s.info()
@@ -219,16 +219,16 @@ def test_a_whole_conversation_resent_is_truncated_the_same_way(
     start_daemon: Callable[..., InProcessDaemon],
 ) -> None:
     small = start_daemon(slots=2, ctx_per_session=256)
-    with kvstash.Client(small.address, timeout=120) as client:
+    with kvkeep.Client(small.address, timeout=120) as client:
         s = client.create_session(SYSTEM, sampling=GREEDY, context_policy="truncate")
-        conversation = [kvstash.Message("system", SYSTEM)]
+        conversation = [kvkeep.Message("system", SYSTEM)]
         for question in QUESTIONS[:7]:
-            conversation.append(kvstash.Message("user", question))
+            conversation.append(kvkeep.Message("user", question))
             reply = s.chat(conversation, whole=True, max_tokens=REPLY, logprobs=2)
             kept = s.info().messages[1:-1]
             assert kept[-1] == conversation[-1] and len(kept) < len(conversation)
             if reply.usage.dropped_tokens:
                 fresh = _fresh_reply(client, kept)
                 assert (fresh.token_ids, fresh.logprobs) == (reply.token_ids, reply.logprobs)
-            conversation.append(kvstash.Message("assistant", reply.text))
+            conversation.append(kvkeep.Message("assistant", reply.text))
         assert s.info().truncations >= 1

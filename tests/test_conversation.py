@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 from daemons import GREEDY
 
-import kvstash
-from kvstash import Message
+import kvkeep
+from kvkeep import Message
 
 
-def roles(session: kvstash.Session) -> list[tuple[str, str]]:
+def roles(session: kvkeep.Session) -> list[tuple[str, str]]:
     return [(m.role, m.content) for m in session.info().messages]
 
 
-def test_messages_of_any_roles_are_added_in_order(client: kvstash.Client) -> None:
+def test_messages_of_any_roles_are_added_in_order(client: kvkeep.Client) -> None:
     told = client.create_session("You are terse.", sampling=GREEDY)
     given = [Message("user", "Name a colour."), Message("assistant", "Teal."), Message("user", "Another.")]
     reply = told.chat(given, max_tokens=8)
@@ -31,7 +31,7 @@ def test_messages_of_any_roles_are_added_in_order(client: kvstash.Client) -> Non
         s.close()
 
 
-def test_a_whole_conversation_keeps_what_matches(client: kvstash.Client) -> None:
+def test_a_whole_conversation_keeps_what_matches(client: kvkeep.Client) -> None:
     session = client.create_session("You are terse.", sampling=GREEDY)
     first = session.chat("Name a colour.", max_tokens=8)
     after_first = session.info().n_tokens
@@ -55,15 +55,15 @@ def test_a_whole_conversation_keeps_what_matches(client: kvstash.Client) -> None
     before = session.info().n_tokens
     cont = session.chat(more, whole=True, max_tokens=4)
     assert cont.usage.reused_tokens >= before - 1
-    with pytest.raises(kvstash.InvalidRequestError, match="adds no message"):
+    with pytest.raises(kvkeep.InvalidRequestError, match="adds no message"):
         session.chat(list(more[:2]), whole=True)
     for s in (session, fresh):
         s.close()
 
 
-def test_bad_messages_are_refused(client: kvstash.Client) -> None:
+def test_bad_messages_are_refused(client: kvkeep.Client) -> None:
     session = client.create_session(sampling=GREEDY)
-    with pytest.raises(kvstash.InvalidRequestError, match="role"):
+    with pytest.raises(kvkeep.InvalidRequestError, match="role"):
         session.chat([Message("tool", "x")])
     with pytest.raises(ValueError, match="whole"):
         session.chat("Hi", whole=True)

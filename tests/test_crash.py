@@ -33,7 +33,7 @@ The expected continuation of each state is recorded before the kill, by forking 
 session (an ephemeral copy; nothing on disk) and generating from the fork. The main session
 only ever grows, so its length names its state.
 
-``KVSTASH_CRASH_ROUNDS`` sets the number of kills (default 6: each of the six operations
+``KVKEEP_CRASH_ROUNDS`` sets the number of kills (default 6: each of the six operations
 once; run 240 by hand, 40 per operation).
 """
 
@@ -55,9 +55,9 @@ import pytest
 from checkpoint_helpers import SAMPLED, SPAWN_ARGS, Trace, block_files, gen, long_text, manifest_parts
 from daemons import DaemonProcess
 
-import kvstash
+import kvkeep
 
-ROUNDS = int(os.environ.get("KVSTASH_CRASH_ROUNDS", "6"))
+ROUNDS = int(os.environ.get("KVKEEP_CRASH_ROUNDS", "6"))
 OPERATIONS = ("checkpoint", "autosave", "turns", "close", "fork", "import")
 LOOKAHEAD = 12  # tokens of expected continuation recorded per state
 FOLLOW = 8  # tokens compared after a restore
@@ -70,7 +70,7 @@ STATE_FILES = {
     "catalog.db-shm",
     "store.key",
     "fingerprints.json",
-    "probes.json",  # unless the tests keep it elsewhere (KVSTASH_PROBE_CACHE)
+    "probes.json",  # unless the tests keep it elsewhere (KVKEEP_PROBE_CACHE)
     "lock",  # held by the running daemon; released by the kernel when it dies
     "blocks",
     "spill",
@@ -83,7 +83,7 @@ class Storm:
     """One operation, repeated until the daemon dies; what it saw acknowledged."""
 
     address: str
-    work: Callable[[kvstash.Client, Storm], None]
+    work: Callable[[kvkeep.Client, Storm], None]
     acked: list[Any] = field(default_factory=list)
     generated: Trace | None = None
     turns: Trace = field(default_factory=list)  # the turns storm's acknowledged tokens
@@ -92,13 +92,13 @@ class Storm:
 
     def run(self) -> None:
         try:
-            with kvstash.Client(self.address, timeout=30) as client:
+            with kvkeep.Client(self.address, timeout=30) as client:
                 self.work(client, self)
-        except kvstash.UnavailableError:
+        except kvkeep.UnavailableError:
             pass  # the kill
-        except kvstash.KvstashError as e:
+        except kvkeep.KvkeepError as e:
             # A call cut off by the kill may also end as CANCELLED/UNKNOWN (InternalError).
-            if not isinstance(e, kvstash.InternalError):
+            if not isinstance(e, kvkeep.InternalError):
                 self.error = e
         except BaseException as e:
             self.error = e
@@ -106,21 +106,21 @@ class Storm:
             self.begun.set()
 
 
-def _checkpoints(session: kvstash.Session, storm: Storm, label: str) -> None:
+def _checkpoints(session: kvkeep.Session, storm: Storm, label: str) -> None:
     for i in range(10_000):
         storm.begun.set()
         storm.acked.append(session.checkpoint(f"{label}-{i}"))
 
 
 def _checkpoints_only(session_id: str, label: str) -> Callable[..., None]:
-    def work(client: kvstash.Client, storm: Storm) -> None:
+    def work(client: kvkeep.Client, storm: Storm) -> None:
         _checkpoints(client.session(session_id), storm, label)
 
     return work
 
 
 def _generate_then_checkpoint(session_id: str, label: str, *, mark_autosave: bool) -> Callable[..., None]:
-    def work(client: kvstash.Client, storm: Storm) -> None:
+    def work(client: kvkeep.Client, storm: Storm) -> None:
         session = client.session(session_id)
         got: Trace = []
         for chunk in session.generate("", max_tokens=STEP, logprobs=1):
@@ -139,7 +139,7 @@ def _turns(session_id: str, label: str) -> Callable[..., None]:
     """STEP one-token turns (empty prompt: each continues the last), then checkpoints. The
     kill's clock starts once the first turn is acknowledged: it lands in a later one."""
 
-    def work(client: kvstash.Client, storm: Storm) -> None:
+    def work(client: kvkeep.Client, storm: Storm) -> None:
         session = client.session(session_id)
         for _ in range(STEP):
             chunks = list(session.generate("", max_tokens=1, logprobs=1))
@@ -150,10 +150,10 @@ def _turns(session_id: str, label: str) -> Callable[..., None]:
     return work
 
 
-def _forks(session_id: str, sources: list[kvstash.CheckpointInfo]) -> Callable[..., None]:
+def _forks(session_id: str, sources: list[kvkeep.CheckpointInfo]) -> Callable[..., None]:
     """Persistent forks, of the session and of its checkpoints in turn: (fork id, n_tokens)."""
 
-    def work(client: kvstash.Client, storm: Storm) -> None:
+    def work(client: kvkeep.Client, storm: Storm) -> None:
         for i in range(10_000):
             storm.begun.set()
             if i % 2 == 0 or not sources:
@@ -168,7 +168,7 @@ def _forks(session_id: str, sources: list[kvstash.CheckpointInfo]) -> Callable[.
 
 
 def _closes(session_ids: list[str]) -> Callable[..., None]:
-    def work(client: kvstash.Client, storm: Storm) -> None:
+    def work(client: kvkeep.Client, storm: Storm) -> None:
         for sid in session_ids:
             storm.begun.set()
             client.session(sid).close()
@@ -178,7 +178,7 @@ def _closes(session_ids: list[str]) -> Callable[..., None]:
 
 
 def _imports(path: Path) -> Callable[..., None]:
-    def work(client: kvstash.Client, storm: Storm) -> None:
+    def work(client: kvkeep.Client, storm: Storm) -> None:
         for _ in range(10_000):
             storm.begun.set()
             storm.acked.append(client.import_checkpoint(path))
@@ -241,7 +241,7 @@ def test_sigkill_during_saves_closes_forks_and_imports_loses_nothing(
     rng = random.Random(20240229)
     export = tmp_path / "donor.kvs"
 
-    with kvstash.Client(proc.address, timeout=60) as client:
+    with kvkeep.Client(proc.address, timeout=60) as client:
         s = client.create_session(sampling=SAMPLED, persistent=True)
         gen(s, long_text(95, "crash"), 1)
         assert s.info().n_tokens >= 1500
@@ -255,12 +255,12 @@ def test_sigkill_during_saves_closes_forks_and_imports_loses_nothing(
 
     # n_tokens -> the tokens that follow that state of the main session.
     expected: dict[int, Trace] = {}
-    acked: list[kvstash.CheckpointInfo] = []  # the main session's, all rounds
+    acked: list[kvkeep.CheckpointInfo] = []  # the main session's, all rounds
     kills: Counter[str] = Counter()
     acks: Counter[str] = Counter()
     checked: Counter[str] = Counter()
 
-    def continues(session: kvstash.Session, follow: Trace, what: str) -> None:
+    def continues(session: kvkeep.Session, follow: Trace, what: str) -> None:
         assert gen(session, "", len(follow)) == follow, f"{what} does not continue exactly"
         checked["continuations"] += 1
 
@@ -268,7 +268,7 @@ def test_sigkill_during_saves_closes_forks_and_imports_loses_nothing(
         op = OPERATIONS[round_ % len(OPERATIONS)]
         where = f"round {round_} ({op})"
         doomed: dict[str, str] = {}  # close rounds: fork id -> its checkpoint id
-        with kvstash.Client(proc.address, timeout=60) as client:
+        with kvkeep.Client(proc.address, timeout=60) as client:
             n = client.session(session_id).info().n_tokens
             fork = client.fork_session(session_id)
             ahead = gen(fork, "", LOOKAHEAD)
@@ -318,7 +318,7 @@ def test_sigkill_during_saves_closes_forks_and_imports_loses_nothing(
         acks[op] += len(storm.acked)
 
         proc.start()
-        with kvstash.Client(proc.address, timeout=60) as client:
+        with kvkeep.Client(proc.address, timeout=60) as client:
             listed = {i.session_id for i in client.list_sessions()}
             audit_state_dir(proc.state_dir, listed)
             assert session_id in listed
@@ -363,7 +363,7 @@ def test_sigkill_during_saves_closes_forks_and_imports_loses_nothing(
                     assert sid not in others and doomed[sid] not in listed_checkpoints, (
                         f"{where}: the acknowledged close of {sid} is undone"
                     )
-                    with pytest.raises(kvstash.NotFoundError):
+                    with pytest.raises(kvkeep.NotFoundError):
                         client.session(sid).info()
                 order = list(doomed)  # closed in this order: acknowledged, in flight, untouched
                 in_flight = order[len(storm.acked)] if len(storm.acked) < DOOMED else None
@@ -385,7 +385,7 @@ def test_sigkill_during_saves_closes_forks_and_imports_loses_nothing(
                 for c in imports:
                     scratch.restore(c.checkpoint_id)
                     continues(scratch, donor_follows, f"{where}: import {c.checkpoint_id}")
-            with contextlib.suppress(kvstash.KvstashError):
+            with contextlib.suppress(kvkeep.KvkeepError):
                 scratch.close()
             # Back to the main session alone: whatever this round left is closed or deleted.
             for sid in others:

@@ -1,4 +1,4 @@
-"""deploy/: the systemd unit and the Containerfile start `kvstash serve` with settings it
+"""deploy/: the systemd unit and the Containerfile start `kvkeep serve` with settings it
 accepts, and keep the promises their comments make (hardening, stop timeout, non-root)."""
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import click
 import pytest
 from daemons import InProcessDaemon, model_path
 
-from kvstashd import cli, config, resolution
+from kvkeepd import cli
+from kvkeepd.config import resolution
+from kvkeepd.config import settings as config
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-UNIT = DEPLOY / "kvstash.service"
+UNIT = DEPLOY / "kvkeep.service"
 CONTAINERFILE = DEPLOY / "Containerfile"
 
 
@@ -51,19 +53,19 @@ def unit_service() -> dict[str, list[str]]:
 
 
 def serve_flags(args: list[str]) -> dict[str, object]:
-    """The flags as `kvstash serve` parses them (click.UsageError for an unknown one)."""
-    ctx = cli.serve.make_context("kvstash serve", list(args))
+    """The flags as `kvkeep serve` parses them (click.UsageError for an unknown one)."""
+    ctx = cli.serve.make_context("kvkeep serve", list(args))
     return {k: v for k, v in ctx.params.items() if k not in ("config_file", "print_config", "ready_file")}
 
 
-def test_the_unit_starts_kvstash_serve_with_valid_settings(tmp_path: Path) -> None:
+def test_the_unit_starts_kvkeep_serve_with_valid_settings(tmp_path: Path) -> None:
     service = unit_service()
     (exec_start,) = service["ExecStart"]
     argv = shlex.split(exec_start.replace("${STATE_DIRECTORY}", str(tmp_path / "state")))
-    assert argv[0].endswith("/bin/kvstash") and argv[1] == "serve"
+    assert argv[0].endswith("/bin/kvkeep") and argv[1] == "serve"
     env = dict(a.split("=", 1) for v in service["Environment"] for a in shlex.split(v))
     assert all(k in {o.env for o in config.options()} for k in env)
-    resolved = resolution.resolve(serve_flags(argv[2:]), {**env, "KVSTASH_MODEL": str(model_path())})
+    resolved = resolution.resolve(serve_flags(argv[2:]), {**env, "KVKEEP_MODEL": str(model_path())})
     settings = resolved.settings
     assert settings.state_dir == tmp_path / "state"
     assert config.is_local(settings.address)  # no auth file: loopback only
@@ -76,7 +78,7 @@ def test_the_unit_starts_kvstash_serve_with_valid_settings(tmp_path: Path) -> No
 def test_the_unit_is_hardened() -> None:
     service = unit_service()
     expected = {
-        "StateDirectory": "kvstash",
+        "StateDirectory": "kvkeep",
         "StateDirectoryMode": "0700",
         "UMask": "0077",
         "DynamicUser": "yes",
@@ -96,10 +98,10 @@ def test_the_unit_is_hardened() -> None:
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verifies_the_unit(tmp_path: Path) -> None:
-    # verify checks that ExecStart's program exists: point it at this checkout's kvstash.
-    kvstash = Path(sys.executable).parent / "kvstash"
-    unit = tmp_path / "kvstash.service"
-    unit.write_text(UNIT.read_text().replace("/opt/kvstash/.venv/bin/kvstash", str(kvstash)))
+    # verify checks that ExecStart's program exists: point it at this checkout's kvkeep.
+    kvkeep = Path(sys.executable).parent / "kvkeep"
+    unit = tmp_path / "kvkeep.service"
+    unit.write_text(UNIT.read_text().replace("/opt/kvkeep/.venv/bin/kvkeep", str(kvkeep)))
     result = subprocess.run(
         ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
     )
@@ -114,7 +116,7 @@ def containerfile() -> list[tuple[str, str]]:
     return [(op, rest) for op, rest in lines[stages[-1] :]]
 
 
-def test_the_container_runs_kvstash_serve_as_a_user_with_valid_settings(tmp_path: Path) -> None:
+def test_the_container_runs_kvkeep_serve_as_a_user_with_valid_settings(tmp_path: Path) -> None:
     final = containerfile()
     by_op: dict[str, list[str]] = {}
     for op, rest in final:
@@ -123,16 +125,16 @@ def test_the_container_runs_kvstash_serve_as_a_user_with_valid_settings(tmp_path
     assert user.split(":")[0] not in ("root", "0")
     (entrypoint,) = by_op["ENTRYPOINT"]
     argv = json.loads(entrypoint)
-    assert argv[0].endswith("/bin/kvstash") and argv[1] == "serve"
+    assert argv[0].endswith("/bin/kvkeep") and argv[1] == "serve"
     env = dict(a.split("=", 1) for v in by_op["ENV"] for a in shlex.split(v))
     assert set(env) <= {o.env for o in config.options()}
     (volume,) = by_op["VOLUME"]
-    assert env["KVSTASH_STATE_DIR"] in json.loads(volume)
+    assert env["KVKEEP_STATE_DIR"] in json.loads(volume)
     # The image's settings, with the mounted files replaced by real ones, are accepted.
     auth = tmp_path / "auth.toml"
     auth.write_text('[tenants.a]\ntokens = ["a-token-of-32-characters-or-more-000"]\n')
-    here = {**env, "KVSTASH_MODEL": str(model_path()), "KVSTASH_AUTH_FILE": str(auth)}
-    here["KVSTASH_STATE_DIR"] = str(tmp_path / "state")
+    here = {**env, "KVKEEP_MODEL": str(model_path()), "KVKEEP_AUTH_FILE": str(auth)}
+    here["KVKEEP_STATE_DIR"] = str(tmp_path / "state")
     settings = resolution.resolve(serve_flags(argv[2:]), here).settings
     assert not config.is_local(settings.address) and settings.auth_file == auth
     # The build uses scripts/setup (and so its llama.cpp flags).

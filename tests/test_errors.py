@@ -13,21 +13,21 @@ import pytest
 from checkpoint_helpers import own_daemon
 from daemons import InProcessDaemon, check_serving, model_path
 
-import kvstash
-from kvstashd.catalog import CheckpointRow
-from kvstashd.errors import StoreReadFailed
-from kvstashd.sqlite_catalog import SqliteCatalog
+import kvkeep
+from kvkeepd.errors import StoreReadFailed
+from kvkeepd.storage.catalog import CheckpointRow
+from kvkeepd.storage.catalog.sqlite import SqliteCatalog
 
 
 @pytest.fixture
-def session(client: kvstash.Client) -> Iterator[kvstash.Session]:
+def session(client: kvkeep.Client) -> Iterator[kvkeep.Session]:
     s = client.create_session()
     yield s
     s.close()
 
 
 @pytest.fixture
-def token(client: kvstash.Client) -> int:
+def token(client: kvkeep.Client) -> int:
     """Some valid token id."""
     probe = client.create_session()
     try:
@@ -36,25 +36,25 @@ def token(client: kvstash.Client) -> int:
         probe.close()
 
 
-def test_empty_prompt_on_a_fresh_session(client: kvstash.Client, session: kvstash.Session) -> None:
-    with pytest.raises(kvstash.InvalidRequestError, match="empty"):
+def test_empty_prompt_on_a_fresh_session(client: kvkeep.Client, session: kvkeep.Session) -> None:
+    with pytest.raises(kvkeep.InvalidRequestError, match="empty"):
         session.complete("", max_tokens=4)
     assert session.info().n_tokens == 0
     check_serving(client)
 
 
-def test_empty_chat_message(client: kvstash.Client, session: kvstash.Session) -> None:
-    with pytest.raises(kvstash.InvalidRequestError):
+def test_empty_chat_message(client: kvkeep.Client, session: kvkeep.Session) -> None:
+    with pytest.raises(kvkeep.InvalidRequestError):
         session.chat("", max_tokens=4)
     check_serving(client)
 
 
-def test_prompt_longer_than_the_context(client: kvstash.Client, session: kvstash.Session, token: int) -> None:
+def test_prompt_longer_than_the_context(client: kvkeep.Client, session: kvkeep.Session, token: int) -> None:
     # More tokens than the whole context (1024) is a bad argument, not a full context.
-    with pytest.raises(kvstash.InvalidRequestError) as e:
+    with pytest.raises(kvkeep.InvalidRequestError) as e:
         session.complete([token] * 1100, max_tokens=1)
     assert e.value.code == "INVALID_ARGUMENT"
-    with pytest.raises(kvstash.InvalidRequestError):
+    with pytest.raises(kvkeep.InvalidRequestError):
         session.complete(" hello" * 1100, max_tokens=1)
     assert session.info().n_tokens == 0
     check_serving(client)
@@ -62,21 +62,21 @@ def test_prompt_longer_than_the_context(client: kvstash.Client, session: kvstash
 
 
 def test_prompt_plus_max_tokens_beyond_the_context(
-    client: kvstash.Client, session: kvstash.Session, token: int
+    client: kvkeep.Client, session: kvkeep.Session, token: int
 ) -> None:
-    with pytest.raises(kvstash.ContextFullError) as e:
+    with pytest.raises(kvkeep.ContextFullError) as e:
         session.complete([token] * 1000, max_tokens=100)
     assert e.value.code == "OUT_OF_RANGE"
     # A prompt that fills the context exactly leaves no room for one token either.
-    with pytest.raises(kvstash.ContextFullError):
+    with pytest.raises(kvkeep.ContextFullError):
         session.complete([token] * 1024)
     assert session.info().n_tokens == 0
     check_serving(client)
 
 
 @pytest.mark.parametrize("max_tokens", [0, -1])
-def test_max_tokens_not_positive(client: kvstash.Client, session: kvstash.Session, max_tokens: int) -> None:
-    with pytest.raises(kvstash.InvalidRequestError, match="max_tokens"):
+def test_max_tokens_not_positive(client: kvkeep.Client, session: kvkeep.Session, max_tokens: int) -> None:
+    with pytest.raises(kvkeep.InvalidRequestError, match="max_tokens"):
         session.complete("Hello", max_tokens=max_tokens)
     assert session.info().n_tokens == 0
     check_serving(client)
@@ -85,14 +85,14 @@ def test_max_tokens_not_positive(client: kvstash.Client, session: kvstash.Sessio
 @pytest.mark.parametrize(
     "sampling",
     [
-        kvstash.SamplingParams(temperature=-0.5),
-        kvstash.SamplingParams(temperature=math.nan),
-        kvstash.SamplingParams(temperature=math.inf),
-        kvstash.SamplingParams(top_p=0.0),
-        kvstash.SamplingParams(top_k=-1),
-        kvstash.SamplingParams(min_p=1.5),
-        kvstash.SamplingParams(repeat_penalty=0.0),
-        kvstash.SamplingParams(penalty_last_n=-2),
+        kvkeep.SamplingParams(temperature=-0.5),
+        kvkeep.SamplingParams(temperature=math.nan),
+        kvkeep.SamplingParams(temperature=math.inf),
+        kvkeep.SamplingParams(top_p=0.0),
+        kvkeep.SamplingParams(top_k=-1),
+        kvkeep.SamplingParams(min_p=1.5),
+        kvkeep.SamplingParams(repeat_penalty=0.0),
+        kvkeep.SamplingParams(penalty_last_n=-2),
     ],
     ids=[
         "negative-temperature",
@@ -106,74 +106,74 @@ def test_max_tokens_not_positive(client: kvstash.Client, session: kvstash.Sessio
     ],
 )
 def test_bad_sampling_parameters(
-    client: kvstash.Client, session: kvstash.Session, sampling: kvstash.SamplingParams
+    client: kvkeep.Client, session: kvkeep.Session, sampling: kvkeep.SamplingParams
 ) -> None:
-    with pytest.raises(kvstash.InvalidRequestError):
+    with pytest.raises(kvkeep.InvalidRequestError):
         session.complete("Hello", max_tokens=2, sampling=sampling)
-    with pytest.raises(kvstash.InvalidRequestError):
+    with pytest.raises(kvkeep.InvalidRequestError):
         session.chat("Hello", max_tokens=2, sampling=sampling)
-    with pytest.raises(kvstash.InvalidRequestError):
+    with pytest.raises(kvkeep.InvalidRequestError):
         client.create_session(sampling=sampling)
     assert session.info().n_tokens == 0
     check_serving(client)
 
 
 @pytest.mark.parametrize("logprobs", [-1, 21])
-def test_logprobs_out_of_range(client: kvstash.Client, session: kvstash.Session, logprobs: int) -> None:
-    with pytest.raises(kvstash.InvalidRequestError, match="logprobs"):
+def test_logprobs_out_of_range(client: kvkeep.Client, session: kvkeep.Session, logprobs: int) -> None:
+    with pytest.raises(kvkeep.InvalidRequestError, match="logprobs"):
         session.complete("Hello", max_tokens=2, logprobs=logprobs)
     check_serving(client)
 
 
-def test_token_ids_outside_the_vocabulary(client: kvstash.Client, session: kvstash.Session) -> None:
+def test_token_ids_outside_the_vocabulary(client: kvkeep.Client, session: kvkeep.Session) -> None:
     for bad in (-1, 49152, 2**31 - 1):
-        with pytest.raises(kvstash.InvalidRequestError, match="vocabulary"):
+        with pytest.raises(kvkeep.InvalidRequestError, match="vocabulary"):
             session.complete([1, bad], max_tokens=1)
     check_serving(client)
 
 
-def test_bad_stop_strings(client: kvstash.Client, session: kvstash.Session) -> None:
-    with pytest.raises(kvstash.InvalidRequestError):
+def test_bad_stop_strings(client: kvkeep.Client, session: kvkeep.Session) -> None:
+    with pytest.raises(kvkeep.InvalidRequestError):
         session.complete("Hello", max_tokens=2, stop=[""])
-    with pytest.raises(kvstash.InvalidRequestError):
+    with pytest.raises(kvkeep.InvalidRequestError):
         session.complete("Hello", max_tokens=2, stop=["x" * 1000])
-    with pytest.raises(kvstash.InvalidRequestError):
+    with pytest.raises(kvkeep.InvalidRequestError):
         session.complete("Hello", max_tokens=2, stop=[str(n) for n in range(100)])
     check_serving(client)
 
 
-def test_unknown_session_id(client: kvstash.Client) -> None:
+def test_unknown_session_id(client: kvkeep.Client) -> None:
     unknown = "s_" + "0" * 24
-    with pytest.raises(kvstash.NotFoundError):
+    with pytest.raises(kvkeep.NotFoundError):
         client.session(unknown)
-    ghost = kvstash.Session(client, unknown)
-    with pytest.raises(kvstash.NotFoundError):
+    ghost = kvkeep.Session(client, unknown)
+    with pytest.raises(kvkeep.NotFoundError):
         ghost.complete("Hello", max_tokens=2)
-    with pytest.raises(kvstash.NotFoundError):
+    with pytest.raises(kvkeep.NotFoundError):
         ghost.chat("Hello", max_tokens=2)
-    with pytest.raises(kvstash.NotFoundError):
+    with pytest.raises(kvkeep.NotFoundError):
         ghost.close()
     check_serving(client)
 
 
 @pytest.mark.parametrize("session_id", ["../../etc", "", "s_XYZ", "s_" + "0" * 200, "s_\x00"])
-def test_malformed_session_id(client: kvstash.Client, session_id: str) -> None:
-    with pytest.raises(kvstash.InvalidRequestError, match="malformed"):
+def test_malformed_session_id(client: kvkeep.Client, session_id: str) -> None:
+    with pytest.raises(kvkeep.InvalidRequestError, match="malformed"):
         client.session(session_id)
-    with pytest.raises(kvstash.InvalidRequestError):
-        kvstash.Session(client, session_id).complete("Hello", max_tokens=2)
+    with pytest.raises(kvkeep.InvalidRequestError):
+        kvkeep.Session(client, session_id).complete("Hello", max_tokens=2)
     check_serving(client)
 
 
-def test_closed_session(client: kvstash.Client) -> None:
+def test_closed_session(client: kvkeep.Client) -> None:
     session = client.create_session()
     session.complete("Hello", max_tokens=2)
     session.close()
-    with pytest.raises(kvstash.NotFoundError):
+    with pytest.raises(kvkeep.NotFoundError):
         session.info()
-    with pytest.raises(kvstash.NotFoundError):
+    with pytest.raises(kvkeep.NotFoundError):
         session.complete("Hello", max_tokens=2)
-    with pytest.raises(kvstash.NotFoundError):
+    with pytest.raises(kvkeep.NotFoundError):
         session.close()
     assert session.session_id not in {s.session_id for s in client.list_sessions()}
     check_serving(client)
@@ -181,12 +181,12 @@ def test_closed_session(client: kvstash.Client) -> None:
 
 def test_message_over_the_size_limit(start_daemon: Callable[..., InProcessDaemon]) -> None:
     small = start_daemon(slots=1, max_message_bytes=64 * 1024)
-    with kvstash.Client(small.address, timeout=30) as client:
+    with kvkeep.Client(small.address, timeout=30) as client:
         session = client.create_session()
-        with pytest.raises(kvstash.BusyError) as e:
+        with pytest.raises(kvkeep.BusyError) as e:
             session.complete("a" * (100 * 1024), max_tokens=1)
         assert e.value.code == "RESOURCE_EXHAUSTED"
-        with pytest.raises(kvstash.BusyError):
+        with pytest.raises(kvkeep.BusyError):
             client.create_session("a" * (100 * 1024))
         check_serving(client)
         assert session.complete("Hello", max_tokens=2).usage.generated_tokens >= 1
@@ -211,14 +211,14 @@ def test_chat_without_a_template_is_its_own_error(tmp_path: Path) -> None:
     model = without_chat_template(tmp_path / "no-template.gguf")
     with (
         own_daemon(tmp_path / "state", model=model, slots=1, http_address="127.0.0.1:0") as d,
-        kvstash.Client(d.address, timeout=60) as client,
+        kvkeep.Client(d.address, timeout=60) as client,
     ):
         assert not client.info().has_chat_template
         session = client.create_session()
-        with pytest.raises(kvstash.NoChatTemplateError) as e:
+        with pytest.raises(kvkeep.NoChatTemplateError) as e:
             session.chat("Hello", max_tokens=2)
-        assert isinstance(e.value, kvstash.FailedPreconditionError)
-        assert not isinstance(e.value, kvstash.IncompatibleCheckpointError)
+        assert isinstance(e.value, kvkeep.FailedPreconditionError)
+        assert not isinstance(e.value, kvkeep.IncompatibleCheckpointError)
         assert (e.value.code, e.value.cause) == ("FAILED_PRECONDITION", "no-chat-template")
         assert "chat template" in e.value.message
         assert session.complete("Hello", max_tokens=2).usage.generated_tokens >= 1
@@ -233,14 +233,14 @@ def test_chat_without_a_template_is_its_own_error(tmp_path: Path) -> None:
         assert reply.json()["error"]["code"] == "no-chat-template"
 
 
-def test_deleting_a_live_sessions_head_is_its_own_error(client: kvstash.Client) -> None:
+def test_deleting_a_live_sessions_head_is_its_own_error(client: kvkeep.Client) -> None:
     session = client.create_session(persistent=True)
     session.complete("Hello", max_tokens=2)
     head = session.info().head_checkpoint_id
     assert head
-    with pytest.raises(kvstash.CheckpointInUseError) as e:
+    with pytest.raises(kvkeep.CheckpointInUseError) as e:
         client.delete_checkpoint(head)
-    assert not isinstance(e.value, kvstash.IncompatibleCheckpointError)
+    assert not isinstance(e.value, kvkeep.IncompatibleCheckpointError)
     assert (e.value.code, e.value.cause) == ("FAILED_PRECONDITION", "checkpoint-in-use")
     assert session.info().head_checkpoint_id == head
     session.close()
@@ -252,7 +252,7 @@ def test_a_block_store_that_cannot_be_read_or_written(
 ) -> None:
     d = start_daemon(slots=2)
     blocks = d.settings.state_dir / "blocks"
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         session = client.create_session(persistent=True)
         session.complete(LONG, max_tokens=2)
         checkpoint = session.checkpoint()
@@ -269,16 +269,16 @@ def test_a_block_store_that_cannot_be_read_or_written(
             f.rename(aside / f.name)
             f.mkdir()
 
-        with pytest.raises(kvstash.StoreReadError) as read:
+        with pytest.raises(kvkeep.StoreReadError) as read:
             session.restore(checkpoint.checkpoint_id)
         assert (read.value.code, read.value.cause) == ("UNAVAILABLE", "store-read-failed")
         assert "cannot be read" in read.value.message
-        with pytest.raises(kvstash.StoreReadError):
+        with pytest.raises(kvkeep.StoreReadError):
             client.export_checkpoint(checkpoint.checkpoint_id, tmp_path / "out.kvs")
         assert not (tmp_path / "out.kvs").exists()
-        with pytest.raises(kvstash.StoreWriteError) as write:
+        with pytest.raises(kvkeep.StoreWriteError) as write:
             session.checkpoint()
-        assert isinstance(write.value, kvstash.BusyError)
+        assert isinstance(write.value, kvkeep.BusyError)
         assert (write.value.code, write.value.cause) == ("RESOURCE_EXHAUSTED", "store-write-failed")
         assert [c.checkpoint_id for c in session.checkpoints()] == [checkpoint.checkpoint_id]
         assert not any((blocks / "tmp").iterdir())  # the failed write left no temp file
@@ -317,7 +317,7 @@ def test_a_catalog_that_cannot_be_read_stops_the_start_with_one_line(tmp_path: P
         "error",
     ]
     result = subprocess.run(
-        [sys.executable, "-m", "kvstashd", *args],
+        [sys.executable, "-m", "kvkeepd", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -38,10 +38,10 @@ from checkpoint_helpers import (
 )
 from daemons import DaemonProcess, InProcessDaemon
 
-import kvstash
-from kvstashd.context import BatchItem
-from kvstashd.engine import Engine
-from kvstashd.placement import Residency
+import kvkeep
+from kvkeepd.engine.context import BatchItem
+from kvkeepd.engine.engine import Engine
+from kvkeepd.sessions.residency import Residency
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ class Running:
     daemon: InProcessDaemon
     prompt: str
 
-    def client(self) -> kvstash.Client:
-        return kvstash.Client(self.daemon.address, timeout=120)
+    def client(self) -> kvkeep.Client:
+        return kvkeep.Client(self.daemon.address, timeout=120)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -83,7 +83,7 @@ def fam(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         yield Running(family, path, d, long_text(family.sentences, "lighthouse"))
 
 
-def one_call(client: kvstash.Client, prompt: str, n: int) -> Trace:
+def one_call(client: kvkeep.Client, prompt: str, n: int) -> Trace:
     s = client.create_session(sampling=SAMPLED)
     try:
         return gen(s, prompt, n)
@@ -124,7 +124,7 @@ def test_restore_into_another_slot_beside_other_sessions_is_exact(fam: Running) 
             assert gen(a, "", 12) == ref[12:]
             fork = client.fork_session(checkpoint_id=ck.checkpoint_id)
             assert gen(fork, "", 12) == ref[12:]
-            # Loaded from its blocks too, its whole state given up (statecache.py).
+            # Loaded from its blocks too, its whole state given up (sessions/wholes.py).
             fam.daemon.run(_forget_whole_states(residency))
             assembled = client.fork_session(checkpoint_id=ck.checkpoint_id)
             assert gen(assembled, "", 12) == ref[12:]
@@ -169,7 +169,7 @@ def test_rewind_continues_like_a_fresh_session(fam: Running) -> None:
             x.close()
 
 
-def _history(client: kvstash.Client, s: kvstash.Session) -> list[int]:
+def _history(client: kvkeep.Client, s: kvkeep.Session) -> list[int]:
     """A session's token history (from a checkpoint's export)."""
     ck = s.checkpoint("history")
     with tempfile.TemporaryDirectory() as tmp:
@@ -185,12 +185,12 @@ def test_persistent_session_resumes_exactly_after_kill9(
     d = spawn_daemon(
         "--model", str(fam.path), "--threads", str(THREADS), "--slots", "2", "--head-interval", "1"
     )
-    with kvstash.Client(d.address, timeout=120) as client:
+    with kvkeep.Client(d.address, timeout=120) as client:
         ref = one_call(client, fam.prompt, 24)
         s = client.create_session(sampling=SAMPLED, persistent=True)
         assert gen(s, fam.prompt, 12) == ref[:12]
     d.restart(kill=True)
-    with kvstash.Client(d.address, timeout=120) as client:
+    with kvkeep.Client(d.address, timeout=120) as client:
         s = client.session(s.session_id)
         assert s.info().residency == "cold"
         resumed = s.complete(max_tokens=12, logprobs=1)
@@ -199,11 +199,11 @@ def test_persistent_session_resumes_exactly_after_kill9(
         assert resumed.usage.evaluated_tokens - (resumed.usage.generated_tokens - 1) == 1
 
 
-def test_a_layout_kvstash_does_not_know_is_refused_by_discovery(fam: Running) -> None:
+def test_a_layout_kvkeep_does_not_know_is_refused_by_discovery(fam: Running) -> None:
     """The daemon keeps such a model's token history only (GetInfo says why): discovery
     refuses any state it cannot account for byte by byte."""
-    from kvstashd.layout import StateFormatError
-    from kvstashd.state import discover, parse
+    from kvkeepd.state.cells import discover, parse
+    from kvkeepd.state.layout import StateFormatError
 
     engine = fam.daemon.daemon.engine if fam.daemon.daemon else None
     assert engine is not None and engine.layout is not None and engine.info is not None
@@ -250,11 +250,11 @@ def test_the_prefix_cache_survives_a_restart(
     d = spawn_daemon(
         "--model", str(fam.path), "--threads", str(THREADS), "--slots", "2", "--head-interval", "1"
     )
-    with kvstash.Client(d.address, timeout=120) as client:
+    with kvkeep.Client(d.address, timeout=120) as client:
         first = client.create_session(fam.prompt, sampling=SAMPLED, persistent=True)
         a = first.complete(" Go on:", max_tokens=8, logprobs=1)
     d.restart(kill=True)
-    with kvstash.Client(d.address, timeout=120) as client:
+    with kvkeep.Client(d.address, timeout=120) as client:
         b = client.create_session(fam.prompt, sampling=SAMPLED).complete(" Go on:", max_tokens=8, logprobs=1)
         assert b.usage.reused_tokens >= 64  # from disk
         assert [t.sampled for t in b.logprobs] == [t.sampled for t in a.logprobs]

@@ -32,10 +32,10 @@ from checkpoint_helpers import (
 )
 from daemons import DaemonProcess, InProcessDaemon, model_path
 
-import kvstash
-from kvstashd import resolution
-from kvstashd.context import ContextConfig, LlamaContext
-from kvstashd.probes import PROBE_BESIDE, PROBE_SINGLES, batch_dependence, probe_plan
+import kvkeep
+from kvkeepd.config import resolution
+from kvkeepd.engine.context import ContextConfig, LlamaContext
+from kvkeepd.engine.probes import PROBE_BESIDE, PROBE_SINGLES, batch_dependence, probe_plan
 
 #: Over 256 tokens: the KV view of a sequence grows to 512 cells there, where flash
 #: attention's single-query kernel changes.
@@ -52,14 +52,14 @@ def fast(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessDaemon]:
 
 
 @pytest.fixture
-def fast_client(fast: InProcessDaemon) -> Iterator[kvstash.Client]:
-    with kvstash.Client(fast.address, timeout=60) as c:
+def fast_client(fast: InProcessDaemon) -> Iterator[kvkeep.Client]:
+    with kvkeep.Client(fast.address, timeout=60) as c:
         yield c
 
 
 @pytest.mark.parametrize(
     ("flags", "environ", "origin"),
-    [({"flash_attn": "true"}, {}, "flag --flash-attn"), ({}, {"KVSTASH_FLASH_ATTN": "on"}, "environment")],
+    [({"flash_attn": "true"}, {}, "flag --flash-attn"), ({}, {"KVKEEP_FLASH_ATTN": "on"}, "environment")],
 )
 def test_flash_attn_is_a_setting_that_leaves_exact_mode(
     flags: dict[str, str], environ: dict[str, str], origin: str
@@ -104,7 +104,7 @@ def test_the_probe_finds_that_flash_attention_depends_on_the_batch() -> None:
     assert found is not None and "away from those of one chunk of 260" in found
 
 
-def test_fast_mode_is_compact_with_f16_kv(fast_client: kvstash.Client, client: kvstash.Client) -> None:
+def test_fast_mode_is_compact_with_f16_kv(fast_client: kvkeep.Client, client: kvkeep.Client) -> None:
     fast_info = fast_client.info()
     assert (fast_info.mode, fast_info.kv_type) == ("compact", "f16")
     info = client.info()  # the shared daemon: exact settings, and its probe passed
@@ -112,7 +112,7 @@ def test_fast_mode_is_compact_with_f16_kv(fast_client: kvstash.Client, client: k
 
 
 def test_a_checkpoint_restores_the_state_it_was_made_from(
-    fast: InProcessDaemon, fast_client: kvstash.Client
+    fast: InProcessDaemon, fast_client: kvkeep.Client
 ) -> None:
     s = fast_client.create_session(sampling=SAMPLED)
     gen(s, LONG_PROMPT, 4)
@@ -128,7 +128,7 @@ def test_a_checkpoint_restores_the_state_it_was_made_from(
     twin.close()
 
 
-def test_the_prefix_cache_attaches_in_fast_mode(fast_client: kvstash.Client) -> None:
+def test_the_prefix_cache_attaches_in_fast_mode(fast_client: kvkeep.Client) -> None:
     system = long_text(12, topic="orchard")
     first = fast_client.create_session(system, sampling=GREEDY)
     first.chat("Name a fruit.", max_tokens=4)
@@ -144,7 +144,7 @@ def test_a_restart_restores_stored_state_in_fast_mode(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
     d = InProcessDaemon.with_settings(state_dir, flash_attn=True, slots=1)
     try:
-        with kvstash.Client(d.address, timeout=60) as c:
+        with kvkeep.Client(d.address, timeout=60) as c:
             s = c.create_session(persistent=True, sampling=SAMPLED)
             gen(s, PROMPT, 4)
             ck = s.checkpoint()
@@ -153,7 +153,7 @@ def test_a_restart_restores_stored_state_in_fast_mode(tmp_path: Path) -> None:
         d.stop()
     d = InProcessDaemon.with_settings(state_dir, flash_attn=True, slots=1)
     try:
-        with kvstash.Client(d.address, timeout=60) as c:
+        with kvkeep.Client(d.address, timeout=60) as c:
             response = restore_raw(d.address, s.session_id, ck.checkpoint_id)
             assert not response.reprefilled
             assert gen(c.session(s.session_id), "", 8) == live
@@ -167,13 +167,13 @@ def test_a_persistent_session_continues_after_kill9_in_fast_mode(
     """Its acknowledged turns survive the kill; what the store did not hold of its state is
     evaluated again from its tokens (in compact mode: close to the original, not equal)."""
     d = spawn_daemon(*SPAWN_ARGS, "--slots", "1", "--flash-attn")
-    with kvstash.Client(d.address, timeout=60) as c:
+    with kvkeep.Client(d.address, timeout=60) as c:
         s = c.create_session("You are terse.", persistent=True, sampling=GREEDY)
         s.chat("Name a colour.", max_tokens=8)
         s.chat("And another one.", max_tokens=8)
         n_tokens = s.info().n_tokens
     d.restart(kill=True)
-    with kvstash.Client(d.address, timeout=60) as c:
+    with kvkeep.Client(d.address, timeout=60) as c:
         assert c.info().mode == "compact"
         again = c.session(s.session_id)
         assert again.info().n_tokens == n_tokens
@@ -186,7 +186,7 @@ def test_a_persistent_session_continues_after_kill9_in_fast_mode(
 def test_compact_state_and_exact_state_never_stand_for_each_other(
     compact: str,
     daemon: InProcessDaemon,
-    client: kvstash.Client,
+    client: kvkeep.Client,
     tmp_path: Path,
     request: pytest.FixtureRequest,
     start_daemon: Callable[..., InProcessDaemon],
@@ -194,7 +194,7 @@ def test_compact_state_and_exact_state_never_stand_for_each_other(
     """Either way, a checkpoint of the other mode restores by evaluating its tokens again.
     One shared KV buffer keeps the exact mode's byte layout: only the mode tells them apart."""
     other = request.getfixturevalue("fast") if compact == "flash-attn" else start_daemon(kv_unified=True)
-    with kvstash.Client(other.address, timeout=60) as other_client:
+    with kvkeep.Client(other.address, timeout=60) as other_client:
         assert other_client.info().mode == "compact"
         s = other_client.create_session(sampling=SAMPLED)
         gen(s, PROMPT, 4)

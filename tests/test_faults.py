@@ -23,9 +23,9 @@ import pytest
 from checkpoint_helpers import GREEDY, block_files, gen, ids, long_text, own_daemon
 from daemons import InProcessDaemon
 
-import kvstash
-from kvstashd import journal
-from kvstashd.store import local
+import kvkeep
+from kvkeepd.storage import journal
+from kvkeepd.storage.blocks import local
 
 DISK = 24 << 20
 # Turns of 70 tokens save a head (their blocks), not only a journal record.
@@ -68,16 +68,16 @@ def orphans(d: InProcessDaemon) -> list[str]:
 
 
 @pytest.fixture
-def on_small_disk(small_disk: Path) -> Iterator[tuple[InProcessDaemon, kvstash.Client, Path]]:
+def on_small_disk(small_disk: Path) -> Iterator[tuple[InProcessDaemon, kvkeep.Client, Path]]:
     with (
         own_daemon(small_disk / "state", head_interval=HEAD_INTERVAL) as d,
-        kvstash.Client(d.address, timeout=120) as client,
+        kvkeep.Client(d.address, timeout=120) as client,
     ):
         yield d, client, small_disk
 
 
 def test_a_full_disk_fails_autosaves_and_checkpoints_and_loses_nothing(
-    on_small_disk: tuple[InProcessDaemon, kvstash.Client, Path],
+    on_small_disk: tuple[InProcessDaemon, kvkeep.Client, Path],
 ) -> None:
     d, client, disk = on_small_disk
     s = client.create_session(persistent=True, sampling=GREEDY)
@@ -88,15 +88,15 @@ def test_a_full_disk_fails_autosaves_and_checkpoints_and_loses_nothing(
     # Room for one new block (1.5 MB), not for the two the next autosave writes.
     filler = fill(disk, keep=2_000_000)
 
-    with pytest.raises(kvstash.BusyError, match="state store is failing"):
+    with pytest.raises(kvkeep.BusyError, match="state store is failing"):
         gen(s, n=70)  # its autosave needs a new block: no room
     assert s.info().n_tokens == n_before  # the turn was undone
     filler.unlink()
     filler = fill(disk, keep=0)
-    with pytest.raises(kvstash.BusyError, match="state store is failing"):
+    with pytest.raises(kvkeep.BusyError, match="state store is failing"):
         gen(s, n=2)  # its journal record: no room for it either
     assert s.info().n_tokens == n_before
-    with pytest.raises(kvstash.BusyError, match="state store is failing"):
+    with pytest.raises(kvkeep.BusyError, match="state store is failing"):
         client.create_session(persistent=True, sampling=GREEDY).complete(
             long_text(20, topic="orchard"), max_tokens=1
         )
@@ -111,7 +111,7 @@ def test_a_full_disk_fails_autosaves_and_checkpoints_and_loses_nothing(
 
 
 def test_a_full_disk_fails_an_import_and_leaves_nothing(
-    on_small_disk: tuple[InProcessDaemon, kvstash.Client, Path], tmp_path: Path
+    on_small_disk: tuple[InProcessDaemon, kvkeep.Client, Path], tmp_path: Path
 ) -> None:
     d, client, disk = on_small_disk
     s = client.create_session(persistent=True, sampling=GREEDY)
@@ -123,7 +123,7 @@ def test_a_full_disk_fails_an_import_and_leaves_nothing(
     before = set(block_files(d.settings.state_dir))
     # Room for the export's spool and one block, not for all its blocks under their own salt.
     filler = fill(disk, keep=export.stat().st_size + 2_000_000)
-    with pytest.raises(kvstash.BusyError):
+    with pytest.raises(kvkeep.BusyError):
         client.import_checkpoint(export)
     assert set(block_files(d.settings.state_dir)) == before
     assert orphans(d) == []
@@ -136,7 +136,7 @@ def test_a_full_disk_fails_an_import_and_leaves_nothing(
 def test_a_full_disk_drops_a_spill_and_the_session_evaluates_again(small_disk: Path) -> None:
     with (
         own_daemon(small_disk / "state", slots=1, ram_cache=1_000_000) as d,
-        kvstash.Client(d.address, timeout=120) as client,
+        kvkeep.Client(d.address, timeout=120) as client,
     ):
         a = client.create_session(sampling=GREEDY)
         a.complete(long_text(20), max_tokens=1)
@@ -180,15 +180,15 @@ def test_fsync_failing_with_eio_fails_the_checkpoint_and_loses_nothing(
     monkeypatch.setattr(local, "os", faulty)
     monkeypatch.setattr(journal, "os", faulty)
     d = start_daemon(ctx_per_session=1024, head_interval=HEAD_INTERVAL)
-    with kvstash.Client(d.address, timeout=120) as client:
+    with kvkeep.Client(d.address, timeout=120) as client:
         s = client.create_session(persistent=True, sampling=GREEDY)
         s.complete(long_text(10), max_tokens=1)
         good = s.checkpoint("good")
         expected = ids(gen(s.fork(), n=70))
         faulty.failing = True
-        with pytest.raises(kvstash.BusyError, match="state store is failing"):
+        with pytest.raises(kvkeep.BusyError, match="state store is failing"):
             gen(s, n=70)  # a new head
-        with pytest.raises(kvstash.BusyError, match="state store is failing"):
+        with pytest.raises(kvkeep.BusyError, match="state store is failing"):
             gen(s, n=2)  # a journal record
         faulty.failing = False
         assert faulty.failed >= 2

@@ -34,12 +34,12 @@ from checkpoint_helpers import (
 from daemons import DaemonProcess, InProcessDaemon
 from test_tenants import TOKENS, write_auth
 
-import kvstash
+import kvkeep
 
 SALT = "a pre-shared salt of at least 16 bytes"
 N = 200  # three full blocks and a partial one
 ATTACHED = 192  # what the prefix cache would attach of T1 + ten tokens: its whole blocks
-GREEDY = kvstash.SamplingParams(temperature=0.0)
+GREEDY = kvkeep.SamplingParams(temperature=0.0)
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Forgery:
     forged: Trace  # what T1 + ten tokens gives if the forgery is attached
 
 
-def history_of(client: kvstash.Client, text: str, tmp: Path) -> list[int]:
+def history_of(client: kvkeep.Client, text: str, tmp: Path) -> list[int]:
     """The token ids a new session's history begins with, given `text`."""
     s = client.create_session(sampling=GREEDY, persistent=True)
     s.complete(text, max_tokens=1)
@@ -63,12 +63,12 @@ def history_of(client: kvstash.Client, text: str, tmp: Path) -> list[int]:
     return manifest_parts(manifest)[1]
 
 
-def trace_of(session: kvstash.Session, prompt: list[int]) -> tuple[Trace, int]:
+def trace_of(session: kvkeep.Session, prompt: list[int]) -> tuple[Trace, int]:
     c = session.complete(prompt, max_tokens=6, logprobs=1, sampling=GREEDY)
     return [(t.sampled.token_id, t.sampled.logprob) for t in c.logprobs], c.usage.reused_tokens
 
 
-def forge(client: kvstash.Client, tmp: Path) -> Forgery:
+def forge(client: kvkeep.Client, tmp: Path) -> Forgery:
     """Two honest checkpoints of equally long histories, and an export pairing the first's
     manifest and keys with the second's frames (CRCs intact, digest recomputed)."""
     t1 = history_of(client, long_text(20, "forged lighthouse"), tmp)[: N + 10]
@@ -98,7 +98,7 @@ def forge(client: kvstash.Client, tmp: Path) -> Forgery:
     return Forgery(data, t1, t2, honest, forged)
 
 
-def assert_unaffected(client: kvstash.Client, f: Forgery, **kw: object) -> None:
+def assert_unaffected(client: kvkeep.Client, f: Forgery, **kw: object) -> None:
     """A new session given T1 + ten tokens attaches nothing forged and continues as T1 does."""
     s = client.create_session(sampling=GREEDY, **kw)  # type: ignore[arg-type]
     got, _ = trace_of(s, f.t1)
@@ -116,8 +116,8 @@ def test_a_forged_import_never_serves_another_tenant(
 ) -> None:
     d = start_daemon(slots=4, auth_file=tenants)
     with (
-        kvstash.Client(d.address, timeout=120, token=TOKENS["alice"]) as alice,
-        kvstash.Client(d.address, timeout=120, token=TOKENS["bob"]) as bob,
+        kvkeep.Client(d.address, timeout=120, token=TOKENS["alice"]) as alice,
+        kvkeep.Client(d.address, timeout=120, token=TOKENS["bob"]) as bob,
     ):
         f = forge(alice, tmp_path)
         imported = alice.import_checkpoint(io.BytesIO(f.data))
@@ -141,7 +141,7 @@ def test_a_forged_import_never_serves_the_importers_other_sessions(
     start_daemon: Callable[..., InProcessDaemon], tmp_path: Path
 ) -> None:
     d = start_daemon(slots=4)
-    with kvstash.Client(d.address, timeout=120) as client:
+    with kvkeep.Client(d.address, timeout=120) as client:
         f = forge(client, tmp_path)
         imported = client.import_checkpoint(io.BytesIO(f.data))
         holder = client.create_session(sampling=GREEDY, persistent=True)
@@ -155,7 +155,7 @@ def test_a_forged_import_spilled_to_disk_serves_nobody(
     start_daemon: Callable[..., InProcessDaemon], tmp_path: Path
 ) -> None:
     d = start_daemon(slots=2, ram_cache=1)
-    with kvstash.Client(d.address, timeout=120) as client:
+    with kvkeep.Client(d.address, timeout=120) as client:
         f = forge(client, tmp_path)
         imported = client.import_checkpoint(io.BytesIO(f.data))
         holder = client.create_session(sampling=GREEDY)
@@ -178,7 +178,7 @@ def test_a_forged_import_serves_nobody_after_a_restart(
     spawn_daemon: Callable[..., DaemonProcess], tenants: Path, tmp_path: Path
 ) -> None:
     d = spawn_daemon(*SPAWN_ARGS, "--auth-file", str(tenants))
-    with kvstash.Client(d.address, timeout=120, token=TOKENS["alice"]) as alice:
+    with kvkeep.Client(d.address, timeout=120, token=TOKENS["alice"]) as alice:
         f = forge(alice, tmp_path)
         imported = alice.import_checkpoint(io.BytesIO(f.data))
         holder = alice.create_session(sampling=GREEDY, cache_salt=SALT, persistent=True)
@@ -186,8 +186,8 @@ def test_a_forged_import_serves_nobody_after_a_restart(
         holder_id = holder.session_id
     d.restart(kill=True)
     with (
-        kvstash.Client(d.address, timeout=120, token=TOKENS["alice"]) as alice,
-        kvstash.Client(d.address, timeout=120, token=TOKENS["bob"]) as bob,
+        kvkeep.Client(d.address, timeout=120, token=TOKENS["alice"]) as alice,
+        kvkeep.Client(d.address, timeout=120, token=TOKENS["bob"]) as bob,
     ):
         assert_unaffected(bob, f, cache_salt=SALT)
         alice.session(holder_id).complete("More", max_tokens=1)  # in a slot again

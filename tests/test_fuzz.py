@@ -16,10 +16,10 @@ hypothesis; no model, no llama.cpp, no daemon).
   at n-1.
 - `CheckpointStore.import_`: valid exports import and load back equal; mutated ones (bytes
   and records, the final BLAKE2b recomputed so the inner checks are reached) are refused
-  with a KvstashError, or import into a checkpoint that loads and exports again.
+  with a KvkeepError, or import into a checkpoint that loads and exports again.
 
-Runs are derandomized (the same examples every run). KVSTASH_FUZZ_EXAMPLES=20000 runs that
-many examples per property; KVSTASH_FUZZ_SEED=<int> a different, random stream of them.
+Runs are derandomized (the same examples every run). KVKEEP_FUZZ_EXAMPLES=20000 runs that
+many examples per property; KVKEEP_FUZZ_SEED=<int> a different, random stream of them.
 
 Bugs these properties found are kept below as tests of their minimal inputs (the corpus):
 a lone surrogate in a label, a salt of odd length, a timestamp beyond float range, zstd
@@ -50,16 +50,15 @@ import zstandard
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from kvstashd import blocks as blk
-from kvstashd import checkpoints as ckpt
-from kvstashd import manifest as mf
-from kvstashd import pieces
-from kvstashd import state as kvstate
-from kvstashd.chat import ChatMessage
-from kvstashd.checkpoints import CheckpointStore
-from kvstashd.errors import CorruptCheckpoint, IncompatibleCheckpoint, KvstashError
-from kvstashd.exports import EXPORT_MAGIC
-from kvstashd.layout import (
+from kvkeepd.engine.sampling import SamplingParams
+from kvkeepd.errors import CorruptCheckpoint, IncompatibleCheckpoint, KvkeepError
+from kvkeepd.sessions.chat import ChatMessage
+from kvkeepd.state import cells as kvstate
+from kvkeepd.state import frames as blk
+from kvkeepd.state import manifest as mf
+from kvkeepd.state import pieces
+from kvkeepd.state.cells import KvCells, RecurrentCells, SeqKv
+from kvkeepd.state.layout import (
     MAX_ROW,
     SEQ_MAGIC,
     KvLayout,
@@ -67,16 +66,17 @@ from kvstashd.layout import (
     StateFormatError,
     StateLayout,
 )
-from kvstashd.manifest import Snapshot
-from kvstashd.sampling import SamplingParams
-from kvstashd.sqlite_catalog import SqliteCatalog
-from kvstashd.state import KvCells, RecurrentCells, SeqKv
-from kvstashd.store.memory import MemoryBlockStore
+from kvkeepd.state.manifest import Snapshot
+from kvkeepd.storage import checkpoints as ckpt
+from kvkeepd.storage.blocks.memory import MemoryBlockStore
+from kvkeepd.storage.catalog.sqlite import SqliteCatalog
+from kvkeepd.storage.checkpoints import CheckpointStore
+from kvkeepd.storage.exports import EXPORT_MAGIC
 
 # ---- run length ---------------------------------------------------------------------------
 
-EXAMPLES = int(os.environ.get("KVSTASH_FUZZ_EXAMPLES", "0"))
-SEED = os.environ.get("KVSTASH_FUZZ_SEED")
+EXAMPLES = int(os.environ.get("KVKEEP_FUZZ_EXAMPLES", "0"))
+SEED = os.environ.get("KVKEEP_FUZZ_SEED")
 #: One call of a loader on these inputs (at most a few hundred KB) that takes longer than this
 #: is a hang in the making (a loop that does not advance, a superlinear path).
 SLOW_S = 2.0
@@ -89,9 +89,9 @@ T = TypeVar("T")
 
 
 def fuzz(examples: int) -> Callable[[F], F]:
-    """Hypothesis settings of these properties: `examples` in CI (KVSTASH_FUZZ_EXAMPLES
+    """Hypothesis settings of these properties: `examples` in CI (KVKEEP_FUZZ_EXAMPLES
     overrides), no deadline (the run length is bounded instead), derandomized unless
-    KVSTASH_FUZZ_SEED is set, no example database in the working tree."""
+    KVKEEP_FUZZ_SEED is set, no example database in the working tree."""
 
     def wrap(test: F) -> F:
         test = settings(
@@ -553,7 +553,7 @@ def edit_manifest(data: st.DataObject, valid: bytes) -> bytes:
         else:
             parts.tail = b"\x00" * abs(delta)
     elif op == "magic":
-        parts.magic = data.draw(st.sampled_from([b"KVSTMAN2", b"KVSTMAN0", b"kvstman1", b"KVSTEXP1"]))
+        parts.magic = data.draw(st.sampled_from([b"KVSTMAN2", b"KVSTMAN0", b"kvstman1", b"KVKPEXP1"]))
     return parts.join()
 
 
@@ -1371,7 +1371,7 @@ def edit_export(data: st.DataObject, export: Export) -> bytes:
         else:
             recs.insert(i, (2, data.draw(st.binary(max_size=80), label="extra")))
     elif op == "magic":
-        return pack(recs, data.draw(st.sampled_from([b"KVSTEXP2", b"KVSTMAN1", b""]), label="magic"))
+        return pack(recs, data.draw(st.sampled_from([b"KVSTEXP2", b"KVKPMAN1", b""]), label="magic"))
     elif op == "digest":  # the digest itself wrong, missing, or followed by more
         how = data.draw(st.sampled_from(["flip", "drop", "trail", "short"]), label="how")
         if how == "flip":
@@ -1398,10 +1398,10 @@ def imports_or_refuses(
     store: CheckpointStore, data: bytes, rng: random.Random, limit: int = IMPORT_LIMIT
 ) -> str | None:
     """The id of the checkpoint the export imports as, or None if refused with a
-    KvstashError (CorruptCheckpoint, IncompatibleCheckpoint, InvalidRequest)."""
+    KvkeepError (CorruptCheckpoint, IncompatibleCheckpoint, InvalidRequest)."""
     row = typed(
         lambda: store.import_(chunked(data, rng), limit, 0.0, tenant="t", n_ctx=N_CTX),
-        KvstashError,
+        KvkeepError,
     )
     return None if row is None else row.checkpoint_id
 
@@ -1456,7 +1456,7 @@ def test_edited_exports_are_refused_or_import_into_checkpoints_that_load(
 ) -> None:
     """An export with its bytes, records, manifest fields, block keys or block frames
     changed (the final BLAKE2b recomputed, so the checks inside are reached), or with a
-    wrong digest: refused with a KvstashError, or imported into a checkpoint that loads
+    wrong digest: refused with a KvkeepError, or imported into a checkpoint that loads
     (only typed errors) a state that keeps parse's promises, and exports again."""
     bad = edit_export(data, export)
     rng = random.Random(order)
@@ -1473,7 +1473,7 @@ ALL_SECTIONS = StateLayout((*NAMED["iswa"].sections, *NAMED["hybrid"].sections[1
 def test_every_field_of_an_exported_manifest_with_every_wrong_value_is_refused_or_loads() -> None:
     """Exhaustively, every field and sampling parameter of the manifest of an export (a
     state with all three kinds of section over 20 positions) set to every value of NASTY
-    and RAW_JSON, or removed, the export's digest recomputed: refused with a KvstashError,
+    and RAW_JSON, or removed, the export's digest recomputed: refused with a KvkeepError,
     or imported into a checkpoint that loads and exports again."""
     rng = random.Random(7)
     tokens = [rng.randrange(N_VOCAB) for _ in range(24)]
@@ -1608,12 +1608,12 @@ def test_the_edited_exports_import_unedited() -> None:
 def test_an_export_with_a_salt_of_odd_length_is_refused() -> None:
     """A salt of hex digits of odd length (which bytes.fromhex refuses) is refused by the
     manifest's checks, with a typed error."""
-    with memory_store(NAMED["kv"]) as store, pytest.raises(KvstashError):
+    with memory_store(NAMED["kv"]) as store, pytest.raises(KvkeepError):
         store.import_([exported_with(salt="a")], IMPORT_LIMIT, 0.0, tenant="t", n_ctx=N_CTX)
 
 
 def test_an_export_with_a_lone_surrogate_in_its_label_is_refused() -> None:
     """JSON may escape a lone surrogate ("\\ud800"), which neither sqlite nor a gRPC reply can
     encode: a manifest holding one anywhere is refused with a typed error."""
-    with memory_store(NAMED["kv"]) as store, pytest.raises(KvstashError):
+    with memory_store(NAMED["kv"]) as store, pytest.raises(KvkeepError):
         store.import_([exported_with(label="\ud800")], IMPORT_LIMIT, 0.0, tenant="t", n_ctx=N_CTX)

@@ -10,20 +10,20 @@ from collections.abc import Callable, Iterator
 import pytest
 from daemons import GREEDY, InProcessDaemon, model_path
 
-import kvstash
+import kvkeep
 
 PROMPT = "The capital of France is"
-SEEDED = kvstash.SamplingParams(temperature=0.8, seed=1234)
+SEEDED = kvkeep.SamplingParams(temperature=0.8, seed=1234)
 
 
 @pytest.fixture
-def session(client: kvstash.Client) -> Iterator[kvstash.Session]:
+def session(client: kvkeep.Client) -> Iterator[kvkeep.Session]:
     s = client.create_session()
     yield s
     s.close()
 
 
-def test_info_reports_model_mode_slots_and_context(client: kvstash.Client) -> None:
+def test_info_reports_model_mode_slots_and_context(client: kvkeep.Client) -> None:
     info = client.info()
     digest = hashlib.blake2b(model_path().read_bytes(), digest_size=32).hexdigest()
     assert info.model_fingerprint == digest
@@ -41,7 +41,7 @@ def test_info_reports_model_mode_slots_and_context(client: kvstash.Client) -> No
 
 
 def test_generate_streams_chunks_and_the_last_has_finish_reason_and_usage(
-    session: kvstash.Session,
+    session: kvkeep.Session,
 ) -> None:
     chunks = list(session.generate(PROMPT, max_tokens=8, sampling=GREEDY))
     assert len(chunks) >= 2
@@ -63,7 +63,7 @@ def test_generate_streams_chunks_and_the_last_has_finish_reason_and_usage(
     assert last.usage.evaluated_tokens == last.usage.prompt_tokens + 7
 
 
-def test_complete_joins_the_stream(client: kvstash.Client) -> None:
+def test_complete_joins_the_stream(client: kvkeep.Client) -> None:
     a = client.create_session(sampling=GREEDY)
     b = client.create_session(sampling=GREEDY)
     chunks = list(a.generate(PROMPT, max_tokens=8))
@@ -76,7 +76,7 @@ def test_complete_joins_the_stream(client: kvstash.Client) -> None:
     b.close()
 
 
-def test_prompt_as_token_ids(client: kvstash.Client) -> None:
+def test_prompt_as_token_ids(client: kvkeep.Client) -> None:
     reference = client.create_session(sampling=GREEDY).complete(PROMPT, max_tokens=16).token_ids
 
     # The same history built from text and from ids continues the same way.
@@ -96,7 +96,7 @@ def test_prompt_as_token_ids(client: kvstash.Client) -> None:
     assert fresh.info().n_tokens == 12
 
 
-def test_logprobs_give_n_alternatives_per_token(session: kvstash.Session) -> None:
+def test_logprobs_give_n_alternatives_per_token(session: kvkeep.Session) -> None:
     chunks = list(session.generate(PROMPT, max_tokens=6, logprobs=3, sampling=GREEDY))
     token_ids = [t for c in chunks for t in c.token_ids]
     logprobs = [g for c in chunks for g in c.logprobs]
@@ -118,13 +118,13 @@ def test_logprobs_give_n_alternatives_per_token(session: kvstash.Session) -> Non
         assert sum(math.exp(lp) for lp in top) <= 1.0 + 1e-4
 
 
-def test_max_tokens_ends_with_length(session: kvstash.Session) -> None:
+def test_max_tokens_ends_with_length(session: kvkeep.Session) -> None:
     completion = session.complete(PROMPT, max_tokens=5, sampling=GREEDY)
     assert completion.finish_reason == "length"
     assert len(completion.token_ids) == completion.usage.generated_tokens == 5
 
 
-def test_stop_string_ends_with_stop_and_is_not_returned(client: kvstash.Client) -> None:
+def test_stop_string_ends_with_stop_and_is_not_returned(client: kvkeep.Client) -> None:
     full = client.create_session(sampling=GREEDY).complete(PROMPT, max_tokens=16)
     stop = full.text.split()[1]  # the second word of what the model says anyway
     expected = full.text[: full.text.index(stop)]
@@ -142,7 +142,7 @@ def test_stop_string_ends_with_stop_and_is_not_returned(client: kvstash.Client) 
     assert session.info().n_tokens == usage.prompt_tokens + usage.generated_tokens
 
 
-def test_session_stop_strings_apply_to_every_request(client: kvstash.Client) -> None:
+def test_session_stop_strings_apply_to_every_request(client: kvkeep.Client) -> None:
     full = client.create_session(sampling=GREEDY).complete(PROMPT, max_tokens=16)
     stop = full.text.split()[1]
     session = client.create_session(sampling=GREEDY, stop=[stop])
@@ -152,7 +152,7 @@ def test_session_stop_strings_apply_to_every_request(client: kvstash.Client) -> 
     assert completion.text == full.text[: full.text.index(stop)]
 
 
-def test_end_of_generation_token_ends_with_eos(session: kvstash.Session) -> None:
+def test_end_of_generation_token_ends_with_eos(session: kvkeep.Session) -> None:
     # A short question through the chat template: the instruct model answers and ends its turn.
     completion = session.chat("What is 2+2?", max_tokens=96, sampling=GREEDY)
     assert completion.finish_reason == "eos"
@@ -165,7 +165,7 @@ def test_full_context_ends_with_context_full(
     start_daemon: Callable[..., InProcessDaemon],
 ) -> None:
     small = start_daemon(slots=1, ctx_per_session=256)
-    with kvstash.Client(small.address, timeout=30) as client:
+    with kvkeep.Client(small.address, timeout=30) as client:
         probe = client.create_session(sampling=GREEDY)
         token = probe.complete("The", max_tokens=1).token_ids[0]
         session = client.create_session(sampling=GREEDY)
@@ -174,11 +174,11 @@ def test_full_context_ends_with_context_full(
         assert completion.finish_reason == "context_full"
         assert completion.usage.generated_tokens == 256 - 240
         assert session.info().n_tokens == 256
-        with pytest.raises(kvstash.ContextFullError):
+        with pytest.raises(kvkeep.ContextFullError):
             session.complete("more", max_tokens=1)
 
 
-def test_empty_prompt_continues_and_reuses_held_tokens(session: kvstash.Session) -> None:
+def test_empty_prompt_continues_and_reuses_held_tokens(session: kvkeep.Session) -> None:
     first = session.complete(PROMPT, max_tokens=8, sampling=GREEDY)
     held = session.info().n_tokens
     assert held == first.usage.prompt_tokens + 8
@@ -200,7 +200,7 @@ def test_empty_prompt_continues_and_reuses_held_tokens(session: kvstash.Session)
     assert session.info().n_tokens == held + 8 + third.usage.prompt_tokens + 4
 
 
-def test_continuation_equals_one_long_generation(client: kvstash.Client) -> None:
+def test_continuation_equals_one_long_generation(client: kvkeep.Client) -> None:
     whole = client.create_session(sampling=GREEDY).complete(PROMPT, max_tokens=16)
     session = client.create_session(sampling=GREEDY)
     halves = session.complete(PROMPT, max_tokens=8).token_ids
@@ -208,7 +208,7 @@ def test_continuation_equals_one_long_generation(client: kvstash.Client) -> None
     assert halves == whole.token_ids
 
 
-def test_same_seed_gives_same_tokens_on_fresh_sessions(client: kvstash.Client) -> None:
+def test_same_seed_gives_same_tokens_on_fresh_sessions(client: kvkeep.Client) -> None:
     runs = [
         client.create_session(sampling=SEEDED).complete(PROMPT, max_tokens=24).token_ids for _ in range(2)
     ]
@@ -220,7 +220,7 @@ def test_same_seed_gives_same_tokens_on_fresh_sessions(client: kvstash.Client) -
 
 
 def test_same_seed_gives_same_tokens_while_other_sessions_generate(
-    client: kvstash.Client,
+    client: kvkeep.Client,
 ) -> None:
     reference = client.create_session(sampling=SEEDED).complete(PROMPT, max_tokens=24).token_ids
 
@@ -230,7 +230,7 @@ def test_same_seed_gives_same_tokens_while_other_sessions_generate(
 
     def background(n: int) -> None:
         try:
-            session = client.create_session(sampling=kvstash.SamplingParams(seed=n))
+            session = client.create_session(sampling=kvkeep.SamplingParams(seed=n))
             prompt = ["Once upon a time", "def fibonacci(n):", "My favourite colour"][n]
             last = None
             for chunk in session.generate(prompt, max_tokens=64):
@@ -256,7 +256,7 @@ def test_same_seed_gives_same_tokens_while_other_sessions_generate(
     assert concurrent.token_ids == reference
 
 
-def test_one_call_equals_two_halves_with_a_seed(client: kvstash.Client) -> None:
+def test_one_call_equals_two_halves_with_a_seed(client: kvkeep.Client) -> None:
     whole = client.create_session(sampling=SEEDED).complete(PROMPT, max_tokens=32)
     session = client.create_session(sampling=SEEDED)
     first = session.complete(PROMPT, max_tokens=16)

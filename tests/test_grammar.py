@@ -23,13 +23,13 @@ from checkpoint_helpers import SPAWN_ARGS, edit_export, edit_manifest, export_by
 from click.testing import CliRunner
 from daemons import DaemonProcess, InProcessDaemon
 
-import kvstash
-from kvstash.cli import main
-from kvstashd.errors import CorruptCheckpoint
-from kvstashd.grammar import Constraint, GrammarSpec
-from kvstashd.limits import MAX_GRAMMAR_CHARS
-from kvstashd.manifest import Snapshot, decode, encode
-from kvstashd.sampling import SamplingParams
+import kvkeep
+from kvkeep.cli import main
+from kvkeepd.engine.grammar import Constraint, GrammarSpec
+from kvkeepd.engine.sampling import SamplingParams
+from kvkeepd.errors import CorruptCheckpoint
+from kvkeepd.limits import MAX_GRAMMAR_CHARS
+from kvkeepd.state.manifest import Snapshot, decode, encode
 
 # A context-free language (nested parentheses), so that no regular expression could check it.
 ARITHMETIC = r"""
@@ -52,7 +52,7 @@ PERSON: dict[str, Any] = {
     "additionalProperties": False,
 }
 
-HOT = kvstash.SamplingParams(temperature=0.9, seed=4242)
+HOT = kvkeep.SamplingParams(temperature=0.9, seed=4242)
 # Enough for any output of ARITHMETIC this model writes: a test fails if one does not end.
 LIMIT = 300
 
@@ -104,7 +104,7 @@ def test_the_parser_rejects_what_the_grammar_does() -> None:
         assert not ArithmeticParser.matches(wrong), wrong
 
 
-def finish(session: kvstash.Session, first: kvstash.Completion) -> tuple[list[int], str]:
+def finish(session: kvkeep.Session, first: kvkeep.Completion) -> tuple[list[int], str]:
     """The whole constrained output: `first`, continued with empty prompts until it ends."""
     tokens, text, last = list(first.token_ids), first.text, first
     while last.finish_reason == "length" and len(tokens) < LIMIT:
@@ -116,8 +116,8 @@ def finish(session: kvstash.Session, first: kvstash.Completion) -> tuple[list[in
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_gbnf_output_parses(client: kvstash.Client, seed: int) -> None:
-    s = client.create_session(sampling=kvstash.SamplingParams(temperature=0.9, seed=seed))
+def test_gbnf_output_parses(client: kvkeep.Client, seed: int) -> None:
+    s = client.create_session(sampling=kvkeep.SamplingParams(temperature=0.9, seed=seed))
     try:
         _, text = finish(s, s.complete(ARITHMETIC_PROMPT, grammar=ARITHMETIC, max_tokens=64))
         assert ArithmeticParser.matches(text), text
@@ -126,9 +126,9 @@ def test_gbnf_output_parses(client: kvstash.Client, seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", [5, 6])
-def test_json_schema_output_validates(client: kvstash.Client, seed: int) -> None:
+def test_json_schema_output_validates(client: kvkeep.Client, seed: int) -> None:
     s = client.create_session(
-        "You describe users of a system as JSON.", sampling=kvstash.SamplingParams(temperature=0.9, seed=seed)
+        "You describe users of a system as JSON.", sampling=kvkeep.SamplingParams(temperature=0.9, seed=seed)
     )
     try:
         reply = s.chat("Describe one user.", json_schema=PERSON, max_tokens=LIMIT)
@@ -140,7 +140,7 @@ def test_json_schema_output_validates(client: kvstash.Client, seed: int) -> None
         s.close()
 
 
-def test_a_schema_given_as_json_text_works_like_the_dict(client: kvstash.Client) -> None:
+def test_a_schema_given_as_json_text_works_like_the_dict(client: kvkeep.Client) -> None:
     texts = []
     for schema in (PERSON, json.dumps(PERSON)):
         s = client.create_session("Answer in JSON.", sampling=HOT)
@@ -150,7 +150,7 @@ def test_a_schema_given_as_json_text_works_like_the_dict(client: kvstash.Client)
     jsonschema.validate(json.loads(texts[0]), PERSON)
 
 
-def test_same_seed_same_output(client: kvstash.Client) -> None:
+def test_same_seed_same_output(client: kvkeep.Client) -> None:
     outputs = []
     for _ in range(2):
         s = client.create_session(sampling=HOT)
@@ -160,7 +160,7 @@ def test_same_seed_same_output(client: kvstash.Client) -> None:
     assert ArithmeticParser.matches(outputs[0][1])
 
 
-def test_cut_short_output_continues_after_restore_and_in_a_fork(client: kvstash.Client) -> None:
+def test_cut_short_output_continues_after_restore_and_in_a_fork(client: kvkeep.Client) -> None:
     ref = client.create_session(sampling=HOT)
     whole = ref.complete(ARITHMETIC_PROMPT, grammar=ARITHMETIC, max_tokens=LIMIT)
     ref.close()
@@ -192,7 +192,7 @@ def test_sessions_swapped_out_mid_output_continue_within_their_grammars(
     start_daemon: Callable[..., InProcessDaemon],
 ) -> None:
     d = start_daemon(slots=1)
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         grammars = {"gbnf": {"grammar": ARITHMETIC}, "schema": {"json_schema": PERSON}}
         refs = {}
         for name, options in grammars.items():
@@ -211,7 +211,7 @@ def test_sessions_swapped_out_mid_output_continue_within_their_grammars(
 
 
 def test_exported_mid_output_the_constraint_travels_and_is_checked_on_use(
-    client: kvstash.Client, tmp_path: Path
+    client: kvkeep.Client, tmp_path: Path
 ) -> None:
     s = client.create_session(sampling=HOT)
     try:
@@ -222,7 +222,7 @@ def test_exported_mid_output_the_constraint_travels_and_is_checked_on_use(
     finally:
         s.close()
 
-    def imported(edit: Callable[[dict[str, Any]], None] | None) -> kvstash.Session:
+    def imported(edit: Callable[[dict[str, Any]], None] | None) -> kvkeep.Session:
         path = tmp_path / "edited.kvs"
         path.write_bytes(edit_export(data, edit) if edit is not None else data)
         return client.fork_session(checkpoint_id=client.import_checkpoint(path).checkpoint_id)
@@ -239,13 +239,13 @@ def test_exported_mid_output_the_constraint_travels_and_is_checked_on_use(
 
     for edit, message in ((other_grammar, "does not match its grammar"), (broken_grammar, "invalid")):
         forged = imported(edit)
-        with pytest.raises(kvstash.InvalidRequestError, match=message):
+        with pytest.raises(kvkeep.InvalidRequestError, match=message):
             forged.complete("", max_tokens=4)
         assert forged.complete(" and so on", max_tokens=2).token_ids  # a prompt starts afresh
         forged.close()
 
 
-def test_a_cancelled_constrained_stream_continues_as_if_uninterrupted(client: kvstash.Client) -> None:
+def test_a_cancelled_constrained_stream_continues_as_if_uninterrupted(client: kvkeep.Client) -> None:
     # At least 40 lines: the output cannot end before the cancel lands.
     lines = r'root ::= ("- " [a-z]+ (" " [a-z]+){2,} "." "\n"){40,}'
     n = 120
@@ -271,7 +271,7 @@ def test_a_cancelled_constrained_stream_continues_as_if_uninterrupted(client: kv
         s.close()
 
 
-def test_a_cut_short_chat_reply_continues_into_the_same_message(client: kvstash.Client) -> None:
+def test_a_cut_short_chat_reply_continues_into_the_same_message(client: kvkeep.Client) -> None:
     s = client.create_session("You describe users of a system as JSON.", sampling=HOT)
     try:
         part = s.chat("Describe one user.", json_schema=PERSON, max_tokens=8)
@@ -284,10 +284,10 @@ def test_a_cut_short_chat_reply_continues_into_the_same_message(client: kvstash.
         s.close()
 
 
-def test_a_prompt_closes_an_open_constraint(client: kvstash.Client) -> None:
+def test_a_prompt_closes_an_open_constraint(client: kvkeep.Client) -> None:
     # Only digits, forever: cut short, it stays open until a request gives a prompt.
     digits = 'root ::= [0-9]+ "!"'
-    s = client.create_session(sampling=kvstash.SamplingParams(temperature=0.0))
+    s = client.create_session(sampling=kvkeep.SamplingParams(temperature=0.0))
     try:
         assert re.fullmatch(r"[0-9]+", s.complete("Count: ", grammar=digits, max_tokens=3).text)
         assert re.fullmatch(r"[0-9]+", s.complete("", max_tokens=3).text)
@@ -297,9 +297,9 @@ def test_a_prompt_closes_an_open_constraint(client: kvstash.Client) -> None:
         s.close()
 
 
-def test_a_rewind_before_the_output_began_drops_the_constraint(client: kvstash.Client) -> None:
+def test_a_rewind_before_the_output_began_drops_the_constraint(client: kvkeep.Client) -> None:
     digits = 'root ::= [0-9]+ "!"'
-    s = client.create_session(sampling=kvstash.SamplingParams(temperature=0.0))
+    s = client.create_session(sampling=kvkeep.SamplingParams(temperature=0.0))
     try:
         s.complete("Count: ", grammar=digits, max_tokens=3)
         start = s.info().n_tokens - 3
@@ -314,7 +314,7 @@ def test_a_rewind_before_the_output_began_drops_the_constraint(client: kvstash.C
 
 def test_async_client(daemon_address: str) -> None:
     async def run() -> str:
-        async with kvstash.AsyncClient(daemon_address, timeout=30) as client:
+        async with kvkeep.AsyncClient(daemon_address, timeout=30) as client:
             s = await client.create_session("Answer in JSON.", sampling=HOT)
             stream = s.chat_stream("A user, please.", json_schema=PERSON, max_tokens=LIMIT)
             parts = [c.text async for c in stream]
@@ -348,7 +348,7 @@ def test_persistent_session_continues_within_its_grammar_after_kill_9(
     spawn_daemon: Callable[..., DaemonProcess],
 ) -> None:
     proc = spawn_daemon(*SPAWN_ARGS)
-    with kvstash.Client(proc.address, timeout=60) as client:
+    with kvkeep.Client(proc.address, timeout=60) as client:
         s = client.create_session(sampling=HOT, persistent=True)
         part = s.complete(ARITHMETIC_PROMPT, grammar=ARITHMETIC, max_tokens=5)
         assert part.finish_reason == "length"
@@ -356,7 +356,7 @@ def test_persistent_session_continues_within_its_grammar_after_kill_9(
         assert expected.finish_reason == "eos"
     assert proc.kill() == -9
     proc.start()
-    with kvstash.Client(proc.address, timeout=60) as client:
+    with kvkeep.Client(proc.address, timeout=60) as client:
         resumed = client.session(s.session_id)
         rest = resumed.complete("", max_tokens=LIMIT)
         assert rest.token_ids == expected.token_ids
@@ -382,13 +382,13 @@ BAD = [
 
 @pytest.mark.parametrize("kwargs,message", BAD, ids=[f"bad{i}" for i in range(len(BAD))])
 def test_bad_grammars_are_invalid_arguments(
-    client: kvstash.Client, kwargs: dict[str, Any], message: str
+    client: kvkeep.Client, kwargs: dict[str, Any], message: str
 ) -> None:
-    s = client.create_session(sampling=kvstash.SamplingParams(temperature=0.0))
+    s = client.create_session(sampling=kvkeep.SamplingParams(temperature=0.0))
     try:
-        with pytest.raises(kvstash.InvalidRequestError, match=message):
+        with pytest.raises(kvkeep.InvalidRequestError, match=message):
             s.complete("Hello", max_tokens=4, **kwargs)
-        with pytest.raises(kvstash.InvalidRequestError, match=message):
+        with pytest.raises(kvkeep.InvalidRequestError, match=message):
             s.chat("Hello", max_tokens=4, **kwargs)
         assert s.info().n_tokens == 0  # refused before anything changed
         assert s.complete("Hello", max_tokens=2).token_ids  # and the daemon still serves

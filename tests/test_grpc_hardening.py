@@ -28,10 +28,10 @@ from daemons import DaemonProcess, InProcessDaemon, model_path
 from test_limits import vm
 from test_tenants import TOKENS, write_auth
 
-from kvstash.v1 import kvstash_pb2 as pb
-from kvstashd.service import SESSION_HEADER
+from kvkeep.v1 import kvkeep_pb2 as pb
+from kvkeepd.api.service import SESSION_HEADER
 
-SERVICE = pb.DESCRIPTOR.services_by_name["KvStash"]
+SERVICE = pb.DESCRIPTOR.services_by_name["KvKeep"]
 METHODS = list(SERVICE.methods)
 ONE, OTHER = "s_" + "1" * 24, "s_" + "2" * 24
 GARBAGE = b"\xff\xff\xff\xff"

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-import kvstash
+import kvkeep
 
 
 def test_subprocess_serves_health_and_reflection_and_stops_on_sigterm(
@@ -29,10 +29,10 @@ def test_subprocess_serves_health_and_reflection_and_stops_on_sigterm(
 
     with grpc.insecure_channel(proc.address) as channel:
         services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
-    assert "kvstash.v1.KvStash" in services
+    assert "kvkeep.v1.KvKeep" in services
     assert "grpc.health.v1.Health" in services
 
-    with kvstash.Client(proc.address, timeout=10) as client:
+    with kvkeep.Client(proc.address, timeout=10) as client:
         assert client.info().mode == "exact"
         session = client.create_session()
         assert session.complete("Hi", max_tokens=2).usage.generated_tokens >= 1

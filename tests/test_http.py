@@ -4,11 +4,11 @@
 - A resent conversation continues the session the door kept for it (cached_tokens counts the
   history); another conversation with the same system prompt attaches its cached blocks; the
   door keeps a bounded number of sessions per tenant.
-- `session_id` continues a kvstash session: the same tokens and logprobs as the gRPC path.
+- `session_id` continues a kvkeep session: the same tokens and logprobs as the gRPC path.
 - Auth as over gRPC (401), another tenant's session 404, the tenant's session quota.
 - Bad input (malformed JSON, wrong types, oversized bodies, unsupported fields) gets a 4xx
   with an OpenAI error body; the daemon goes on serving.
-- `kvstash serve --http`, and SIGTERM with a stream in flight.
+- `kvkeep serve --http`, and SIGTERM with a stream in flight.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import tlscerts
 from daemons import GREEDY, DaemonProcess, InProcessDaemon, check_serving, model_path, wait_until
 from test_tenants import TOKENS, write_auth
 
-import kvstash
-from kvstashd.config import ConfigError, Settings
-from kvstashd.http.keep import PER_TENANT
+import kvkeep
+from kvkeepd.api.http.keep import PER_TENANT
+from kvkeepd.config.settings import ConfigError, Settings
 
 MODEL = model_path().stem
 SYSTEM = (
@@ -65,8 +65,8 @@ def oai(door: InProcessDaemon) -> Iterator[openai.OpenAI]:
 
 
 @pytest.fixture
-def grpc_client(door: InProcessDaemon) -> Iterator[kvstash.Client]:
-    with kvstash.Client(door.address, timeout=60) as c:
+def grpc_client(door: InProcessDaemon) -> Iterator[kvkeep.Client]:
+    with kvkeep.Client(door.address, timeout=60) as c:
         yield c
 
 
@@ -166,9 +166,7 @@ def test_response_format_constrains_the_reply(oai: openai.OpenAI) -> None:
     assert obj.finish_reason == "stop" and isinstance(json.loads(obj.message.content or ""), dict)
 
 
-def test_a_resent_conversation_is_not_evaluated_again(
-    oai: openai.OpenAI, grpc_client: kvstash.Client
-) -> None:
+def test_a_resent_conversation_is_not_evaluated_again(oai: openai.OpenAI, grpc_client: kvkeep.Client) -> None:
     """A plain OpenAI client resends everything; the door continues the session it kept, and
     the replies are the gRPC path's."""
     conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is at pier 7?"}]
@@ -197,7 +195,7 @@ def test_a_resent_conversation_is_not_evaluated_again(
     assert other.usage.prompt_tokens_details.cached_tokens >= 64
 
 
-def test_session_id_continues_a_session_exactly(oai: openai.OpenAI, grpc_client: kvstash.Client) -> None:
+def test_session_id_continues_a_session_exactly(oai: openai.OpenAI, grpc_client: kvkeep.Client) -> None:
     """Over HTTP with session_id, only the new message is sent: the same tokens (and logprobs)
     as gRPC's Chat on a twin session."""
     twins = [grpc_client.create_session(SYSTEM, sampling=GREEDY) for _ in range(2)]
@@ -227,7 +225,7 @@ def test_session_id_continues_a_session_exactly(oai: openai.OpenAI, grpc_client:
             s.close()
 
 
-def test_a_new_session_over_http(oai: openai.OpenAI, grpc_client: kvstash.Client) -> None:
+def test_a_new_session_over_http(oai: openai.OpenAI, grpc_client: kvkeep.Client) -> None:
     start = chat(
         oai,
         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fruit."}],
@@ -253,7 +251,7 @@ def test_a_new_session_over_http(oai: openai.OpenAI, grpc_client: kvstash.Client
     grpc_client.session(session_id).close()
 
 
-def test_the_door_keeps_a_bounded_number_of_sessions(oai: openai.OpenAI, grpc_client: kvstash.Client) -> None:
+def test_the_door_keeps_a_bounded_number_of_sessions(oai: openai.OpenAI, grpc_client: kvkeep.Client) -> None:
     for i in range(PER_TENANT + 2):
         chat(oai, [{"role": "user", "content": f"Say {i}."}], max_tokens=1)
     # The oldest are closed (in the background) beyond the bound.
@@ -266,7 +264,7 @@ def raw(d: InProcessDaemon, path: str, body: bytes | str | dict[str, Any], **hea
 
 
 def test_bad_input_gets_a_4xx_and_the_daemon_goes_on(
-    door: InProcessDaemon, grpc_client: kvstash.Client
+    door: InProcessDaemon, grpc_client: kvkeep.Client
 ) -> None:
     hello = [{"role": "user", "content": "Hi"}]
     ok = {"model": MODEL, "messages": hello, "max_tokens": 1}
@@ -403,7 +401,7 @@ def test_auth_tenants_and_quotas_over_http(tenants: InProcessDaemon) -> None:
 
     with (
         tenant_client(tenants, TOKENS["alice"]) as alice,
-        kvstash.Client(tenants.address, token=TOKENS["alice"], tls=kvstash.Tls(ca_file=CA[tenants])) as grpc,
+        kvkeep.Client(tenants.address, token=TOKENS["alice"], tls=kvkeep.Tls(ca_file=CA[tenants])) as grpc,
     ):
         # Another tenant's session is not found, as an unknown one is.
         with pytest.raises(openai.NotFoundError, match="no session"):

@@ -23,8 +23,8 @@ import pytest
 from daemons import InProcessDaemon, model_path, wait_until
 from test_tenants import TOKENS, write_auth
 
-import kvstash
-from kvstashd.http.door import HttpDoor
+import kvkeep
+from kvkeepd.api.http.door import HttpDoor
 
 MODEL = model_path().stem
 READ_TIMEOUT = 5.0
@@ -75,7 +75,7 @@ def post(d: InProcessDaemon, path: str, body: dict[str, Any], tenant: str = "ali
 def request_bytes(path: str, body: dict[str, Any], tenant: str = "alice") -> bytes:
     data = json.dumps(body).encode()
     head = (
-        f"POST /v1{path} HTTP/1.1\r\nhost: kvstash\r\ncontent-type: application/json\r\n"
+        f"POST /v1{path} HTTP/1.1\r\nhost: kvkeep\r\ncontent-type: application/json\r\n"
         f"authorization: Bearer {TOKENS[tenant]}\r\ncontent-length: {len(data)}\r\n\r\n"
     )
     return head.encode() + data
@@ -148,7 +148,7 @@ def test_idle_and_slow_connections_are_closed_and_do_not_close_the_door(door: In
         # A slow client: a request head trickled in a byte at a time, never finished.
         slow = connect(door, "127.0.0.3")
         idle.append(slow)
-        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: kvstash\r\nx-slow: ")
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: kvkeep\r\nx-slow: ")
         # A body that never arrives whole.
         half = connect(door, "127.0.0.3")
         idle.append(half)
@@ -198,7 +198,7 @@ def test_idle_and_slow_connections_are_closed_and_do_not_close_the_door(door: In
 def test_another_tenants_session_id_leaves_the_kept_session_alone(door: InProcessDaemon) -> None:
     """Alice naming the session the door keeps for Bob's conversation gets 404 and changes
     nothing: Bob's resent conversation continues that session."""
-    with kvstash.Client(door.address, token=TOKENS["bob"]) as bob:
+    with kvkeep.Client(door.address, token=TOKENS["bob"]) as bob:
         before = {s.session_id for s in bob.list_sessions()}
         conversation = [{"role": "user", "content": "Name a colour."}]
         body = {"model": MODEL, "max_tokens": 4, "temperature": 0}

@@ -44,11 +44,11 @@ from checkpoint_helpers import (
 )
 from daemons import InProcessDaemon, check_serving
 
-import kvstash
-from kvstashd import blocks as blk
-from kvstashd.layout import STATE_VERSION
+import kvkeep
+from kvkeepd.state import frames as blk
+from kvkeepd.state.layout import STATE_VERSION
 
-BLOCK_HEADER = 4 + 1 + 4 + 32  # magic, codec, payload length, BLAKE2b (kvstashd.blocks)
+BLOCK_HEADER = 4 + 1 + 4 + 32  # magic, codec, payload length, BLAKE2b (kvkeepd.state.frames)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +59,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessDaemon]:
 
 
 @pytest.fixture
-def client(node: InProcessDaemon) -> Iterator[kvstash.Client]:
-    with kvstash.Client(node.address, timeout=60) as c:
+def client(node: InProcessDaemon) -> Iterator[kvkeep.Client]:
+    with kvkeep.Client(node.address, timeout=60) as c:
         yield c
 
 
@@ -69,8 +69,8 @@ class Saved:
     """A persistent session with a checkpoint and the continuation that follows it."""
 
     text: str
-    session: kvstash.Session
-    checkpoint: kvstash.CheckpointInfo
+    session: kvkeep.Session
+    checkpoint: kvkeep.CheckpointInfo
     after: Trace
 
     def still_exact(self) -> None:
@@ -82,11 +82,11 @@ class Saved:
         fork.close()
 
 
-def saved(client: kvstash.Client, text: str, seed: int = SAMPLED.seed or 0) -> Saved:
+def saved(client: kvkeep.Client, text: str, seed: int = SAMPLED.seed or 0) -> Saved:
     """A persistent session on ``text`` (unique per test: equal tokens would share blocks
     with the checkpoints of other tests, damaged ones included)."""
     session = client.create_session(
-        sampling=kvstash.SamplingParams(temperature=0.8, seed=seed), persistent=True
+        sampling=kvkeep.SamplingParams(temperature=0.8, seed=seed), persistent=True
     )
     gen(session, text, 8)
     checkpoint = session.checkpoint(text[:20])
@@ -110,8 +110,8 @@ def own_blocks(state_dir: Path, bad: Saved, *others: Saved) -> list[Path]:
 
 
 def assert_refused(
-    call: Callable[[], Any], error: type[kvstash.KvstashError], *words: str
-) -> kvstash.KvstashError:
+    call: Callable[[], Any], error: type[kvkeep.KvkeepError], *words: str
+) -> kvkeep.KvkeepError:
     with pytest.raises(error) as info:
         call()
     message = info.value.message.lower()
@@ -119,20 +119,20 @@ def assert_refused(
     return info.value
 
 
-def expect_intact(client: kvstash.Client, good: Saved) -> None:
+def expect_intact(client: kvkeep.Client, good: Saved) -> None:
     check_serving(client)
     good.still_exact()
 
 
 @pytest.fixture
-def pair(request: pytest.FixtureRequest, client: kvstash.Client) -> Iterator[tuple[Saved, Saved]]:
+def pair(request: pytest.FixtureRequest, client: kvkeep.Client) -> Iterator[tuple[Saved, Saved]]:
     """(good, bad): two persistent sessions with checkpoints, on texts unique to the test."""
     name = request.node.name
     good = saved(client, f"Good {name}: {PROMPT}")
     bad = saved(client, f"Bad {name}: the ferry left the island at dawn and", seed=7)
     yield good, bad
     for s in (good, bad):
-        with contextlib.suppress(kvstash.KvstashError):
+        with contextlib.suppress(kvkeep.KvkeepError):
             s.session.close()
 
 
@@ -141,7 +141,7 @@ def pair(request: pytest.FixtureRequest, client: kvstash.Client) -> Iterator[tup
 
 @pytest.mark.parametrize("cut", [0, 10, BLOCK_HEADER, -1], ids=["empty", "in-header", "no-body", "last-byte"])
 def test_a_truncated_block_file(
-    node: InProcessDaemon, client: kvstash.Client, pair: tuple[Saved, Saved], cut: int
+    node: InProcessDaemon, client: kvkeep.Client, pair: tuple[Saved, Saved], cut: int
 ) -> None:
     good, bad = pair
     path = own_blocks(node.settings.state_dir, bad, good)[-1]
@@ -152,7 +152,7 @@ def test_a_truncated_block_file(
         lambda: bad.session.restore(bad.checkpoint.checkpoint_id),
         lambda: bad.session.fork(bad.checkpoint.checkpoint_id),
     ):
-        assert_refused(call, kvstash.CorruptCheckpointError, "block")
+        assert_refused(call, kvkeep.CorruptCheckpointError, "block")
     # The failed restore left the session as it was: it still continues.
     assert len(gen(bad.session, "", 4)) == 4
     expect_intact(client, good)
@@ -162,7 +162,7 @@ def test_a_truncated_block_file(
     "where", ["magic", "codec", "length", "digest", "body", "last"], ids=lambda w: str(w)
 )
 def test_a_flipped_bit_in_a_block_file(
-    node: InProcessDaemon, client: kvstash.Client, pair: tuple[Saved, Saved], where: str
+    node: InProcessDaemon, client: kvkeep.Client, pair: tuple[Saved, Saved], where: str
 ) -> None:
     good, bad = pair
     path = own_blocks(node.settings.state_dir, bad, good)[0]
@@ -180,28 +180,28 @@ def test_a_flipped_bit_in_a_block_file(
 
     assert_refused(
         lambda: bad.session.restore(bad.checkpoint.checkpoint_id),
-        kvstash.CorruptCheckpointError,
+        kvkeep.CorruptCheckpointError,
         "block",
     )
     assert_refused(
         lambda: bad.session.fork(bad.checkpoint.checkpoint_id),
-        kvstash.CorruptCheckpointError,
+        kvkeep.CorruptCheckpointError,
         "block",
     )
     # An export of the damaged checkpoint is refused, or refused on import: never silently
     # passed on with a fresh, valid digest over damaged data.
     try:
         data = export_to_memory(client, bad.checkpoint.checkpoint_id)
-    except kvstash.CorruptCheckpointError:
+    except kvkeep.CorruptCheckpointError:
         pass
     else:
         assert_refused(
-            lambda: client.import_checkpoint(io.BytesIO(data)), kvstash.CorruptCheckpointError, "block"
+            lambda: client.import_checkpoint(io.BytesIO(data)), kvkeep.CorruptCheckpointError, "block"
         )
     expect_intact(client, good)
 
 
-def export_to_memory(client: kvstash.Client, checkpoint_id: str) -> bytes:
+def export_to_memory(client: kvkeep.Client, checkpoint_id: str) -> bytes:
     buf = io.BytesIO()
     client.export_checkpoint(checkpoint_id, buf)
     return buf.getvalue()
@@ -209,7 +209,7 @@ def export_to_memory(client: kvstash.Client, checkpoint_id: str) -> bytes:
 
 @pytest.mark.parametrize("where", ["magic", "json", "tokens", "mac"])
 def test_a_flipped_bit_in_a_manifest(
-    node: InProcessDaemon, client: kvstash.Client, pair: tuple[Saved, Saved], where: str
+    node: InProcessDaemon, client: kvkeep.Client, pair: tuple[Saved, Saved], where: str
 ) -> None:
     """The manifest is a BLOB in catalog.db, edited with sqlite3 while the daemon runs."""
     state_dir = node.settings.state_dir
@@ -230,15 +230,15 @@ def test_a_flipped_bit_in_a_manifest(
     words = ("manifest", "hmac", "integrity")
     assert_refused(
         lambda: bad.session.restore(bad.checkpoint.checkpoint_id),
-        kvstash.CorruptCheckpointError,
+        kvkeep.CorruptCheckpointError,
         *words,
     )
     assert_refused(
-        lambda: bad.session.fork(bad.checkpoint.checkpoint_id), kvstash.CorruptCheckpointError, *words
+        lambda: bad.session.fork(bad.checkpoint.checkpoint_id), kvkeep.CorruptCheckpointError, *words
     )
     assert_refused(
         lambda: export_to_memory(client, bad.checkpoint.checkpoint_id),
-        kvstash.CorruptCheckpointError,
+        kvkeep.CorruptCheckpointError,
         *words,
     )
     assert len(gen(bad.session, "", 4)) == 4
@@ -253,14 +253,14 @@ def test_a_flipped_bit_in_a_manifest(
 @pytest.fixture(scope="module")
 def good_export(node: InProcessDaemon, tmp_path_factory: pytest.TempPathFactory) -> bytes:
     """An export of a healthy checkpoint of ``node`` (PROMPT + 8 tokens)."""
-    with kvstash.Client(node.address, timeout=60) as client:
+    with kvkeep.Client(node.address, timeout=60) as client:
         s = client.create_session(sampling=SAMPLED)
         gen(s, PROMPT, 8)
         ck = s.checkpoint("exported")
         return export_bytes(client, ck.checkpoint_id, tmp_path_factory.mktemp("exp") / "good.kvst")
 
 
-def test_the_good_export_imports_and_continues_exactly(client: kvstash.Client, good_export: bytes) -> None:
+def test_the_good_export_imports_and_continues_exactly(client: kvkeep.Client, good_export: bytes) -> None:
     """The control for the tests below: unmodified, the export is accepted."""
     manifest, blocks = parse_export(good_export)
     assert build_export(manifest, blocks) == good_export
@@ -275,9 +275,7 @@ def test_the_good_export_imports_and_continues_exactly(client: kvstash.Client, g
 _UNIQUE = (i * 0x9E3779B97F4A7C15 % (1 << 64) for i in itertools.count(1))
 
 
-def _refused_import(
-    client: kvstash.Client, data: bytes, error: type[kvstash.KvstashError], *words: str
-) -> None:
+def _refused_import(client: kvkeep.Client, data: bytes, error: type[kvkeep.KvkeepError], *words: str) -> None:
     good = saved(client, f"Good {next(_UNIQUE):x}: {PROMPT}")
     before = {s.session_id for s in client.list_sessions()}
     assert_refused(lambda: client.import_checkpoint(io.BytesIO(data)), error, *words)
@@ -286,19 +284,19 @@ def _refused_import(
     good.session.close()
 
 
-def test_random_bytes_are_refused(client: kvstash.Client) -> None:
+def test_random_bytes_are_refused(client: kvkeep.Client) -> None:
     rng = random.Random(5)
     noise = bytes(rng.getrandbits(8) for _ in range(100_000))
-    _refused_import(client, noise, kvstash.CorruptCheckpointError, "not a kvstash")
-    _refused_import(client, b"", kvstash.CorruptCheckpointError, "not a kvstash")
-    _refused_import(client, b"KVSTEXP1" + noise, kvstash.CorruptCheckpointError, "export")
+    _refused_import(client, noise, kvkeep.CorruptCheckpointError, "not a kvkeep")
+    _refused_import(client, b"", kvkeep.CorruptCheckpointError, "not a kvkeep")
+    _refused_import(client, b"KVKPEXP1" + noise, kvkeep.CorruptCheckpointError, "export")
 
 
 @pytest.mark.parametrize(
     "where", ["magic", "record-header", "manifest", "block", "digest", "truncated", "trailing"]
 )
 def test_a_changed_byte_in_an_export_is_refused(
-    client: kvstash.Client, good_export: bytes, where: str
+    client: kvkeep.Client, good_export: bytes, where: str
 ) -> None:
     data = bytearray(good_export)
     manifest, _ = parse_export(good_export)
@@ -316,11 +314,11 @@ def test_a_changed_byte_in_an_export_is_refused(
             "digest": len(data) - 1,
         }[where]
         data[offset] ^= 0x01
-    _refused_import(client, bytes(data), kvstash.CorruptCheckpointError, "checkpoint", "export")
+    _refused_import(client, bytes(data), kvkeep.CorruptCheckpointError, "checkpoint", "export")
 
 
 def test_a_forged_export_with_a_valid_digest_is_still_checked(
-    client: kvstash.Client, good_export: bytes
+    client: kvkeep.Client, good_export: bytes
 ) -> None:
     """Recomputing the export's digest does not get damage past the other checks."""
     manifest, blocks = parse_export(good_export)
@@ -331,32 +329,32 @@ def test_a_forged_export_with_a_valid_digest_is_still_checked(
     tok_at = 12 + json_len + 4
     (t0,) = struct.unpack_from("<i", m, tok_at + 4)
     struct.pack_into("<i", m, tok_at + 4, t0 + 1)
-    _refused_import(client, build_export(bytes(m), blocks), kvstash.CorruptCheckpointError, "block")
+    _refused_import(client, build_export(bytes(m), blocks), kvkeep.CorruptCheckpointError, "block")
 
     # A block replaced by a correctly framed block of the wrong size.
     key, framed = blocks[0]
     payload = blk.unframe(framed, struct.unpack_from("<I", framed, 5)[0])
     short = blk.frame(payload[:-16], "lz4")
     _refused_import(
-        client, build_export(manifest, [(key, short), *blocks[1:]]), kvstash.CorruptCheckpointError, "block"
+        client, build_export(manifest, [(key, short), *blocks[1:]]), kvkeep.CorruptCheckpointError, "block"
     )
 
     # A block missing.
     if len(blocks) > 1:
-        _refused_import(client, build_export(manifest, blocks[1:]), kvstash.CorruptCheckpointError, "block")
+        _refused_import(client, build_export(manifest, blocks[1:]), kvkeep.CorruptCheckpointError, "block")
 
     # A token id outside the vocabulary.
     struct.pack_into("<i", m, tok_at + 4, 10_000_000)
-    _refused_import(client, build_export(bytes(m), blocks), kvstash.CorruptCheckpointError, "vocabulary")
+    _refused_import(client, build_export(bytes(m), blocks), kvkeep.CorruptCheckpointError, "vocabulary")
 
 
-def test_another_format_version_is_refused(client: kvstash.Client, good_export: bytes) -> None:
+def test_another_format_version_is_refused(client: kvkeep.Client, good_export: bytes) -> None:
     def bump(meta: dict[str, Any]) -> None:
         assert meta["format"] == 1
         meta["format"] = 2
 
     _refused_import(
-        client, edit_export(good_export, bump), kvstash.IncompatibleCheckpointError, "format version 2"
+        client, edit_export(good_export, bump), kvkeep.IncompatibleCheckpointError, "format version 2"
     )
 
 
@@ -367,34 +365,34 @@ def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_checkpoint_of_another_model_is_refused(
     node: InProcessDaemon,
-    client: kvstash.Client,
+    client: kvkeep.Client,
     good_export: bytes,
     other_model: Path,
     tmp_path: Path,
 ) -> None:
     with (
         own_daemon(tmp_path / "other", model=other_model) as other,
-        kvstash.Client(other.address, timeout=60) as other_client,
+        kvkeep.Client(other.address, timeout=60) as other_client,
     ):
         assert other_client.info().model_fingerprint != client.info().model_fingerprint
-        _refused_import(other_client, good_export, kvstash.IncompatibleCheckpointError, "another model")
+        _refused_import(other_client, good_export, kvkeep.IncompatibleCheckpointError, "another model")
 
         s = other_client.create_session(sampling=SAMPLED)
         gen(s, PROMPT, 8)
         theirs = export_bytes(other_client, s.checkpoint().checkpoint_id, tmp_path / "theirs.kvst")
         check_serving(other_client)
-    _refused_import(client, theirs, kvstash.IncompatibleCheckpointError, "another model")
+    _refused_import(client, theirs, kvkeep.IncompatibleCheckpointError, "another model")
 
 
 @pytest.mark.parametrize("kv_type", ["q8_0"])
 def test_a_checkpoint_of_another_kv_type_restores_by_evaluating_its_history(
-    node: InProcessDaemon, client: kvstash.Client, good_export: bytes, tmp_path: Path, kv_type: str
+    node: InProcessDaemon, client: kvkeep.Client, good_export: bytes, tmp_path: Path, kv_type: str
 ) -> None:
     """Its state does not fit this daemon's KV layout, its tokens do: the restore evaluates
     them again and says so, and the session continues as one that evaluated them itself."""
     with (
         own_daemon(tmp_path / "q", kv_type=kv_type) as q,
-        kvstash.Client(q.address, timeout=60) as q_client,
+        kvkeep.Client(q.address, timeout=60) as q_client,
     ):
         info = q_client.info()
         assert (info.kv_type, info.mode) == (kv_type, "compact")
@@ -430,7 +428,7 @@ def _older_state_version(meta: dict[str, Any]) -> None:
 
 
 def test_another_kv_state_version_imports_and_restores(
-    node: InProcessDaemon, client: kvstash.Client, good_export: bytes
+    node: InProcessDaemon, client: kvkeep.Client, good_export: bytes
 ) -> None:
     """A checkpoint whose KV came from another llama.cpp state version is accepted: its KV is
     not used, its tokens are evaluated again, and the session carries on from them."""
@@ -447,7 +445,7 @@ def test_another_kv_state_version_imports_and_restores(
 
 # An import of another KV state version keeps the tokens, not the KV: its restore says so.
 def test_restoring_another_kv_state_version_reports_reprefilled(
-    node: InProcessDaemon, client: kvstash.Client, good_export: bytes
+    node: InProcessDaemon, client: kvkeep.Client, good_export: bytes
 ) -> None:
     old = client.import_checkpoint(io.BytesIO(edit_export(good_export, _older_state_version)))
     s = client.create_session(sampling=SAMPLED)
@@ -457,7 +455,7 @@ def test_restoring_another_kv_state_version_reports_reprefilled(
 # The re-prefill evaluates the whole history as prompt chunks, while the original evaluated its
 # generated tokens one per decode step: exact mode makes both give the same logits.
 def test_another_kv_state_version_continues_exactly(
-    node: InProcessDaemon, client: kvstash.Client, good_export: bytes
+    node: InProcessDaemon, client: kvkeep.Client, good_export: bytes
 ) -> None:
     expected = gen(client.create_session(sampling=SAMPLED), PROMPT, 24)[8:]
     old = client.import_checkpoint(io.BytesIO(edit_export(good_export, _older_state_version)))
@@ -468,7 +466,7 @@ def test_another_kv_state_version_continues_exactly(
 
 
 def test_a_stored_checkpoint_of_another_kv_state_version_restores_with_reprefill(
-    node: InProcessDaemon, client: kvstash.Client, pair: tuple[Saved, Saved]
+    node: InProcessDaemon, client: kvkeep.Client, pair: tuple[Saved, Saved]
 ) -> None:
     """The same, for a checkpoint in the daemon's own store (its manifest rewritten and
     signed again with the store's key, as if an older daemon had written it)."""
@@ -492,14 +490,14 @@ def test_a_stored_checkpoint_of_another_kv_state_version_restores_with_reprefill
 # Saves deduplicate against stored blocks; one that a restore found damaged must not be reused:
 # the next checkpoint with the same tokens writes it again and restores.
 def test_a_damaged_block_is_not_reused_by_later_checkpoints(
-    node: InProcessDaemon, client: kvstash.Client, pair: tuple[Saved, Saved]
+    node: InProcessDaemon, client: kvkeep.Client, pair: tuple[Saved, Saved]
 ) -> None:
     good, bad = pair
     path = own_blocks(node.settings.state_dir, bad, good)[0]
     flip_bit(path, path.stat().st_size // 2)
     assert_refused(
         lambda: bad.session.restore(bad.checkpoint.checkpoint_id),
-        kvstash.CorruptCheckpointError,
+        kvkeep.CorruptCheckpointError,
         "block",
     )
     # The same tokens again, in a new session: its checkpoint must be restorable.

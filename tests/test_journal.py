@@ -26,10 +26,10 @@ import pytest
 from checkpoint_helpers import SAMPLED, SPAWN_ARGS, gen, long_text
 from daemons import DaemonProcess, InProcessDaemon, wait_until
 
-import kvstash
-from kvstashd import journal as jr
-from kvstashd.budget import DiskBudget
-from kvstashd.errors import Busy
+import kvkeep
+from kvkeepd.errors import Busy
+from kvkeepd.storage import journal as jr
+from kvkeepd.storage.budget import DiskBudget
 
 # ---- the journal file ------------------------------------------------------------------------
 
@@ -168,7 +168,7 @@ def test_acknowledged_turns_survive_kill_9_and_a_torn_record_costs_only_its_turn
     spawn_daemon: Callable[..., DaemonProcess],
 ) -> None:
     proc = spawn_daemon(*SPAWN_ARGS, "--slots", "2", "--head-interval", "32")
-    with kvstash.Client(proc.address, timeout=60) as client:
+    with kvkeep.Client(proc.address, timeout=60) as client:
         s = client.create_session("You are terse.", sampling=SAMPLED, persistent=True)
         created = s.info().head_checkpoint_id
         gen(s, long_text(3, "journal"), 4)  # over 32 tokens: this turn saves a head
@@ -185,7 +185,7 @@ def test_acknowledged_turns_survive_kill_9_and_a_torn_record_costs_only_its_turn
     assert journal_bytes(proc.state_dir) > 0
     proc.kill()
     proc.start()
-    with kvstash.Client(proc.address, timeout=60) as client:
+    with kvkeep.Client(proc.address, timeout=60) as client:
         again = client.session(s.session_id)
         info = again.info()
         assert (info.n_tokens, info.head_checkpoint_id) == (n, head)  # the turns, on the old head
@@ -203,7 +203,7 @@ def test_acknowledged_turns_survive_kill_9_and_a_torn_record_costs_only_its_turn
     path = proc.state_dir / "journal"
     path.write_bytes(path.read_bytes()[:-9])
     proc.start()
-    with kvstash.Client(proc.address, timeout=60) as client:
+    with kvkeep.Client(proc.address, timeout=60) as client:
         again = client.session(s.session_id)
         assert again.info().n_tokens == n_first
         assert gen(again, "", 4) == expected
@@ -217,7 +217,7 @@ def test_concurrent_turns_are_each_journaled(start_daemon: Callable[..., InProce
     d = start_daemon(slots=4, head_interval=100000)
     assert d.daemon is not None and d.daemon.manager is not None
     journal = d.daemon.manager.stores.journal
-    with kvstash.Client(d.address) as client:
+    with kvkeep.Client(d.address) as client:
         sessions = [client.create_session(sampling=SAMPLED, persistent=True) for _ in range(4)]
         for s in sessions:
             s.complete("Tell me about the sea", max_tokens=2)
@@ -226,7 +226,7 @@ def test_concurrent_turns_are_each_journaled(start_daemon: Callable[..., InProce
         # Each round's turns are sent together, so they share engine steps and end together.
         together = threading.Barrier(len(sessions), timeout=60)
 
-        def turns(s: kvstash.Session) -> None:
+        def turns(s: kvkeep.Session) -> None:
             try:
                 for _ in range(6):
                     together.wait()
@@ -255,7 +255,7 @@ def test_the_head_moves_every_interval_and_a_close_empties_the_journal(
     assert d.daemon is not None and d.daemon.manager is not None
     stores = d.daemon.manager.stores
     state_dir = d.settings.state_dir
-    with kvstash.Client(d.address) as client:
+    with kvkeep.Client(d.address) as client:
         s = client.create_session(sampling=SAMPLED, persistent=True)
         gen(s, "Count the waves", 4)  # under 16 tokens beyond the head (of nothing): journaled
         head = s.info().head_checkpoint_id

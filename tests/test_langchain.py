@@ -1,4 +1,4 @@
-"""LangChain: ChatKvstash keeps its conversation in a session, KvstashChatMessageHistory in a
+"""LangChain: ChatKvkeep keeps its conversation in a session, KvkeepChatMessageHistory in a
 persistent one; against the shared daemon, compared with the SDK's own sessions."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import pytest
 from daemons import GREEDY, DaemonProcess
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 
-import kvstash
-from kvstash import Message
-from kvstash.integrations.langchain import ChatKvstash, KvstashChatMessageHistory
+import kvkeep
+from kvkeep import Message
+from kvkeep.integrations.langchain import ChatKvkeep, KvkeepChatMessageHistory
 
 SYSTEM = "You are terse."
 
 
-def make(daemon_address: str, **kw: object) -> ChatKvstash:
-    return ChatKvstash(address=daemon_address, **{"temperature": 0, "max_tokens": 10, **kw})  # type: ignore[arg-type]
+def make(daemon_address: str, **kw: object) -> ChatKvkeep:
+    return ChatKvkeep(address=daemon_address, **{"temperature": 0, "max_tokens": 10, **kw})  # type: ignore[arg-type]
 
 
 def usage(m: BaseMessage) -> dict[str, int]:
@@ -29,7 +29,7 @@ def usage(m: BaseMessage) -> dict[str, int]:
     }
 
 
-def test_a_conversation_is_continued_not_resent(daemon_address: str, client: kvstash.Client) -> None:
+def test_a_conversation_is_continued_not_resent(daemon_address: str, client: kvkeep.Client) -> None:
     chat = make(daemon_address)
     history: list[BaseMessage] = [SystemMessage(SYSTEM), HumanMessage("Name a colour.")]
     first = chat.invoke(history)
@@ -49,7 +49,7 @@ def test_a_conversation_is_continued_not_resent(daemon_address: str, client: kvs
     client.session(chat.session_id or "").close()
 
 
-def test_an_edited_conversation_rewinds(daemon_address: str, client: kvstash.Client) -> None:
+def test_an_edited_conversation_rewinds(daemon_address: str, client: kvkeep.Client) -> None:
     chat = make(daemon_address)
     first = chat.invoke([SystemMessage(SYSTEM), HumanMessage("Name a colour.")])
     n_first = client.session(chat.session_id or "").info().n_tokens
@@ -86,7 +86,7 @@ def test_an_edited_conversation_rewinds(daemon_address: str, client: kvstash.Cli
     client.session(chat.session_id or "").close()
 
 
-def test_streaming_stop_and_asyncio(daemon_address: str, client: kvstash.Client) -> None:
+def test_streaming_stop_and_asyncio(daemon_address: str, client: kvkeep.Client) -> None:
     ask = [HumanMessage("Write the numbers 1 to 20 separated by commas.")]
     whole = make(daemon_address, max_tokens=30).invoke(ask)
     chunks = list(make(daemon_address, max_tokens=30).stream(ask))
@@ -124,22 +124,22 @@ def test_a_message_history_in_a_persistent_session(
     spawn_daemon: Callable[..., DaemonProcess],
 ) -> None:
     d = spawn_daemon()
-    history = KvstashChatMessageHistory(address=d.address)
+    history = KvkeepChatMessageHistory(address=d.address)
     history.add_messages([SystemMessage(SYSTEM), HumanMessage("Name a colour.")])
     history.add_ai_message("Teal.")
     expected = [SystemMessage(SYSTEM), HumanMessage("Name a colour."), AIMessage("Teal.")]
     assert history.messages == expected
 
     d.restart()  # SIGTERM, then the same state directory and port
-    again = KvstashChatMessageHistory(history.session_id, address=d.address)
+    again = KvkeepChatMessageHistory(history.session_id, address=d.address)
     assert again.messages == expected
     # A model going on with the stored conversation gives what a fresh session gives.
-    chat = ChatKvstash(address=d.address, temperature=0, max_tokens=8)
+    chat = ChatKvkeep(address=d.address, temperature=0, max_tokens=8)
     reply = chat.invoke([*again.messages, HumanMessage("Another.")])
-    with kvstash.Client(d.address, timeout=60) as c:
+    with kvkeep.Client(d.address, timeout=60) as c:
         fresh = c.create_session(sampling=GREEDY)
         given = [Message("system", SYSTEM), Message("user", "Name a colour."), Message("assistant", "Teal.")]
         assert fresh.chat([*given, Message("user", "Another.")], max_tokens=8).text == reply.content
     again.clear()
     assert again.messages == []
-    assert KvstashChatMessageHistory(history.session_id, address=d.address).messages == []
+    assert KvkeepChatMessageHistory(history.session_id, address=d.address).messages == []

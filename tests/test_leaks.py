@@ -1,6 +1,6 @@
 """Leaks: many create/chat/checkpoint/close cycles leave the daemon as they found it.
 
-A daemon (subprocess) runs ``KVSTASH_LEAK_CYCLES`` cycles (default 300; run 2,000 by hand):
+A daemon (subprocess) runs ``KVKEEP_LEAK_CYCLES`` cycles (default 300; run 2,000 by hand):
 create a session (every other one persistent), chat once (a shared preamble of more than a
 block, attached from the prefix cache, then words of its own), take a checkpoint, close.
 Every tenth cycle uses a new client connection; after the 50th, a burst of concurrent
@@ -38,10 +38,10 @@ from daemons import GREEDY, DaemonProcess, wait_until
 from servers import free_port
 from test_metrics import scrape
 
-import kvstash
+import kvkeep
 
-CYCLES = int(os.environ.get("KVSTASH_LEAK_CYCLES", "300"))
-# glibc keeps freed memory (see kvstashd.heap), so RSS is a high-water mark: it settles
+CYCLES = int(os.environ.get("KVKEEP_LEAK_CYCLES", "300"))
+# glibc keeps freed memory (see kvkeepd.heap), so RSS is a high-water mark: it settles
 # within the first 150-200 cycles (measured), and only growth after that counts.
 WARM_UP = max(150, CYCLES // 10)
 BURST_AFTER = 50
@@ -74,8 +74,8 @@ def usage(pid: int, metrics_port: int) -> Usage:
     samples = scrape(metrics_port)
     return Usage(
         rss_kib << 10,
-        int(samples['kvstash_heap_bytes{state="in_use"}']),
-        int(samples['kvstash_heap_bytes{state="free"}']),
+        int(samples['kvkeep_heap_bytes{state="in_use"}']),
+        int(samples['kvkeep_heap_bytes{state="free"}']),
         len(os.listdir(f"/proc/{pid}/fd")),
         len(os.listdir(f"/proc/{pid}/task")),
     )
@@ -98,7 +98,7 @@ def message(i: int) -> str:
     return f"{PREAMBLE} Now count to {i}."
 
 
-def cycle(client: kvstash.Client, i: int) -> None:
+def cycle(client: kvkeep.Client, i: int) -> None:
     session = client.create_session(persistent=i % 2 == 0)
     reply = session.chat(message(i), max_tokens=3, sampling=GREEDY)
     assert reply.finish_reason in ("length", "eos")
@@ -113,7 +113,7 @@ def burst(address: str, first: int) -> None:
     them), so that the baseline has every thread a longer run may use, and its memory."""
 
     def run(k: int) -> None:
-        with kvstash.Client(address, timeout=60) as client:
+        with kvkeep.Client(address, timeout=60) as client:
             for j in range(4):
                 cycle(client, first + 4 * k + j)
 
@@ -129,12 +129,12 @@ def test_create_chat_checkpoint_close_cycles_leak_nothing(spawn_daemon: Callable
     )
     start = usage(proc.pid, metrics)
     started = time.monotonic()
-    client = kvstash.Client(proc.address, timeout=60)
+    client = kvkeep.Client(proc.address, timeout=60)
     try:
         for i in range(CYCLES):
             if i % 10 == 0:
                 client.close()
-                client = kvstash.Client(proc.address, timeout=60)
+                client = kvkeep.Client(proc.address, timeout=60)
             cycle(client, i)
             if i == BURST_AFTER - 1:
                 burst(proc.address, CYCLES)

@@ -14,7 +14,7 @@ import pytest
 from checkpoint_helpers import EXPORT_MAGIC, GREEDY, gen
 from daemons import DaemonProcess
 
-import kvstash
+import kvkeep
 
 IMPORT_BYTES = 150 << 20
 PARALLEL = 10
@@ -54,7 +54,7 @@ def vm(pid: int, field: str) -> int:
 def test_parallel_slow_imports_keep_memory_bounded(spawn_daemon: Callable[..., DaemonProcess]) -> None:
     d = spawn_daemon("--ctx-per-session", "2048")
     outcomes: list[BaseException | None] = []
-    with kvstash.Client(d.address, timeout=600) as client:
+    with kvkeep.Client(d.address, timeout=600) as client:
         session = client.create_session(sampling=GREEDY)
         gen(session, "Warm up the engine once.", n=4)
         baseline = vm(d.pid, "VmRSS")
@@ -85,13 +85,13 @@ def test_parallel_slow_imports_keep_memory_bounded(spawn_daemon: Callable[..., D
     assert not [p for p in d.state_dir.iterdir() if p.is_file() and p.name.startswith("tmp")]
 
 
-def test_a_prompt_too_long_in_bytes_is_refused_before_tokenizing(client: kvstash.Client) -> None:
+def test_a_prompt_too_long_in_bytes_is_refused_before_tokenizing(client: kvkeep.Client) -> None:
     info = client.info()
     session = client.create_session()
     text = "word " * (info.max_prompt_tokens * 64)
-    with pytest.raises(kvstash.InvalidRequestError, match="bytes"):
+    with pytest.raises(kvkeep.InvalidRequestError, match="bytes"):
         session.complete(text, max_tokens=1)
-    with pytest.raises(kvstash.InvalidRequestError, match="bytes"):
+    with pytest.raises(kvkeep.InvalidRequestError, match="bytes"):
         client.create_session(system_prompt=text)
     assert session.info().n_tokens == 0
     session.close()

@@ -1,5 +1,5 @@
 """Load: scripts/load.py's mix of every operation, from concurrent clients, against a real daemon
-with fewer slots than sessions. A short run (``KVSTASH_LOAD_REQUESTS``, default 150; the
+with fewer slots than sessions. A short run (``KVKEEP_LOAD_REQUESTS``, default 150; the
 script itself runs any size by hand) must end with:
 
 - every request answered, and no error of any status;
@@ -22,10 +22,10 @@ import pytest
 from checkpoint_helpers import continues_like_its_history
 from daemons import InProcessDaemon
 
-import kvstash
+import kvkeep
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUESTS = int(os.environ.get("KVSTASH_LOAD_REQUESTS", "150"))
+REQUESTS = int(os.environ.get("KVKEEP_LOAD_REQUESTS", "150"))
 OPERATIONS = ("chat", "generate", "checkpoint", "restore", "fork", "rewind", "close", "export", "import")
 
 
@@ -63,7 +63,7 @@ def test_a_load_of_every_operation_ends_without_errors_and_every_session_exact(
     assert report["completed"] == report["requests"] == REQUESTS
     assert {op for op in OPERATIONS if report["ops"].get(op, {}).get("n")} == set(OPERATIONS)
 
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         listed = {s.session_id for s in client.list_sessions()}
         assert listed == set(report["sessions"])
         for sid in sorted(listed):

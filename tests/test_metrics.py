@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from daemons import GREEDY, InProcessDaemon
 
-import kvstash
+import kvkeep
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -26,17 +26,17 @@ def test_metrics_follow_sessions_and_tokens(start_daemon: Callable[..., InProces
     assert d.daemon is not None
     port = d.daemon.metrics_port
     before = scrape(port)
-    assert before["kvstash_slots"] == 2
-    assert before['kvstash_sessions{tier="hot"}'] == 0
-    with kvstash.Client(d.address) as client:
+    assert before["kvkeep_slots"] == 2
+    assert before['kvkeep_sessions{tier="hot"}'] == 0
+    with kvkeep.Client(d.address) as client:
         s = client.create_session()
         done = s.complete("Count to three:", max_tokens=4, sampling=GREEDY)
         after = scrape(port)
         info = client.info()
-    assert after['kvstash_sessions{tier="hot"}'] == 1
-    assert after["kvstash_slots_in_use"] == 1
-    assert after['kvstash_tokens_total{kind="generated"}'] == info.tokens_generated >= len(done.token_ids)
-    assert after['kvstash_tokens_total{kind="evaluated"}'] == info.tokens_evaluated
+    assert after['kvkeep_sessions{tier="hot"}'] == 1
+    assert after["kvkeep_slots_in_use"] == 1
+    assert after['kvkeep_tokens_total{kind="generated"}'] == info.tokens_generated >= len(done.token_ids)
+    assert after['kvkeep_tokens_total{kind="evaluated"}'] == info.tokens_evaluated
 
 
 def test_metrics_report_process_and_heap_memory(start_daemon: Callable[..., InProcessDaemon]) -> None:
@@ -46,5 +46,5 @@ def test_metrics_report_process_and_heap_memory(start_daemon: Callable[..., InPr
     # The model alone is tens of MB resident; the heap holds at least the KV buffers' owners.
     assert samples["process_resident_memory_bytes"] > 50 << 20
     assert samples["process_open_fds"] > 0
-    assert samples['kvstash_heap_bytes{state="in_use"}'] > 1 << 20
-    assert samples['kvstash_heap_bytes{state="free"}'] >= 0
+    assert samples['kvkeep_heap_bytes{state="in_use"}'] > 1 << 20
+    assert samples['kvkeep_heap_bytes{state="free"}'] >= 0

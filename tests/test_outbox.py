@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvstashd.job import Outbox
+from kvkeepd.engine.job import Outbox
 
 
 @contextmanager

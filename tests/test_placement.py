@@ -30,23 +30,23 @@ from checkpoint_helpers import (
 )
 from daemons import DaemonProcess, InProcessDaemon
 
-import kvstash
-from kvstashd.context import BatchItem
-from kvstashd.engine import Engine
-from kvstashd.job import SeqState
+import kvkeep
+from kvkeepd.engine.context import BatchItem
+from kvkeepd.engine.engine import Engine
+from kvkeepd.engine.job import SeqState
 
 
 def test_a_restart_with_another_kv_type_evaluates_histories_again(
     spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path
 ) -> None:
     first = spawn_daemon(*SPAWN_ARGS, "--slots", "1")
-    with kvstash.Client(first.address, timeout=60) as client:
+    with kvkeep.Client(first.address, timeout=60) as client:
         s = client.create_session("You are terse.", persistent=True, sampling=GREEDY)
         reply = s.chat("Name a colour.", max_tokens=8)
         n_tokens = s.info().n_tokens
     first.terminate()
     second = spawn_daemon(*SPAWN_ARGS, "--slots", "1", "--kv-type", "q8_0", state_dir=first.state_dir)
-    with kvstash.Client(second.address, timeout=60) as client:
+    with kvkeep.Client(second.address, timeout=60) as client:
         assert client.info().mode == "compact"
         again = client.session(s.session_id)
         assert again.info().n_tokens == n_tokens
@@ -65,7 +65,7 @@ def test_a_damaged_block_fails_one_request_and_the_session_recovers(
 ) -> None:
     # Every turn saves its head: the damaged block is one of the head's.
     d = spawn_daemon(*SPAWN_ARGS, "--slots", "2", "--head-interval", "1")
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         bad = client.create_session(sampling=SAMPLED, persistent=True)
         gen(bad, "The harbour master counted the boats at dawn and", 8)
         good = client.create_session(sampling=SAMPLED, persistent=True)
@@ -77,9 +77,9 @@ def test_a_damaged_block_fails_one_request_and_the_session_recovers(
     path = block_files(d.state_dir)[manifest_blocks(catalog_manifest(d.state_dir, head))[0]]
     flip_bit(path, path.stat().st_size // 2)  # the sessions share no block: other prompts
     d.start()
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         bad = client.session(bad.session_id)
-        with pytest.raises(kvstash.CorruptCheckpointError):
+        with pytest.raises(kvkeep.CorruptCheckpointError):
             bad.complete("", max_tokens=4)
         assert gen(client.session(good.session_id), "", 4)  # other sessions go on
         # The history survived: the next request evaluates it again, as a fresh session would.
@@ -96,7 +96,7 @@ def test_the_invariant_check_sees_cells_nobody_owns(start_daemon: Callable[..., 
     d = start_daemon(slots=2)
     assert d.daemon is not None and d.daemon.manager is not None
     manager = d.daemon.manager
-    with kvstash.Client(d.address, timeout=30) as client:
+    with kvkeep.Client(d.address, timeout=30) as client:
         s = client.create_session(sampling=GREEDY)
         s.complete("Hello there", max_tokens=2)
     assert d.check_invariant() == []

@@ -26,24 +26,24 @@ from checkpoint_helpers import GREEDY, SPAWN_ARGS, long_text
 from daemons import DaemonProcess, InProcessDaemon
 from test_tenants import TOKENS, write_auth
 
-import kvstash
+import kvkeep
 
 SYSTEM = long_text(40, "observatory")  # about 560 tokens: 8 full blocks
 QUESTION = "Which note mentions pier 7?"
-SEEDED = kvstash.SamplingParams(temperature=0.8, seed=99)
+SEEDED = kvkeep.SamplingParams(temperature=0.8, seed=99)
 
 
-def answer(session: kvstash.Session) -> kvstash.Completion:
+def answer(session: kvkeep.Session) -> kvkeep.Completion:
     return session.chat(QUESTION, max_tokens=8, logprobs=1)
 
 
-def trace(c: kvstash.Completion) -> list[tuple[int, float]]:
+def trace(c: kvkeep.Completion) -> list[tuple[int, float]]:
     return [(t.sampled.token_id, t.sampled.logprob) for t in c.logprobs]
 
 
 def test_a_shared_system_prompt_is_computed_once(start_daemon: Callable[..., InProcessDaemon]) -> None:
     d = start_daemon(slots=4)
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         first = answer(client.create_session(SYSTEM, sampling=SEEDED))
         assert first.usage.reused_tokens == 0
         for _ in range(3):
@@ -55,7 +55,7 @@ def test_a_shared_system_prompt_is_computed_once(start_daemon: Callable[..., InP
 
 def test_a_prefix_is_attached_from_a_parked_session(start_daemon: Callable[..., InProcessDaemon]) -> None:
     d = start_daemon(slots=1)
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         source = client.create_session(SYSTEM, sampling=SEEDED)
         first = answer(source)
         other = client.create_session(sampling=GREEDY)
@@ -84,7 +84,7 @@ def test_a_source_closed_while_the_stores_are_asked_is_no_source(
         assert go.wait(30)
         return real(*args)
 
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         source = client.create_session(SYSTEM, sampling=SEEDED)
         first = answer(source)
         monkeypatch.setattr(store, "longest_prefix", held)
@@ -100,10 +100,10 @@ def test_a_source_closed_while_the_stores_are_asked_is_no_source(
 
 def test_the_cache_survives_a_restart(spawn_daemon: Callable[..., DaemonProcess]) -> None:
     d = spawn_daemon(*SPAWN_ARGS)
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         first = answer(client.create_session(SYSTEM, sampling=SEEDED, persistent=True))
     d.restart(kill=True)
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         again = answer(client.create_session(SYSTEM, sampling=SEEDED))
         assert again.usage.reused_tokens >= 512  # from disk: nothing of it is in RAM
         assert trace(again) == trace(first)
@@ -111,7 +111,7 @@ def test_the_cache_survives_a_restart(spawn_daemon: Callable[..., DaemonProcess]
 
 def test_the_cache_can_be_turned_off(start_daemon: Callable[..., InProcessDaemon]) -> None:
     d = start_daemon(slots=2, prefix_cache=False)
-    with kvstash.Client(d.address, timeout=60) as client:
+    with kvkeep.Client(d.address, timeout=60) as client:
         first = answer(client.create_session(SYSTEM, sampling=SEEDED))
         again = answer(client.create_session(SYSTEM, sampling=SEEDED))
         assert again.usage.reused_tokens == 0
@@ -127,7 +127,7 @@ def auc(faster: list[float], slower: list[float]) -> float:
     return wins / (len(faster) * len(slower))
 
 
-def first_token_time(client: kvstash.Client, prompt: str) -> tuple[float, int]:
+def first_token_time(client: kvkeep.Client, prompt: str) -> tuple[float, int]:
     """(seconds to the first token of a new session given `prompt`, its prompt's tokens)."""
     s = client.create_session(sampling=GREEDY)
     started = time.perf_counter()
@@ -151,8 +151,8 @@ def test_other_tenants_cannot_time_a_cached_prefix(
     notes = [notes[0], *(f"Note {x}" for x in notes[1:])]
     secret = " ".join(notes)  # about 140 tokens: 2 full blocks
     with (
-        kvstash.Client(d.address, timeout=60, token=TOKENS["alice"]) as alice,
-        kvstash.Client(d.address, timeout=60, token=TOKENS["bob"]) as bob,
+        kvkeep.Client(d.address, timeout=60, token=TOKENS["alice"]) as alice,
+        kvkeep.Client(d.address, timeout=60, token=TOKENS["bob"]) as bob,
     ):
         holder = alice.create_session(sampling=GREEDY)
         holder.complete(secret, max_tokens=1)  # alice's cache now holds the secret prefix

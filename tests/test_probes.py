@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from daemons import InProcessDaemon, model_path
 
-from kvstashd import probes
-from kvstashd.context import ContextConfig
+from kvkeepd.engine import probes
+from kvkeepd.engine.context import ContextConfig
 
 KEPT = "exactness probe: the result of"
 PROBE = {"tokens": 260, "chunks": [1, 36]}
@@ -85,7 +85,7 @@ def test_an_unwritable_place_only_costs_the_next_start_a_probe(
     blocker = tmp_path / "file"
     blocker.write_text("")
     prober = Prober(None)
-    with caplog.at_level(logging.WARNING, "kvstashd.probes"):
+    with caplog.at_level(logging.WARNING, "kvkeepd.engine.probes"):
         assert probes.cached(blocker / "probes.json", "a", prober) is None
     assert prober.calls == 1 and "cannot keep the exactness probe's result" in caplog.text
 
@@ -94,7 +94,7 @@ def test_a_daemon_started_again_reuses_its_probe(tmp_path: Path, caplog: pytest.
     """The default place is the state directory; the second start finds the first's result."""
     state_dir = tmp_path / "state"
     for start in range(2):
-        with caplog.at_level(logging.INFO, "kvstashd.probes"):
+        with caplog.at_level(logging.INFO, "kvkeepd.engine.probes"):
             caplog.clear()
             d = InProcessDaemon.with_settings(state_dir, slots=2, ctx_per_session=512, probe_cache="")
             try:

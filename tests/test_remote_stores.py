@@ -7,7 +7,7 @@ and Redis (``redis-server``), on loopback; the catalog stays the local sqlite on
 - The server lost in the middle of a save (a proxy cuts the connections after two of the
   blocks it writes): the turn fails with UNAVAILABLE and is undone, the catalog holds
   nothing of it, and once the network is back the same turn succeeds.
-- The server stopped (with KVSTASH_STORE_FAULTS=all: Redis killed, weed mini stopped): a
+- The server stopped (with KVKEEP_STORE_FAULTS=all: Redis killed, weed mini stopped): a
   checkpoint and a turn of a persistent session fail with UNAVAILABLE (``store-unreachable``),
   the turn is undone, no catalog entry points at a block the server lacks, the daemon keeps
   serving (an ephemeral session generates); once the server is back, the same requests
@@ -30,10 +30,10 @@ from checkpoint_helpers import GREEDY, PROMPT, SAMPLED, gen, ids, long_text, own
 from daemons import check_serving
 from servers import RedisServer, S3Server, WeedMini
 
-import kvstash
-from kvstashd.store import BlockStore
-from kvstashd.store.redis import RedisBlockStore
-from kvstashd.store.s3 import S3BlockStore
+import kvkeep
+from kvkeepd.storage.blocks import BlockStore
+from kvkeepd.storage.blocks.redis import RedisBlockStore
+from kvkeepd.storage.blocks.s3 import S3BlockStore
 
 #: Remote requests in these tests: a stopped server fails a request in about a second.
 # head_interval 1: every turn saves a head, so turns write blocks to the store (otherwise
@@ -69,7 +69,7 @@ def remote(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_
     return {"store": url}
 
 
-def reference(client: kvstash.Client, n: int) -> list[tuple[int, float]]:
+def reference(client: kvkeep.Client, n: int) -> list[tuple[int, float]]:
     """n tokens of PROMPT in one uninterrupted call (an ephemeral session)."""
     s = client.create_session(sampling=SAMPLED)
     try:
@@ -80,7 +80,7 @@ def reference(client: kvstash.Client, n: int) -> list[tuple[int, float]]:
 
 def test_a_persistent_session_restarts_and_continues_exactly(tmp_path: Path, remote: dict[str, Any]) -> None:
     state = tmp_path / "state"
-    with own_daemon(state, **remote, **REMOTE) as d, kvstash.Client(d.address, timeout=120) as client:
+    with own_daemon(state, **remote, **REMOTE) as d, kvkeep.Client(d.address, timeout=120) as client:
         ref = reference(client, 32)
         s = client.create_session(sampling=SAMPLED, persistent=True)
         assert gen(s, PROMPT, 8) == ref[:8]
@@ -93,7 +93,7 @@ def test_a_persistent_session_restarts_and_continues_exactly(tmp_path: Path, rem
     assert referenced
     assert store_of(remote["store"], remote.get("s3_endpoint", "")).present(sorted(referenced)) == referenced
 
-    with own_daemon(state, **remote, **REMOTE) as d, kvstash.Client(d.address, timeout=120) as client:
+    with own_daemon(state, **remote, **REMOTE) as d, kvkeep.Client(d.address, timeout=120) as client:
         resumed = client.session(s.session_id)
         assert resumed.info().n_tokens == n_tokens
         assert gen(resumed, "", 16) == ref[16:]
@@ -104,7 +104,7 @@ def test_a_persistent_session_restarts_and_continues_exactly(tmp_path: Path, rem
 # Each run restarts a server (weed mini: ~15 s); the cut-connections test below covers a
 # failing write on both in every run.
 FULL = pytest.mark.skipif(
-    os.environ.get("KVSTASH_STORE_FAULTS") != "all", reason="KVSTASH_STORE_FAULTS=all runs it"
+    os.environ.get("KVKEEP_STORE_FAULTS") != "all", reason="KVKEEP_STORE_FAULTS=all runs it"
 )
 
 
@@ -139,7 +139,7 @@ def test_a_stopped_server_fails_saves_with_unavailable_and_loses_nothing(
 ) -> None:
     settings, stop, start = own_server
     state = tmp_path / "state"
-    with own_daemon(state, **settings, **REMOTE) as d, kvstash.Client(d.address, timeout=120) as client:
+    with own_daemon(state, **settings, **REMOTE) as d, kvkeep.Client(d.address, timeout=120) as client:
         ref = reference(client, 40)
         s = client.create_session(sampling=SAMPLED, persistent=True)
         assert gen(s, PROMPT, 8) == ref[:8]
@@ -149,9 +149,9 @@ def test_a_stopped_server_fails_saves_with_unavailable_and_loses_nothing(
         checkpoints = {c.checkpoint_id for c in s.checkpoints()}
 
         stop()
-        with pytest.raises(kvstash.StoreUnreachableError):
+        with pytest.raises(kvkeep.StoreUnreachableError):
             s.checkpoint("while-down")
-        with pytest.raises(kvstash.StoreUnreachableError) as turn:
+        with pytest.raises(kvkeep.StoreUnreachableError) as turn:
             gen(s, "", 8)
         assert turn.value.code == "UNAVAILABLE"
         assert s.info().n_tokens == n_tokens  # the turn was undone
@@ -269,7 +269,7 @@ def test_a_server_lost_in_the_middle_of_a_save_leaves_no_entry_without_its_block
     small = {"block_tokens": 16}
     with (
         own_daemon(state, **settings, **REMOTE, **small) as d,
-        kvstash.Client(d.address, timeout=120) as client,
+        kvkeep.Client(d.address, timeout=120) as client,
     ):
         s = client.create_session(sampling=GREEDY, persistent=True)
         s.complete(PROMPT, max_tokens=1)
@@ -279,7 +279,7 @@ def test_a_server_lost_in_the_middle_of_a_save_leaves_no_entry_without_its_block
         heads = catalog_blocks(state)
 
         cutter.cut_after(800_000)  # about two of the blocks the autosave writes
-        with pytest.raises(kvstash.StoreUnreachableError):
+        with pytest.raises(kvkeep.StoreUnreachableError):
             s.complete(long_text(7), max_tokens=1)
         assert cutter.cut.is_set(), "the save was cut in the middle"
         assert s.info().n_tokens == n_tokens  # the turn was undone

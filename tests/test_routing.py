@@ -1,5 +1,5 @@
 """Routing by session: two real daemons behind a real HAProxy running deploy/haproxy.cfg
-itself (its addresses from the environment), and the SDK's x-kvstash-session metadata.
+itself (its addresses from the environment), and the SDK's x-kvkeep-session metadata.
 
 The daemons here share no catalog, so a call that reaches the wrong daemon finds no session:
 being found at all is the proof of routing, and HAProxy's log (one line per call, naming the
@@ -22,17 +22,17 @@ import pytest
 from daemons import GREEDY, NOT_SERVING, SERVING, InProcessDaemon, wait_until
 from servers import HaproxyServer, free_port, require_binary
 
-import kvstash
-from kvstash.v1 import kvstash_pb2 as pb
-from kvstash.v1 import kvstash_pb2_grpc as pb_grpc
+import kvkeep
+from kvkeep.v1 import kvkeep_pb2 as pb
+from kvkeep.v1 import kvkeep_pb2_grpc as pb_grpc
 
 CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "haproxy.cfg"
-HEADER = "x-kvstash-session"
-SERVERS = ("kvstash1", "kvstash2")  # the config's server names, in order
+HEADER = "x-kvkeep-session"
+SERVERS = ("kvkeep1", "kvkeep2")  # the config's server names, in order
 
 # HAProxy's HTTP log line: ... BACKEND/SERVER timers STATUS ... {captured header} "POST URL HTTP/2.0"
 LOG_LINE = re.compile(
-    r" kvstash_daemons/(?P<server>\S+) .*\{(?P<session>[^}]*)\} \"POST \S*/kvstash\.v1\.KvStash/(?P<rpc>\w+) "
+    r" kvkeep_daemons/(?P<server>\S+) .*\{(?P<session>[^}]*)\} \"POST \S*/kvkeep\.v1\.KvKeep/(?P<rpc>\w+) "
 )
 
 
@@ -43,9 +43,9 @@ class Proxy:
         self.daemons = daemons
         self.address = f"127.0.0.1:{free_port()}"
         env = {
-            "KVSTASH_PROXY_ADDRESS": self.address,
-            "KVSTASH_DAEMON_1": daemons[0].address,
-            "KVSTASH_DAEMON_2": daemons[1].address,
+            "KVKEEP_PROXY_ADDRESS": self.address,
+            "KVKEEP_DAEMON_1": daemons[0].address,
+            "KVKEEP_DAEMON_2": daemons[1].address,
         }
         self.server = HaproxyServer(CONFIG, env, log_dir / f"haproxy-{secrets.token_hex(3)}.log")
 
@@ -54,10 +54,10 @@ class Proxy:
         return self
 
     def _answers(self) -> bool:
-        with kvstash.Client(self.address, timeout=2) as client:
+        with kvkeep.Client(self.address, timeout=2) as client:
             try:
                 return client.info().slots > 0
-            except kvstash.KvstashError:
+            except kvkeep.KvkeepError:
                 return False
 
     def calls(self) -> list[tuple[str, str, str]]:
@@ -79,7 +79,7 @@ class Proxy:
     def wait_for_state(self, server: str, state: str, since: int) -> None:
         """Until HAProxy's log says, after ``since``, that its health check found ``server``
         ``state`` (UP or DOWN)."""
-        line = f"Server kvstash_daemons/{server} is {state}"
+        line = f"Server kvkeep_daemons/{server} is {state}"
         wait_until(lambda: line in self.server.log()[since:], 20, f"haproxy to log {line!r}", interval=0.1)
 
     def stop(self) -> None:
@@ -90,11 +90,11 @@ def holder(session_id: str, daemons: tuple[InProcessDaemon, ...]) -> int:
     """The index of the one daemon that has the session (asked directly, not through the proxy)."""
     found = []
     for i, d in enumerate(daemons):
-        with kvstash.Client(d.address, timeout=10) as direct:
+        with kvkeep.Client(d.address, timeout=10) as direct:
             try:
                 direct.session(session_id)
                 found.append(i)
-            except kvstash.NotFoundError:
+            except kvkeep.NotFoundError:
                 pass
     assert len(found) == 1, f"{session_id} is on daemons {found}"
     return found[0]
@@ -129,7 +129,7 @@ def proxy(
 
 
 def test_a_sessions_calls_all_reach_the_daemon_that_made_it(proxy: Proxy) -> None:
-    with kvstash.Client(proxy.address, timeout=30) as client:
+    with kvkeep.Client(proxy.address, timeout=30) as client:
         # Creating names no session yet: round-robin, so new sessions spread over both.
         sessions = [client.create_session("You are terse.", sampling=GREEDY) for _ in range(4)]
         holders = {s.session_id: holder(s.session_id, proxy.daemons) for s in sessions}
@@ -164,11 +164,11 @@ def test_a_sessions_calls_all_reach_the_daemon_that_made_it(proxy: Proxy) -> Non
 
 def test_streams_go_through_unbuffered(proxy: Proxy) -> None:
     prompt = "Write a long story about a lighthouse."
-    with kvstash.Client(proxy.address, timeout=30) as client:
+    with kvkeep.Client(proxy.address, timeout=30) as client:
         routed = client.create_session(sampling=GREEDY)
         chunks = list(routed.chat_stream(prompt, max_tokens=24))
         direct_daemon = proxy.daemons[1 - holder(routed.session_id, proxy.daemons)]
-        with kvstash.Client(direct_daemon.address, timeout=30) as direct:
+        with kvkeep.Client(direct_daemon.address, timeout=30) as direct:
             expected = direct.create_session(sampling=GREEDY).chat(prompt, max_tokens=24)
         assert len(chunks) > 2
         assert tuple(t for c in chunks for t in c.token_ids) == tuple(expected.token_ids)
@@ -185,7 +185,7 @@ def test_streams_go_through_unbuffered(proxy: Proxy) -> None:
         routed.close()
 
 
-def _settled_tokens(session: kvstash.Session) -> int | None:
+def _settled_tokens(session: kvkeep.Session) -> int | None:
     """The session's token count once it is no longer busy with a generation."""
     first = session.info().n_tokens
     time.sleep(0.2)
@@ -199,10 +199,10 @@ def test_sessions_the_proxy_does_not_know_go_by_consistent_hash(
     fresh = Proxy(pair, tmp_path).start()
     try:
         ids = [f"s_{secrets.token_hex(12)}" for _ in range(40)]
-        with kvstash.Client(fresh.address, timeout=30) as client:
+        with kvkeep.Client(fresh.address, timeout=30) as client:
             for _ in range(2):
                 for session_id in ids:
-                    with pytest.raises(kvstash.NotFoundError):
+                    with pytest.raises(kvkeep.NotFoundError):
                         client.session(session_id)
         chosen = {session_id: fresh.servers_of(session_id) for session_id in ids}
         assert all(len(servers) == 1 for servers in chosen.values()), chosen
@@ -217,8 +217,8 @@ def test_the_health_check_takes_a_daemon_out_and_back(
     spare = InProcessDaemon.with_settings(tmp_path / "spare", slots=1, ctx_per_session=256)
     proxy = Proxy((pair[0], spare), tmp_path).start()
     try:
-        with kvstash.Client(proxy.address, timeout=30) as client:
-            by_daemon: dict[int, kvstash.Session] = {}
+        with kvkeep.Client(proxy.address, timeout=30) as client:
+            by_daemon: dict[int, kvkeep.Session] = {}
             for _ in range(6):  # round-robin: one on each, soon
                 s = client.create_session()
                 by_daemon.setdefault(holder(s.session_id, proxy.daemons), s)
@@ -239,7 +239,7 @@ def test_the_health_check_takes_a_daemon_out_and_back(
             proxy.wait_for_state(SERVERS[1], "DOWN", mark)
             # Its sessions now go to the daemon that is up, which does not have them (no shared
             # catalog here): NOT_FOUND from a daemon, not UNAVAILABLE from the proxy.
-            with pytest.raises(kvstash.NotFoundError):
+            with pytest.raises(kvkeep.NotFoundError):
                 by_daemon[1].info()
             by_daemon[0].complete("Hello", max_tokens=2)
             assert all(holder(client.create_session().session_id, proxy.daemons[:1]) == 0 for _ in range(3))
@@ -248,10 +248,10 @@ def test_the_health_check_takes_a_daemon_out_and_back(
         spare.stop()
 
 
-def test_a_header_naming_another_session_is_refused(client: kvstash.Client, daemon_address: str) -> None:
+def test_a_header_naming_another_session_is_refused(client: kvkeep.Client, daemon_address: str) -> None:
     one, other = client.create_session(), client.create_session()
     with grpc.insecure_channel(daemon_address) as channel:
-        stub = pb_grpc.KvStashStub(channel)
+        stub = pb_grpc.KvKeepStub(channel)
         request = pb.GetSessionRequest(session_id=one.session_id)
         assert stub.GetSession(request, metadata=[(HEADER, one.session_id)], timeout=10).session.session_id
         with pytest.raises(grpc.RpcError) as refused:
@@ -309,8 +309,8 @@ CLIENT_CALLS: dict[str, tuple[Callable[[Path], tuple[Any, ...]], dict[str, Any],
     "fork_session": (lambda p: (SID,), {}, SID),
     "list_checkpoints": (lambda p: (SID,), {}, SID),
     "delete_checkpoint": (lambda p: (CID,), {}, None),
-    "export_checkpoint": (lambda p: (CID, p / "out.kvstash"), {}, None),
-    "import_checkpoint": (lambda p: (p / "in.kvstash",), {}, None),
+    "export_checkpoint": (lambda p: (CID, p / "out.kvkeep"), {}, None),
+    "import_checkpoint": (lambda p: (p / "in.kvkeep",), {}, None),
     "close": (lambda p: (), {}, None),  # makes no call
 }
 
@@ -337,22 +337,20 @@ def _public(cls: type[Any]) -> set[str]:
 
 def test_every_call_about_a_session_names_it(recorder: tuple[Recorder, str], tmp_path: Path) -> None:
     handler, address = recorder
-    (tmp_path / "in.kvstash").write_bytes(b"x")
-    assert _public(kvstash.Client) == _public(kvstash.AsyncClient) == set(CLIENT_CALLS)
-    assert (
-        _public(kvstash.Session) == _public(kvstash.AsyncSession) == set(SESSION_CALLS) - {"fork_checkpoint"}
-    )
+    (tmp_path / "in.kvkeep").write_bytes(b"x")
+    assert _public(kvkeep.Client) == _public(kvkeep.AsyncClient) == set(CLIENT_CALLS)
+    assert _public(kvkeep.Session) == _public(kvkeep.AsyncSession) == set(SESSION_CALLS) - {"fork_checkpoint"}
 
     def method(target: Any, name: str) -> Any:
         return getattr(target, "fork" if name == "fork_checkpoint" else name)
 
     def sync_call(target: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        with pytest.raises(kvstash.KvstashError):
+        with pytest.raises(kvkeep.KvkeepError):
             result = method(target, name)(*args, **kwargs)
             list(result)  # a stream starts when it is read
 
     async def async_call(target: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        with pytest.raises(kvstash.KvstashError):
+        with pytest.raises(kvkeep.KvkeepError):
             result = method(target, name)(*args, **kwargs)
             if hasattr(result, "__anext__"):
                 async for _ in result:
@@ -361,22 +359,22 @@ def test_every_call_about_a_session_names_it(recorder: tuple[Recorder, str], tmp
                 await result
 
     expected: list[tuple[str, str | None]] = []
-    with kvstash.Client(address, timeout=5) as client:
+    with kvkeep.Client(address, timeout=5) as client:
         for name, (args, kwargs, header) in CLIENT_CALLS.items():
             if name != "close":
                 sync_call(client, name, args(tmp_path), kwargs)
                 expected.append((name, header))
-        session = kvstash.Session(client, SID)
+        session = kvkeep.Session(client, SID)
         for name, (args, kwargs) in SESSION_CALLS.items():
             sync_call(session, name, args, kwargs)
             expected.append((name, SID))
 
     async def run_async() -> None:
-        async with kvstash.AsyncClient(address, timeout=5) as client:
+        async with kvkeep.AsyncClient(address, timeout=5) as client:
             for name, (args, kwargs, _) in CLIENT_CALLS.items():
                 if name != "close":
                     await async_call(client, name, args(tmp_path), kwargs)
-            session = kvstash.AsyncSession(client, SID)
+            session = kvkeep.AsyncSession(client, SID)
             for name, (args, kwargs) in SESSION_CALLS.items():
                 await async_call(session, name, args, kwargs)
 
@@ -387,9 +385,9 @@ def test_every_call_about_a_session_names_it(recorder: tuple[Recorder, str], tmp
 
 def test_an_id_that_cannot_be_a_header_is_sent_without_it(recorder: tuple[Recorder, str]) -> None:
     handler, address = recorder
-    with kvstash.Client(address, timeout=5) as client:
+    with kvkeep.Client(address, timeout=5) as client:
         for session_id in ("s_é", "s_a\nb", " s_a", "s_" + "a" * 20000):
-            with pytest.raises(kvstash.KvstashError) as e:
+            with pytest.raises(kvkeep.KvkeepError) as e:
                 client.session(session_id)
             assert e.value.code == "UNIMPLEMENTED"  # it reached the server
     assert [header for _, header in handler.calls] == [None, None, None, None]

@@ -23,11 +23,11 @@ def _redis(port: int, *command: str) -> bytes:
 def test_redis_keeps_acknowledged_writes_across_kill(start_redis: Callable[[], RedisServer]) -> None:
     server = start_redis()
     assert server.url == f"redis://127.0.0.1:{server.port}/0"
-    assert _redis(server.port, "SET", "kvstash-test:key", "value") == b"+OK\r\n"
+    assert _redis(server.port, "SET", "kvkeep-test:key", "value") == b"+OK\r\n"
     server.kill()
     assert not server.ping()
     server.start()
-    assert _redis(server.port, "GET", "kvstash-test:key") == b"$5\r\nvalue\r\n"
+    assert _redis(server.port, "GET", "kvkeep-test:key") == b"$5\r\nvalue\r\n"
 
 
 def test_s3_takes_the_fixture_credentials(s3_server: S3Server) -> None:
@@ -44,8 +44,8 @@ def test_s3_takes_the_fixture_credentials(s3_server: S3Server) -> None:
         )
 
     s3 = client(s3_server.access_key, s3_server.secret_key)
-    s3.put_object(Bucket=s3_server.bucket, Key="kvstash-test/object", Body=b"bytes")  # type: ignore[attr-defined]
-    body = s3.get_object(Bucket=s3_server.bucket, Key="kvstash-test/object")["Body"].read()  # type: ignore[attr-defined]
+    s3.put_object(Bucket=s3_server.bucket, Key="kvkeep-test/object", Body=b"bytes")  # type: ignore[attr-defined]
+    body = s3.get_object(Bucket=s3_server.bucket, Key="kvkeep-test/object")["Body"].read()  # type: ignore[attr-defined]
     assert body == b"bytes"
     with pytest.raises(ClientError, match="InvalidAccessKeyId"):
         client("nobody", "wrong").list_objects_v2(Bucket=s3_server.bucket)  # type: ignore[attr-defined]

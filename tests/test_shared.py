@@ -22,12 +22,12 @@ import pytest
 from daemons import DaemonProcess, wait_until
 from servers import RedisServer, free_port
 
-import kvstash
+import kvkeep
 
 LEASE_SECONDS = 1.5
 # Room to spare for a loaded 2-core machine: the lease lapses, then one renewal period.
 LAPSE = LEASE_SECONDS + 1.0
-SAMPLING = kvstash.SamplingParams(seed=1234)  # sampled, not greedy: the RNG position must move too
+SAMPLING = kvkeep.SamplingParams(seed=1234)  # sampled, not greedy: the RNG position must move too
 SYSTEM = (
     "You are a helpful assistant for a small bakery. You answer questions about bread, cakes, "
     "opening hours and orders. Keep every answer short and friendly, and never invent prices. "
@@ -74,7 +74,7 @@ def test_a_session_continues_exactly_on_another_daemon(
     spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_server: str
 ) -> None:
     a, b = shared_pair(spawn_daemon, tmp_path, redis_server)
-    with kvstash.Client(a.address, timeout=60) as ca, kvstash.Client(b.address, timeout=60) as cb:
+    with kvkeep.Client(a.address, timeout=60) as ca, kvkeep.Client(b.address, timeout=60) as cb:
         s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING, cache_salt=SALT)
         s.chat("When do you open?", max_tokens=12)
         checkpoint = s.checkpoint("after the first turn")
@@ -104,14 +104,14 @@ def test_a_session_continues_exactly_on_another_daemon(
         back = ca.session(s.session_id)
         assert back.info().n_tokens == moved.info().n_tokens
         back.close()
-        with pytest.raises(kvstash.NotFoundError):
+        with pytest.raises(kvkeep.NotFoundError):
             cb.session(s.session_id)
 
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789abc"
 
 
-def ids(client: kvstash.Client) -> list[str]:
+def ids(client: kvkeep.Client) -> list[str]:
     return [i.session_id for i in client.list_sessions()]
 
 
@@ -122,10 +122,10 @@ def test_every_daemon_lists_a_tenants_persistent_sessions_and_never_another_tena
     auth.write_text(f'[tenants.alice]\ntokens = ["{ALICE}"]\n[tenants.bob]\ntokens = ["{BOB}"]\n')
     a, b = shared_pair(spawn_daemon, tmp_path, redis_server, both=("--auth-file", str(auth)))
     with (
-        kvstash.Client(a.address, timeout=60, token=ALICE) as ca,
-        kvstash.Client(b.address, timeout=60, token=ALICE) as cb,
-        kvstash.Client(a.address, timeout=60, token=BOB) as bob_a,
-        kvstash.Client(b.address, timeout=60, token=BOB) as bob_b,
+        kvkeep.Client(a.address, timeout=60, token=ALICE) as ca,
+        kvkeep.Client(b.address, timeout=60, token=ALICE) as cb,
+        kvkeep.Client(a.address, timeout=60, token=BOB) as bob_a,
+        kvkeep.Client(b.address, timeout=60, token=BOB) as bob_b,
     ):
         s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING)
         s.chat("When do you open?", max_tokens=8)
@@ -160,14 +160,14 @@ def test_an_idle_session_no_daemon_holds_expires_on_any_daemon_and_a_held_one_st
     a, b = shared_pair(
         spawn_daemon, tmp_path, redis_server, "--persistent-ttl", str(ttl), "--sweep-interval", "0.2"
     )
-    with kvstash.Client(a.address, timeout=60) as ca:
+    with kvkeep.Client(a.address, timeout=60) as ca:
         free = ca.create_session(persistent=True).session_id
     a.restart()  # a graceful stop lets A's leases go: the session is held by no daemon
-    with kvstash.Client(a.address, timeout=60) as ca, kvstash.Client(b.address, timeout=60) as cb:
+    with kvkeep.Client(a.address, timeout=60) as ca, kvkeep.Client(b.address, timeout=60) as cb:
         held = ca.create_session(persistent=True)
         wait_until(lambda: free not in ids(cb), 20, "B's sweeper to expire the session no daemon holds")
         assert free in b.log() and free not in ids(ca)
-        with pytest.raises(kvstash.NotFoundError):
+        with pytest.raises(kvkeep.NotFoundError):
             cb.session(free)
         time.sleep(ttl + 1.0)  # idle past the TTL, and several of B's sweeps
         assert held.session_id in ids(cb) and held.session_id in ids(ca)
@@ -177,15 +177,15 @@ def test_an_idle_session_no_daemon_holds_expires_on_any_daemon_and_a_held_one_st
 class Background:
     """A streamed chat in a thread: its first chunk is awaited, its end (or error) kept."""
 
-    def __init__(self, session: kvstash.Session, message: str, max_tokens: int) -> None:
+    def __init__(self, session: kvkeep.Session, message: str, max_tokens: int) -> None:
         self.started = threading.Event()
         self.error: BaseException | None = None
-        self.chunks: list[kvstash.Chunk] = []
+        self.chunks: list[kvkeep.Chunk] = []
         self._thread = threading.Thread(target=self._run, args=(session, message, max_tokens), daemon=True)
         self._thread.start()
         assert self.started.wait(60), "the generation did not start"
 
-    def _run(self, session: kvstash.Session, message: str, max_tokens: int) -> None:
+    def _run(self, session: kvkeep.Session, message: str, max_tokens: int) -> None:
         try:
             for chunk in session.chat_stream(message, max_tokens=max_tokens):
                 self.chunks.append(chunk)
@@ -206,8 +206,8 @@ def test_a_paused_daemon_is_fenced_and_a_killed_ones_sessions_go_on_elsewhere(
     # One pair for both faults (daemons are slow to start); B waits for no lease. The clients
     # raise SessionElsewhereError at once, so that the test sees it.
     a, b = shared_pair(spawn_daemon, tmp_path, redis_server, "--lease-wait", "0")
-    ca = kvstash.Client(a.address, timeout=120, elsewhere_wait=0)
-    cb = kvstash.Client(b.address, timeout=60, elsewhere_wait=0)
+    ca = kvkeep.Client(a.address, timeout=120, elsewhere_wait=0)
+    cb = kvkeep.Client(b.address, timeout=60, elsewhere_wait=0)
     with ca, cb:
         # Paused mid-generation past its lease: B takes over from the last acknowledged turn.
         s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING)
@@ -225,7 +225,7 @@ def test_a_paused_daemon_is_fenced_and_a_killed_ones_sessions_go_on_elsewhere(
             os.kill(a.pid, signal.SIGCONT)
         running.join()
         # A's generation ends, and its autosave is refused: the lease is B's.
-        assert isinstance(running.error, kvstash.SessionElsewhereError), running.error
+        assert isinstance(running.error, kvkeep.SessionElsewhereError), running.error
         assert "another daemon" in a.log()
         # Once A has let the session go (it was busy with that generation until now; asked
         # before, it answers session-elsewhere), the head is B's: asked again, A takes the
@@ -245,12 +245,12 @@ def test_a_paused_daemon_is_fenced_and_a_killed_ones_sessions_go_on_elsewhere(
         running = Background(s, "List every cake you make, with details.", max_tokens=120)
         a.kill()
         running.join()
-        assert isinstance(running.error, kvstash.UnavailableError)
-        with pytest.raises(kvstash.SessionElsewhereError) as refused:
+        assert isinstance(running.error, kvkeep.UnavailableError)
+        with pytest.raises(kvkeep.SessionElsewhereError) as refused:
             cb.session(s.session_id)
         hint = refused.value.retry_after
         assert hint is not None and 0 < hint <= LEASE_SECONDS
-        with kvstash.Client(b.address, timeout=60) as waiting:
+        with kvkeep.Client(b.address, timeout=60) as waiting:
             moved = waiting.session(s.session_id)
             assert moved.info().n_tokens == acknowledged
             assert moved.chat("For Friday?", max_tokens=12).token_ids == expected.token_ids
@@ -269,10 +269,10 @@ def test_a_catalog_outage_is_unavailable_loses_nothing_and_ends_by_itself(
     def reachable() -> str:
         with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as response:
             text = response.read().decode()
-        return next(line for line in text.splitlines() if line.startswith("kvstash_catalog_reachable "))
+        return next(line for line in text.splitlines() if line.startswith("kvkeep_catalog_reachable "))
 
-    assert reachable() == "kvstash_catalog_reachable 1.0"
-    with kvstash.Client(daemon.address, timeout=60) as client:
+    assert reachable() == "kvkeep_catalog_reachable 1.0"
+    with kvkeep.Client(daemon.address, timeout=60) as client:
         s = client.create_session(SYSTEM, persistent=True, sampling=SAMPLING)
         s.chat("When do you open?", max_tokens=8)
         expected = s.fork(persistent=True).chat("And close?", max_tokens=12)
@@ -280,14 +280,14 @@ def test_a_catalog_outage_is_unavailable_loses_nothing_and_ends_by_itself(
         os.kill(server.proc.pid, signal.SIGSTOP)
         stopped = time.monotonic()
         try:
-            with pytest.raises(kvstash.UnavailableError) as failed:
+            with pytest.raises(kvkeep.UnavailableError) as failed:
                 s.chat("And close?", max_tokens=12)  # its autosave cannot reach the catalog
             assert failed.value.cause == "catalog-unavailable"
             assert "cannot be reached" in str(failed.value)
-            with pytest.raises(kvstash.UnavailableError):
+            with pytest.raises(kvkeep.UnavailableError):
                 client.create_session(SYSTEM, persistent=True)
             # The lease renewals find it out too (held past 10 s if the machine is slow).
-            while reachable() != "kvstash_catalog_reachable 0.0":
+            while reachable() != "kvkeep_catalog_reachable 0.0":
                 assert time.monotonic() - stopped < 60
                 time.sleep(0.2)
             time.sleep(max(0.0, 10 - (time.monotonic() - stopped)))
@@ -298,5 +298,5 @@ def test_a_catalog_outage_is_unavailable_loses_nothing_and_ends_by_itself(
         again = s.chat("And close?", max_tokens=12)
         assert again.token_ids == expected.token_ids
         assert client.create_session(SYSTEM, persistent=True).info().n_tokens > 0
-    wait_until(lambda: reachable() == "kvstash_catalog_reachable 1.0", 30, "the catalog to answer again")
+    wait_until(lambda: reachable() == "kvkeep_catalog_reachable 1.0", 30, "the catalog to answer again")
     assert daemon.running

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from daemons import GREEDY, PROBE_CACHE, DaemonProcess, InProcessDaemon, check_serving, model_path, wait_until
 
-import kvstash
-from kvstashd.statedir import StateDirError
-from kvstashd.store.local import LocalBlockStore
+import kvkeep
+from kvkeepd.storage.blocks.local import LocalBlockStore
+from kvkeepd.storage.statedir import StateDirError
 
 STORY = "Once upon a time, in a small village by the sea, there lived"
 
@@ -32,7 +32,7 @@ def contents(path: Path) -> dict[str, str]:
     }
 
 
-def fill(client: kvstash.Client) -> tuple[kvstash.Session, kvstash.CheckpointInfo, kvstash.Session]:
+def fill(client: kvkeep.Client) -> tuple[kvkeep.Session, kvkeep.CheckpointInfo, kvkeep.Session]:
     """On a daemon with one slot and no RAM cache: a persistent session with a checkpoint
     (blocks), and an ephemeral session spilled to disk by another one taking the slot."""
     persistent = client.create_session(sampling=GREEDY, persistent=True)
@@ -61,7 +61,7 @@ def test_a_second_daemon_on_the_same_state_dir_refuses_to_start(
     spawn_daemon: Callable[..., DaemonProcess],
 ) -> None:
     first = spawn_daemon("--slots", "1", "--ram-cache", "0")
-    with kvstash.Client(first.address, timeout=60) as client:
+    with kvkeep.Client(first.address, timeout=60) as client:
         persistent, checkpoint, spilled = fill(client)
         blocks = contents(first.state_dir / "blocks")
         spill = contents(first.state_dir / "spill")
@@ -70,7 +70,7 @@ def test_a_second_daemon_on_the_same_state_dir_refuses_to_start(
             [
                 sys.executable,
                 "-m",
-                "kvstashd",
+                "kvkeepd",
                 "--model",
                 str(model_path()),
                 "--address",
@@ -87,7 +87,7 @@ def test_a_second_daemon_on_the_same_state_dir_refuses_to_start(
         assert second.returncode != 0
         assert second.stdout == ""
         assert second.stderr.splitlines() == [
-            f"error: the state directory {first.state_dir} is in use by another kvstash daemon "
+            f"error: the state directory {first.state_dir} is in use by another kvkeep daemon "
             f"(pid {first.pid}); each daemon needs its own --state-dir"
         ]
         # Nothing of the first daemon's was wiped or removed as an orphan, and it serves on.
@@ -104,7 +104,7 @@ def test_what_a_daemon_creates_is_private(tmp_path: Path, umask_022: None) -> No
     state_dir = tmp_path / "new" / "state"
     d = InProcessDaemon.with_settings(state_dir, slots=1, ram_cache=0)
     try:
-        with kvstash.Client(d.address, timeout=60) as client:
+        with kvkeep.Client(d.address, timeout=60) as client:
             fill(client)
         made = [state_dir, *state_dir.rglob("*")]
         names = {str(p.relative_to(state_dir)) for p in made}
@@ -134,7 +134,7 @@ def test_an_open_state_dir_is_made_private(tmp_path: Path) -> None:
 def test_the_spill_area_is_wiped_at_a_graceful_stop(tmp_path: Path) -> None:
     d = InProcessDaemon.with_settings(tmp_path / "state", slots=1, ram_cache=0)
     try:
-        with kvstash.Client(d.address, timeout=60) as client:
+        with kvkeep.Client(d.address, timeout=60) as client:
             fill(client)
         assert any(p.is_file() for p in (tmp_path / "state" / "spill").rglob("*"))
     finally:
@@ -178,7 +178,7 @@ def refusal(state_dir: Path) -> list[str]:
     command = [
         sys.executable,
         "-m",
-        "kvstashd",
+        "kvkeepd",
         "--model",
         str(model_path()),
         "--address",
@@ -256,6 +256,7 @@ def test_a_block_file_that_is_a_link_refuses_the_start(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
     (state_dir / "blocks" / "ab").mkdir(mode=0o700, parents=True)
     state_dir.chmod(0o700)
+    (state_dir / "kvkeep-state").write_bytes(b"kvkeep state 1\n")  # a directory of this format
     target = elsewhere(tmp_path, directory=False)
     before = snapshot(target)
     link = state_dir / "blocks" / "ab" / ("ab" + "0" * 62)
@@ -274,14 +275,14 @@ def test_links_planted_at_new_key_prefixes_after_start_are_not_written_through(t
     before = snapshot(target)
     d = InProcessDaemon.with_settings(state_dir)
     try:
-        with kvstash.Client(d.address, timeout=60) as client:
+        with kvkeep.Client(d.address, timeout=60) as client:
             session = client.create_session(sampling=GREEDY, persistent=True)
             session.complete(STORY, max_tokens=4)
             blocks = state_dir / "blocks"
             planted = [blocks / f"{i:02x}" for i in range(256) if not (blocks / f"{i:02x}").exists()]
             for link in planted:
                 link.symlink_to(target)
-            with pytest.raises(kvstash.StoreWriteError):
+            with pytest.raises(kvkeep.StoreWriteError):
                 session.checkpoint(label="through a link")
             assert snapshot(target) == before
             assert not any(p.is_file() for p in (blocks / "tmp").iterdir())
@@ -316,7 +317,7 @@ def test_a_link_planted_at_the_journals_new_file_after_start_is_not_followed(tmp
     before = snapshot(target)
     d = InProcessDaemon.with_settings(state_dir)
     try:
-        with kvstash.Client(d.address, timeout=60) as client:
+        with kvkeep.Client(d.address, timeout=60) as client:
             kept = client.create_session(sampling=GREEDY, persistent=True)
             kept.complete(STORY, max_tokens=4)
             closed = client.create_session(sampling=GREEDY, persistent=True)
@@ -334,3 +335,22 @@ def test_a_link_planted_at_the_journals_new_file_after_start_is_not_followed(tmp
             kept.close()
     finally:
         d.stop()
+
+
+def test_a_state_dir_of_the_earlier_name_is_refused_not_read(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    (state_dir / "catalog.db").write_bytes(b"SQLite format 3\0")
+    (state_dir / "catalog.db").chmod(0o600)
+    assert refusal(state_dir) == [
+        f"error: the state directory {state_dir} was written by an earlier version (kvstash), whose "
+        "state kvkeep does not read: move it away, or start with another --state-dir"
+    ]
+    assert not (state_dir / "kvkeep-state").exists()
+    (state_dir / "catalog.db").unlink()
+    (state_dir / "kvkeep-state").write_bytes(b"kvkeep state 2\n")
+    (state_dir / "kvkeep-state").chmod(0o600)
+    assert refusal(state_dir) == [
+        f"error: the state directory {state_dir} is of another format (b'kvkeep state 2\\n' in "
+        "kvkeep-state): start with another --state-dir"
+    ]

@@ -26,15 +26,15 @@ import pytest
 import redis
 from servers import RedisServer, S3Server, free_port
 
-from kvstashd import blocks as blk
-from kvstashd.checkpoints import CheckpointStore
-from kvstashd.errors import CorruptCheckpoint, StoreReadFailed, StoreUnreachable
-from kvstashd.sqlite_catalog import SqliteCatalog
-from kvstashd.store import BlockStore
-from kvstashd.store.local import LocalBlockStore
-from kvstashd.store.memory import MemoryBlockStore
-from kvstashd.store.redis import PREFIX, RedisBlockStore
-from kvstashd.store.s3 import S3BlockStore
+from kvkeepd.errors import CorruptCheckpoint, StoreReadFailed, StoreUnreachable
+from kvkeepd.state import frames as blk
+from kvkeepd.storage.blocks import BlockStore
+from kvkeepd.storage.blocks.local import LocalBlockStore
+from kvkeepd.storage.blocks.memory import MemoryBlockStore
+from kvkeepd.storage.blocks.redis import PREFIX, RedisBlockStore
+from kvkeepd.storage.blocks.s3 import S3BlockStore
+from kvkeepd.storage.catalog.sqlite import SqliteCatalog
+from kvkeepd.storage.checkpoints import CheckpointStore
 
 BACKENDS = ("memory", "local", "s3", "redis")
 REMOTE = ("s3", "redis")
@@ -221,7 +221,7 @@ def dead_store(name: str, monkeypatch: pytest.MonkeyPatch) -> BlockStore:
     """A store whose server's port nothing listens on."""
     port = free_port()
     if name == "s3":
-        server = S3Server(f"http://127.0.0.1:{port}", "kvstash-test", "key", "secret")
+        server = S3Server(f"http://127.0.0.1:{port}", "kvkeep-test", "key", "secret")
         return s3_store(server, monkeypatch, "dead")
     return redis_store(f"redis://127.0.0.1:{port}/0")
 

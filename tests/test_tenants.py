@@ -35,8 +35,8 @@ from checkpoint_helpers import (
 )
 from daemons import SERVING, DaemonProcess, InProcessDaemon, health_status, model_path
 
-import kvstash
-from kvstashd.config import ConfigError, Settings
+import kvkeep
+from kvkeepd.config.settings import ConfigError, Settings
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789abc"}
 
@@ -62,20 +62,20 @@ def multi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessDaemon]
 
 
 @pytest.fixture
-def alice(multi: InProcessDaemon) -> Iterator[kvstash.Client]:
-    with kvstash.Client(multi.address, timeout=60, token=TOKENS["alice"]) as c:
+def alice(multi: InProcessDaemon) -> Iterator[kvkeep.Client]:
+    with kvkeep.Client(multi.address, timeout=60, token=TOKENS["alice"]) as c:
         yield c
 
 
 @pytest.fixture
-def bob(multi: InProcessDaemon) -> Iterator[kvstash.Client]:
-    with kvstash.Client(multi.address, timeout=60, token=TOKENS["bob"]) as c:
+def bob(multi: InProcessDaemon) -> Iterator[kvkeep.Client]:
+    with kvkeep.Client(multi.address, timeout=60, token=TOKENS["bob"]) as c:
         yield c
 
 
-def test_calls_need_a_valid_token(multi: InProcessDaemon, alice: kvstash.Client) -> None:
+def test_calls_need_a_valid_token(multi: InProcessDaemon, alice: kvkeep.Client) -> None:
     for token in (None, "wrong-token-0123456789", TOKENS["alice"] + "x"):
-        with kvstash.Client(multi.address, timeout=10, token=token) as c, pytest.raises(kvstash.AuthError):
+        with kvkeep.Client(multi.address, timeout=10, token=token) as c, pytest.raises(kvkeep.AuthError):
             c.info()
     assert alice.info().model_path == ""  # a multi-tenant daemon shows no paths
     assert health_status(multi.address) == SERVING  # health checks need no token
@@ -84,24 +84,24 @@ def test_calls_need_a_valid_token(multi: InProcessDaemon, alice: kvstash.Client)
 def test_the_token_comes_from_the_environment(
     multi: InProcessDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("KVSTASH_TOKEN", TOKENS["bob"])
-    with kvstash.Client(multi.address, timeout=10) as c:
+    monkeypatch.setenv("KVKEEP_TOKEN", TOKENS["bob"])
+    with kvkeep.Client(multi.address, timeout=10) as c:
         assert c.info().slots == 2
 
 
 def test_the_cli_takes_a_token(multi: InProcessDaemon) -> None:
     from click.testing import CliRunner
 
-    from kvstash.cli import main as cli_main
+    from kvkeep.cli import main as cli_main
 
     ok = CliRunner().invoke(cli_main, ["--address", multi.address, "--token", TOKENS["alice"], "info"])
     assert ok.exit_code == 0, ok.output
-    refused = CliRunner().invoke(cli_main, ["--address", multi.address, "info"], env={"KVSTASH_TOKEN": ""})
+    refused = CliRunner().invoke(cli_main, ["--address", multi.address, "info"], env={"KVKEEP_TOKEN": ""})
     assert refused.exit_code != 0 and "token" in refused.output.lower()
 
 
 def test_another_tenants_ids_are_not_found_like_unknown_ones(
-    alice: kvstash.Client, bob: kvstash.Client, tmp_path: Path
+    alice: kvkeep.Client, bob: kvkeep.Client, tmp_path: Path
 ) -> None:
     mine = alice.create_session(sampling=SAMPLED)
     gen(mine, PROMPT, 4)
@@ -109,7 +109,7 @@ def test_another_tenants_ids_are_not_found_like_unknown_ones(
     unknown_session, unknown_checkpoint = "s_" + "0" * 24, "c_" + "0" * 24
 
     def message(call: Callable[[], object]) -> str:
-        with pytest.raises(kvstash.NotFoundError) as e:
+        with pytest.raises(kvkeep.NotFoundError) as e:
             call()
         return e.value.message
 
@@ -150,36 +150,36 @@ def test_without_an_auth_file_the_daemon_stays_local(tmp_path: Path) -> None:
 
 
 def test_the_unix_socket_is_owner_only(start_daemon: Callable[..., InProcessDaemon], tmp_path: Path) -> None:
-    sock = tmp_path / "kvstash.sock"
+    sock = tmp_path / "kvkeep.sock"
     start_daemon(address=f"unix:{sock}")
     assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
-    with kvstash.Client(f"unix:{sock}", timeout=10) as c:
+    with kvkeep.Client(f"unix:{sock}", timeout=10) as c:
         assert c.info().slots >= 1
 
 
 def test_tls_and_mutual_tls(start_daemon: Callable[..., InProcessDaemon], tmp_path: Path) -> None:
     certs = tlscerts.make(tmp_path)
     d = start_daemon(tls_cert=certs.server.cert, tls_key=certs.server.key)
-    with kvstash.Client(d.address, timeout=10, tls=kvstash.Tls(ca_file=certs.ca)) as c:
+    with kvkeep.Client(d.address, timeout=10, tls=kvkeep.Tls(ca_file=certs.ca)) as c:
         assert c.info().slots >= 1
-    with kvstash.Client(d.address, timeout=5) as plain, pytest.raises(kvstash.UnavailableError):
+    with kvkeep.Client(d.address, timeout=5) as plain, pytest.raises(kvkeep.UnavailableError):
         plain.info()
 
     m = start_daemon(tls_cert=certs.server.cert, tls_key=certs.server.key, tls_client_ca=certs.ca)
     with (
-        kvstash.Client(m.address, timeout=5, tls=kvstash.Tls(ca_file=certs.ca)) as anonymous,
-        pytest.raises(kvstash.UnavailableError),
+        kvkeep.Client(m.address, timeout=5, tls=kvkeep.Tls(ca_file=certs.ca)) as anonymous,
+        pytest.raises(kvkeep.UnavailableError),
     ):
         anonymous.info()
-    client_tls = kvstash.Tls(ca_file=certs.ca, cert_file=certs.client.cert, key_file=certs.client.key)
-    with kvstash.Client(m.address, timeout=10, tls=client_tls) as c:
+    client_tls = kvkeep.Tls(ca_file=certs.ca, cert_file=certs.client.cert, key_file=certs.client.key)
+    with kvkeep.Client(m.address, timeout=10, tls=client_tls) as c:
         assert c.info().slots >= 1
 
 
 def test_sighup_reads_the_auth_file_again(spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path) -> None:
     auth = write_auth(tmp_path / "auth.toml", TOKENS)
     d = spawn_daemon("--auth-file", str(auth))
-    with kvstash.Client(d.address, timeout=10, token=TOKENS["alice"]) as c:
+    with kvkeep.Client(d.address, timeout=10, token=TOKENS["alice"]) as c:
         c.info()
     carol = "carol-token-0123456789"
     write_auth(auth, {"bob": TOKENS["bob"], "carol": carol})
@@ -188,21 +188,21 @@ def test_sighup_reads_the_auth_file_again(spawn_daemon: Callable[..., DaemonProc
 
     def reloaded() -> bool:
         try:
-            with kvstash.Client(d.address, timeout=5, token=carol) as c:
+            with kvkeep.Client(d.address, timeout=5, token=carol) as c:
                 c.info()
             return True
-        except kvstash.AuthError:
+        except kvkeep.AuthError:
             return False
 
     from daemons import wait_until
 
     wait_until(reloaded, 20, "the auth file to be read again")
-    with kvstash.Client(d.address, timeout=5, token=TOKENS["alice"]) as c, pytest.raises(kvstash.AuthError):
+    with kvkeep.Client(d.address, timeout=5, token=TOKENS["alice"]) as c, pytest.raises(kvkeep.AuthError):
         c.info()
     auth.write_text("this is not toml [")
     d.proc.send_signal(signal.SIGHUP)  # a broken file keeps the last good one
     wait_until(lambda: "was not reloaded" in d.log(), 20, "the reload to fail")
-    with kvstash.Client(d.address, timeout=5, token=carol) as c:
+    with kvkeep.Client(d.address, timeout=5, token=carol) as c:
         c.info()
     assert carol not in d.log() and TOKENS["bob"] not in d.log()  # tokens are never logged
 
@@ -210,16 +210,14 @@ def test_sighup_reads_the_auth_file_again(spawn_daemon: Callable[..., DaemonProc
 # ---- cache salts -----------------------------------------------------------------------------
 
 
-def _turn(client: kvstash.Client, system: str, **kw: object) -> kvstash.Completion:
+def _turn(client: kvkeep.Client, system: str, **kw: object) -> kvkeep.Completion:
     """One chat turn in a new session (left open: an open session's state is a prefix
     source; a closed ephemeral one leaves nothing behind)."""
     s = client.create_session(system, sampling=GREEDY, **kw)  # type: ignore[arg-type]
     return s.chat("Which note mentions pier 7?", max_tokens=4, logprobs=1)
 
 
-def test_prefixes_are_shared_within_a_tenant_or_a_salt_only(
-    alice: kvstash.Client, bob: kvstash.Client
-) -> None:
+def test_prefixes_are_shared_within_a_tenant_or_a_salt_only(alice: kvkeep.Client, bob: kvkeep.Client) -> None:
     system = long_text(12, "salted archive")
     first = _turn(alice, system)
     assert first.usage.reused_tokens == 0
@@ -233,18 +231,18 @@ def test_prefixes_are_shared_within_a_tenant_or_a_salt_only(
     shared = _turn(bob, system, cache_salt=salt)
     assert shared.usage.reused_tokens >= 128  # whoever presents the salt shares
     assert [t.sampled for t in shared.logprobs] == [t.sampled for t in first.logprobs]
-    with pytest.raises(kvstash.InvalidRequestError, match="cache_salt"):
+    with pytest.raises(kvkeep.InvalidRequestError, match="cache_salt"):
         alice.create_session(cache_salt="too short")
 
 
 def test_checkpoint_sizes_do_not_reveal_another_tenants_blocks(
-    alice: kvstash.Client, bob: kvstash.Client
+    alice: kvkeep.Client, bob: kvkeep.Client
 ) -> None:
     """A checkpoint writes only the blocks its store lacks, so its size could tell whether
     somebody else holds the same tokens: only a tenant's own blocks are ever shared."""
     text = long_text(10, "sealed ledger")
 
-    def written(client: kvstash.Client) -> tuple[int, int]:
+    def written(client: kvkeep.Client) -> tuple[int, int]:
         s = client.create_session(sampling=GREEDY)
         s.complete(text, max_tokens=1)
         ck = s.checkpoint()
@@ -265,13 +263,13 @@ def test_quotas_hold_per_tenant(start_daemon: Callable[..., InProcessDaemon], tm
     assert d.daemon is not None and d.daemon.manager is not None
     manager = d.daemon.manager
     with (
-        kvstash.Client(d.address, timeout=60, token=TOKENS["alice"]) as a,
-        kvstash.Client(d.address, timeout=60, token=TOKENS["bob"]) as b,
+        kvkeep.Client(d.address, timeout=60, token=TOKENS["alice"]) as a,
+        kvkeep.Client(d.address, timeout=60, token=TOKENS["bob"]) as b,
     ):
         first, second = a.create_session(sampling=GREEDY), a.create_session(sampling=GREEDY)
-        with pytest.raises(kvstash.BusyError, match="quota"):
+        with pytest.raises(kvkeep.BusyError, match="quota"):
             a.create_session()
-        with pytest.raises(kvstash.BusyError, match="quota"):
+        with pytest.raises(kvkeep.BusyError, match="quota"):
             first.fork()
         bobs = [b.create_session(sampling=GREEDY) for _ in range(3)]  # bob has no quota
         # One slot: every turn parks the last session; alice's parked state goes to disk at
@@ -284,7 +282,7 @@ def test_quotas_hold_per_tenant(start_daemon: Callable[..., InProcessDaemon], tm
         keep = a.create_session(sampling=GREEDY, persistent=True)  # nothing stored yet
         keep.complete(PROMPT, max_tokens=2)  # its autosave stores its blocks: over 1 byte
         for call in (keep.checkpoint, lambda: keep.complete(" more", max_tokens=2), keep.fork):
-            with pytest.raises(kvstash.BusyError, match="quota"):
+            with pytest.raises(kvkeep.BusyError, match="quota"):
                 call()
         bobs[0].fork(persistent=True).checkpoint()  # bob's quota is his own
 
@@ -292,9 +290,7 @@ def test_quotas_hold_per_tenant(start_daemon: Callable[..., InProcessDaemon], tm
 # ---- imports ---------------------------------------------------------------------------------
 
 
-def test_an_import_belongs_to_the_importer(
-    alice: kvstash.Client, bob: kvstash.Client, tmp_path: Path
-) -> None:
+def test_an_import_belongs_to_the_importer(alice: kvkeep.Client, bob: kvkeep.Client, tmp_path: Path) -> None:
     s = alice.create_session(sampling=SAMPLED)
     gen(s, PROMPT, 8)
     ck = s.checkpoint("to share")
@@ -321,7 +317,7 @@ def test_an_import_belongs_to_the_importer(
     ],
 )
 def test_an_import_beyond_the_rpc_limits_is_refused(
-    alice: kvstash.Client, tmp_path: Path, field: str, value: object
+    alice: kvkeep.Client, tmp_path: Path, field: str, value: object
 ) -> None:
     s = alice.create_session(sampling=SAMPLED)
     gen(s, PROMPT, 4)
@@ -331,12 +327,12 @@ def test_an_import_beyond_the_rpc_limits_is_refused(
     def edit(meta: dict[str, object]) -> None:
         meta[field] = value
 
-    with pytest.raises(kvstash.CorruptCheckpointError):
+    with pytest.raises(kvkeep.CorruptCheckpointError):
         alice.import_checkpoint(io.BytesIO(edit_export(data, edit)))
 
 
 def test_imported_blocks_never_stand_for_blocks_computed_here(
-    multi: InProcessDaemon, alice: kvstash.Client, tmp_path: Path
+    multi: InProcessDaemon, alice: kvkeep.Client, tmp_path: Path
 ) -> None:
     """An import whose KV was tampered with (structurally valid: CRCs and digest made anew)
     is accepted, but a local session with the same tokens never attaches its blocks."""

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from daemons import InProcessDaemon, check_serving, wait_until
 
-import kvstash
-from kvstash import SamplingParams
+import kvkeep
+from kvkeep import SamplingParams
 
 STORY = "Once upon a time, in a small village by the sea, there lived"
 
@@ -43,7 +43,7 @@ def sweep(d: InProcessDaemon) -> None:
 def conversations(address: str, n: int, turns: int) -> list[tuple[int, ...]]:
     """n seeded sessions (every other one persistent), `turns` turns each, round-robin."""
     out = []
-    with kvstash.Client(address, timeout=60) as client:
+    with kvkeep.Client(address, timeout=60) as client:
         sessions = [
             client.create_session(sampling=SamplingParams(temperature=0.8, seed=i), persistent=i % 2 == 0)
             for i in range(n)
@@ -68,7 +68,7 @@ def test_two_slots_give_the_same_tokens_as_sixteen(start_daemon: Callable[..., I
     # A RAM budget of about one session's cells: most parked sessions spill to disk.
     narrow = start_daemon(slots=2, ctx_per_session=512, ram_cache=600_000)
     assert conversations(narrow.address, 10, 3) == expected
-    info = kvstash.Client(narrow.address).info()
+    info = kvkeep.Client(narrow.address).info()
     assert info.swap_ins >= 10
     assert info.slots_in_use <= 2
 
@@ -78,7 +78,7 @@ def test_spilled_ephemeral_sessions_leave_nothing_on_close(
 ) -> None:
     d = start_daemon(slots=1, ctx_per_session=512, ram_cache=0)
     spill = d.settings.state_dir / "spill"
-    with kvstash.Client(d.address) as client:
+    with kvkeep.Client(d.address) as client:
         a = client.create_session(sampling=SamplingParams(temperature=0.0))
         b = client.create_session(sampling=SamplingParams(temperature=0.0))
         first = a.complete(STORY, max_tokens=4).token_ids
@@ -98,7 +98,7 @@ def test_idle_ephemeral_sessions_expire_and_persistent_ones_stay(
 ) -> None:
     d = start_daemon(idle_ttl=60.0, sweep_interval=3600.0)
     clock = clocked(d)
-    with kvstash.Client(d.address) as client:
+    with kvkeep.Client(d.address) as client:
         ephemeral = client.create_session()
         persistent = client.create_session(persistent=True)
         fresh_later = None
@@ -108,7 +108,7 @@ def test_idle_ephemeral_sessions_expire_and_persistent_ones_stay(
         clock.now += 31
         fresh_later = client.create_session()
         sweep(d)
-        with pytest.raises(kvstash.NotFoundError):
+        with pytest.raises(kvkeep.NotFoundError):
             ephemeral.info()
         assert persistent.info().persistent
         assert fresh_later.info().session_id == fresh_later.session_id
@@ -119,15 +119,15 @@ def test_persistent_ttl_deletes_idle_persistent_sessions_and_their_checkpoints(
 ) -> None:
     d = start_daemon(persistent_ttl=600.0, idle_ttl=0.0, sweep_interval=3600.0)
     clock = clocked(d)
-    with kvstash.Client(d.address) as client:
+    with kvkeep.Client(d.address) as client:
         s = client.create_session(persistent=True)
         s.complete(STORY, max_tokens=2)
         ck = s.checkpoint("kept until expiry")
         clock.now += 601
         sweep(d)
-        with pytest.raises(kvstash.NotFoundError):
+        with pytest.raises(kvkeep.NotFoundError):
             s.info()
-        with pytest.raises(kvstash.NotFoundError):
+        with pytest.raises(kvkeep.NotFoundError):
             client.fork_session(checkpoint_id=ck.checkpoint_id)
 
 
@@ -136,7 +136,7 @@ def test_without_persistent_ttl_checkpoints_are_never_expired(
 ) -> None:
     d = start_daemon(idle_ttl=1.0, sweep_interval=3600.0)
     clock = clocked(d)
-    with kvstash.Client(d.address) as client:
+    with kvkeep.Client(d.address) as client:
         s = client.create_session(persistent=True)
         s.complete(STORY, max_tokens=2)
         s.checkpoint("forever")
@@ -152,14 +152,14 @@ def test_disk_budget_drops_unreferenced_blocks_and_refuses_what_would_not_fit(
     d = start_daemon(disk_budget=12_000_000, sweep_interval=3600.0, ctx_per_session=1024)
     blocks = d.settings.state_dir / "blocks"
     other = "A different story: " + STORY * 25
-    with kvstash.Client(d.address) as client:
+    with kvkeep.Client(d.address) as client:
         s = client.create_session(persistent=True, sampling=SamplingParams(temperature=0.0))
         s.complete(STORY * 25, max_tokens=1)
         ck = s.checkpoint("big")
         stored = sum(p.stat().st_size for p in files_under(blocks))
         assert stored > 4_000_000
         t = client.create_session(persistent=True, sampling=SamplingParams(temperature=0.0))
-        with pytest.raises(kvstash.BusyError, match="disk budget"):
+        with pytest.raises(kvkeep.BusyError, match="disk budget"):
             t.complete(other, max_tokens=1)  # its autosave would not fit: the turn is undone
         assert t.info().n_tokens == 0
         assert sum(p.stat().st_size for p in files_under(blocks)) == stored
@@ -177,7 +177,7 @@ def test_a_full_queue_answers_resource_exhausted_at_once(
     start_daemon: Callable[..., InProcessDaemon],
 ) -> None:
     d = start_daemon(slots=1, max_queue=1)
-    with kvstash.Client(d.address) as client:
+    with kvkeep.Client(d.address) as client:
         busy = client.create_session()
         waiting = client.create_session()
         refused = client.create_session()
@@ -188,7 +188,7 @@ def test_a_full_queue_answers_resource_exhausted_at_once(
         def wait_for_slot() -> None:
             try:
                 results.append(waiting.complete(STORY, max_tokens=2).finish_reason)
-            except kvstash.KvstashError as e:
+            except kvkeep.KvkeepError as e:
                 results.append(e)
 
         waiter = threading.Thread(target=wait_for_slot)
@@ -196,7 +196,7 @@ def test_a_full_queue_answers_resource_exhausted_at_once(
         wait_until(
             lambda: d.daemon and d.daemon.manager and d.daemon.manager.residency.waiting == 1, 10, "a waiter"
         )
-        with pytest.raises(kvstash.BusyError):
+        with pytest.raises(kvkeep.BusyError):
             refused.complete(STORY, max_tokens=2)
         stream.close()  # cancelling frees the slot for the waiter
         waiter.join(60)
@@ -210,7 +210,7 @@ def test_stress_many_clients_many_sessions_few_slots(spawn_daemon: Callable[...,
     proc = spawn_daemon("--slots", "4", "--ctx-per-session", "512", "--max-queue", "64")
     address = proc.address  # type: ignore[attr-defined]
     pid = proc.pid  # type: ignore[attr-defined]
-    client = kvstash.Client(address, timeout=120)
+    client = kvkeep.Client(address, timeout=120)
     sessions = [client.create_session(sampling=SamplingParams(temperature=0.0)) for _ in range(64)]
     expected = {s.session_id: 0 for s in sessions}
     locks = {s.session_id: threading.Lock() for s in sessions}

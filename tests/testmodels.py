@@ -79,7 +79,7 @@ def _field_value(f: gguf.ReaderField) -> Any:
 
 def _source_model() -> Path:
     """The project's default model (SmolLM2-135M), whose tokenizer the test models share."""
-    from kvstashd.config import default_model_path
+    from kvkeepd.config.settings import default_model_path
 
     src = default_model_path()
     if src is None:
@@ -318,7 +318,7 @@ def _write(name: str, dst: Path) -> None:
     m = _Model(arch, np.random.default_rng(_SEED ^ zlib.crc32(name.encode())), _n_vocab(tokenizer))
     build(m)
     w = gguf.GGUFWriter(dst, arch)
-    w.add_name(f"kvstash test model {name} v{VERSION}")
+    w.add_name(f"kvkeep test model {name} v{VERSION}")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     for key, value in m.hparams.items():
         _add_hparam(w, f"{arch}.{key}", value)
@@ -372,15 +372,15 @@ def gemma3_270m(cache_dir: Path | None = None) -> Path:
 
 
 def _default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/kvstash/testmodels`` (``~/.cache`` without XDG_CACHE_HOME)."""
+    """``$XDG_CACHE_HOME/kvkeep/testmodels`` (``~/.cache`` without XDG_CACHE_HOME)."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvstash" / "testmodels"
+    return Path(base) / "kvkeep" / "testmodels"
 
 
 def path(name: str, cache_dir: Path | None = None) -> Path:
     """The GGUF file of test model ``name`` (one of ``NAMES``), built on first use.
 
-    Files are cached in ``cache_dir`` (default: ``$XDG_CACHE_HOME/kvstash/testmodels``) under
+    Files are cached in ``cache_dir`` (default: ``$XDG_CACHE_HOME/kvkeep/testmodels``) under
     a name that carries ``VERSION``, so a generator change rebuilds them. A build goes to a
     temporary file renamed into place: concurrent builders (e.g. pytest-xdist workers) never
     see a partial file, and all write the same bytes.

@@ -42,8 +42,8 @@ def make(directory: Path) -> Certs:
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
         x509.CertificateBuilder()
-        .subject_name(_name("kvstash test CA"))
-        .issuer_name(_name("kvstash test CA"))
+        .subject_name(_name("kvkeep test CA"))
+        .issuer_name(_name("kvkeep test CA"))
         .public_key(ca_key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))

@@ -1,0 +1,340 @@
+"""The blocking client: Client, and Session for calls about one session.
+
+Each method sends an operation of _operations, which builds its request and converts its
+answer; this module only makes the calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Mapping, Sequence
+from functools import partial
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+
+from kvkeep import _operations as ops
+from kvkeep._connection import Tls, auth_metadata, call_metadata, channel, resolve_address
+from kvkeep._convert import join_chunks
+from kvkeep._errors import ELSEWHERE_WAIT, elsewhere_pause, from_rpc_error
+from kvkeep._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
+from kvkeep._operations import described_by
+from kvkeep._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo
+from kvkeep.v1 import kvkeep_pb2_grpc as pb_grpc
+
+_T = TypeVar("_T")
+
+
+class Client:
+    """A blocking connection to a kvkeep daemon.
+
+    Example::
+
+        from kvkeep import Client
+
+        with Client("127.0.0.1:50051") as client:
+            session = client.create_session("You are a terse assistant.")
+            print(session.chat("Name three primes.").text)
+            for chunk in session.chat_stream("And three more?"):
+                print(chunk.text, end="", flush=True)
+            session.close()
+
+    ``address`` is a gRPC target, ``host:port`` or ``unix:/path/to/socket``; None means
+    ``$KVKEEP_ADDRESS``, else ``127.0.0.1:50051``. ``timeout`` bounds, in seconds, each call
+    that returns one answer; streamed calls (generation, export, import) take as long as they
+    need. Making a client does not connect: the first call does, and calls fail at once with
+    UnavailableError while the daemon is down. Every failed call raises a KvkeepError.
+
+    With several daemons, a call about a session another daemon holds is answered with
+    SessionElsewhereError and a hint of when to try again (the holder hands an idle session
+    over; a dead one's lease lapses). The client sends such a call again after each hint for
+    up to ``elsewhere_wait`` seconds (0: raise at once); a stream, only while none of it has
+    arrived.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout: float | None = None,
+        token: str | None = None,
+        tls: Tls | None = None,
+        elsewhere_wait: float = ELSEWHERE_WAIT,
+    ) -> None:
+        self.address = resolve_address(address)
+        self.timeout = timeout
+        self.elsewhere_wait = elsewhere_wait
+        self._metadata = auth_metadata(token)
+        self._channel = channel(self.address, tls)
+        self._stub = pb_grpc.KvKeepStub(self._channel)
+
+    def __repr__(self) -> str:
+        return f"Client({self.address!r})"
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection; calls in flight are cancelled."""
+        self._channel.close()
+
+    def _unary(self, op: ops.Unary[_T]) -> _T:
+        rpc = getattr(self._stub, op.method)
+        metadata = call_metadata(self._metadata, op.session_id)
+        deadline = time.monotonic() + self.elsewhere_wait
+        while True:
+            try:
+                response = rpc(op.request, timeout=self.timeout, metadata=metadata)
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+                pause = elsewhere_pause(error, deadline)
+                if pause is None:
+                    raise error from None
+                time.sleep(pause)
+                continue
+            return op.convert(response)
+
+    def _stream(self, op: ops.Stream[_T]) -> Generator[_T, None, None]:
+        metadata = call_metadata(self._metadata, op.session_id)
+        deadline = time.monotonic() + self.elsewhere_wait
+        while True:
+            call = getattr(self._stub, op.method)(op.request, metadata=metadata)
+            answered = False
+            try:
+                for response in call:
+                    answered = True
+                    yield op.convert(response)
+                return
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+                # Sent again only while nothing of it was answered: a consumer never sees
+                # a chunk twice.
+                pause = None if answered else elsewhere_pause(error, deadline)
+                if pause is None:
+                    raise error from None
+            finally:
+                # The consumer may stop early (break, an exception, Ctrl-C): stop the daemon's work.
+                call.cancel()
+            time.sleep(pause)
+
+    @described_by(ops.info)
+    def info(self) -> Info:
+        return self._unary(ops.info())
+
+    @described_by(ops.create_session)
+    def create_session(
+        self,
+        system_prompt: str = "",
+        *,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] = (),
+        persistent: bool = False,
+        cache_salt: str | bytes | None = None,
+        context_policy: str = "error",
+    ) -> Session:
+        return Session(
+            self,
+            self._unary(
+                ops.create_session(system_prompt, sampling, stop, persistent, cache_salt, context_policy)
+            ),
+        )
+
+    @described_by(ops.session)
+    def session(self, session_id: str) -> Session:
+        return Session(self, self._unary(ops.session(session_id)))
+
+    @described_by(ops.list_sessions)
+    def list_sessions(self) -> list[SessionInfo]:
+        return self._unary(ops.list_sessions())
+
+    @described_by(ops.fork_session)
+    def fork_session(
+        self,
+        session_id: str | None = None,
+        checkpoint_id: str | None = None,
+        *,
+        persistent: bool = False,
+    ) -> Session:
+        return Session(self, self._unary(ops.fork_session(session_id, checkpoint_id, persistent)))
+
+    @described_by(ops.list_checkpoints)
+    def list_checkpoints(self, session_id: str | None = None) -> list[CheckpointInfo]:
+        return self._unary(ops.list_checkpoints(session_id))
+
+    @described_by(ops.delete_checkpoint)
+    def delete_checkpoint(self, checkpoint_id: str) -> None:
+        self._unary(ops.delete_checkpoint(checkpoint_id))
+
+    @described_by(ops.export_checkpoint)
+    def export_checkpoint(self, checkpoint_id: str, path_or_file: PathOrFile) -> int:
+        written = 0
+        with open_destination(path_or_file) as f:
+            for data in self._stream(ops.export_checkpoint(checkpoint_id)):
+                f.write(data)
+                written += len(data)
+        return written
+
+    @described_by(ops.IMPORT_CHECKPOINT)
+    def import_checkpoint(self, path_or_file: PathOrFile) -> CheckpointInfo:
+        with open_source(path_or_file) as f:
+            requests = (ops.import_request(data) for data in iter(partial(f.read, CHUNK_BYTES), b""))
+            try:
+                response = getattr(self._stub, ops.IMPORT_METHOD)(requests, metadata=self._metadata)
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from None
+        return ops.imported(response)
+
+
+class Session:
+    """One session of a daemon, reached through ``client``.
+
+    Get one from Client.create_session, Client.session or Client.fork_session.
+    """
+
+    def __init__(self, client: Client, session_id: str) -> None:
+        self.client = client
+        self.session_id = session_id
+
+    def __repr__(self) -> str:
+        return f"Session({self.session_id!r})"
+
+    @described_by(ops.generate)
+    def generate(
+        self,
+        prompt: str | Sequence[int] = "",
+        *,
+        max_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        sampling: SamplingParams | None = None,
+        logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
+        parse_special: bool = False,
+    ) -> Generator[Chunk, None, None]:
+        op = ops.generate(
+            self.session_id,
+            prompt,
+            max_tokens=max_tokens,
+            stop=stop,
+            sampling=sampling,
+            logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
+            parse_special=parse_special,
+        )
+        return self.client._stream(op)
+
+    @described_by(ops.COMPLETE)
+    def complete(
+        self,
+        prompt: str | Sequence[int] = "",
+        *,
+        max_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        sampling: SamplingParams | None = None,
+        logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
+        parse_special: bool = False,
+    ) -> Completion:
+        return join_chunks(
+            self.generate(
+                prompt,
+                max_tokens=max_tokens,
+                stop=stop,
+                sampling=sampling,
+                logprobs=logprobs,
+                grammar=grammar,
+                json_schema=json_schema,
+                parse_special=parse_special,
+            )
+        )
+
+    @described_by(ops.chat)
+    def chat_stream(
+        self,
+        message: str | Sequence[Message],
+        *,
+        max_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        sampling: SamplingParams | None = None,
+        logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
+        whole: bool = False,
+    ) -> Generator[Chunk, None, None]:
+        op = ops.chat(
+            self.session_id,
+            message,
+            max_tokens=max_tokens,
+            stop=stop,
+            sampling=sampling,
+            logprobs=logprobs,
+            grammar=grammar,
+            json_schema=json_schema,
+            whole=whole,
+        )
+        return self.client._stream(op)
+
+    @described_by(ops.CHAT)
+    def chat(
+        self,
+        message: str | Sequence[Message],
+        *,
+        max_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        sampling: SamplingParams | None = None,
+        logprobs: int = 0,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | None = None,
+        whole: bool = False,
+    ) -> Completion:
+        return join_chunks(
+            self.chat_stream(
+                message,
+                max_tokens=max_tokens,
+                stop=stop,
+                sampling=sampling,
+                logprobs=logprobs,
+                grammar=grammar,
+                json_schema=json_schema,
+                whole=whole,
+            )
+        )
+
+    @described_by(ops.session_info)
+    def info(self) -> SessionInfo:
+        return self.client._unary(ops.session_info(self.session_id))
+
+    @described_by(ops.close_session)
+    def close(self) -> None:
+        self.client._unary(ops.close_session(self.session_id))
+
+    @described_by(ops.rewind)
+    def rewind(self, n_tokens: int) -> SessionInfo:
+        return self.client._unary(ops.rewind(self.session_id, n_tokens))
+
+    @described_by(ops.checkpoint)
+    def checkpoint(self, label: str | None = None) -> CheckpointInfo:
+        return self.client._unary(ops.checkpoint(self.session_id, label))
+
+    @described_by(ops.CHECKPOINTS)
+    def checkpoints(self) -> list[CheckpointInfo]:
+        return self.client.list_checkpoints(self.session_id)
+
+    @described_by(ops.restore)
+    def restore(self, checkpoint_id: str) -> SessionInfo:
+        return self.client._unary(ops.restore(self.session_id, checkpoint_id))
+
+    @described_by(ops.fork)
+    def fork(self, checkpoint_id: str | None = None, *, persistent: bool = False) -> Session:
+        return Session(self.client, self.client._unary(ops.fork(self.session_id, checkpoint_id, persistent)))

@@ -1,0 +1,85 @@
+"""How results are printed: JSON, fields, tables, sizes and times, and replies as they arrive."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any
+
+import click
+
+from kvkeep._convert import join_chunks
+from kvkeep._types import Chunk
+from kvkeep.cli._context import State
+
+
+def echo_json(value: Any) -> None:
+    """A result (dataclasses too) as one line of JSON."""
+    click.echo(json.dumps(value, default=dataclasses.asdict, ensure_ascii=False))
+
+
+def echo_fields(pairs: Sequence[tuple[str, object]]) -> None:
+    """One `key: value` line per pair."""
+    for key, value in pairs:
+        click.echo(f"{key}: {value}")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Rows under headers, in columns as wide as their widest cell."""
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
+    for row in (headers, *rows):
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def format_time(ts: float) -> str:
+    """A timestamp in local time, `-` for none."""
+    if not ts:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def format_size(n: int) -> str:
+    """Bytes in B, KiB, MiB or GiB."""
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def one_line(text: str, width: int = 100) -> str:
+    """Text on one line (newlines as \\n), cut to `width` characters."""
+    flat = text.replace("\n", "\\n")
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def _print_stream(stream: Iterator[Chunk]) -> None:
+    """Echo a reply as it arrives, then why it ended unless it ended normally."""
+    chunks: list[Chunk] = []
+    try:
+        for chunk in stream:
+            click.echo(chunk.text, nl=False)
+            chunks.append(chunk)
+    finally:
+        # End the line even when Ctrl-C cut the reply short.
+        text = "".join(c.text for c in chunks)
+        if text and not text.endswith("\n"):
+            click.echo()
+    finish_reason = join_chunks(chunks).finish_reason
+    if finish_reason not in ("eos", "stop"):
+        click.echo(f"[{finish_reason}]", err=True)
+
+
+def show_reply(state: State, stream: Generator[Chunk, None, None]) -> None:
+    """Show a reply: streamed as text, or printed whole as JSON."""
+    if state.as_json:
+        echo_json(join_chunks(stream))
+        return
+    with contextlib.closing(stream):
+        _print_stream(stream)

@@ -1,0 +1,350 @@
+"""The OpenAI-compatible HTTP door: /v1/chat/completions, /v1/completions and /v1/models.
+
+Handlers translate, as the gRPC servicer does: an OpenAI body in, a call to the
+SessionManager's flows, an OpenAI body (or a stream of server-sent events) out. Callers are
+resolved by the same `Tenants.resolve` as gRPC callers; errors are OpenAI-style JSON bodies
+whose HTTP status follows the README's error table. A streamed response starts once its
+first chunk exists, so errors before it (a full queue, a full context) get their status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kvkeepd.api.http.bodies import Reply, domain_error, error, sse
+from kvkeepd.api.http.keep import SessionKeep
+from kvkeepd.api.http.schema import NEW_SESSION, ChatCompletionRequest, CompletionRequest, GenerationBody
+from kvkeepd.engine.job import Chunk
+from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound, Unavailable
+from kvkeepd.limits import MAX_CONCURRENT_RPCS
+from kvkeepd.sessions.chat import Message
+from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.sessions.session import SamplingOverrides, Session
+from kvkeepd.sessions.tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+B = TypeVar("B", bound=GenerationBody)
+T = TypeVar("T")
+Render = Callable[[Chunk, bool], dict[str, Any]]
+
+
+class BodyTooLarge(Exception):
+    """A request body beyond the daemon's message limit (413)."""
+
+
+async def _nothing() -> None:
+    return None
+
+
+class OpenAiDoor:
+    """The door's handlers over a SessionManager; `asgi` is the ASGI application."""
+
+    def __init__(self, manager: SessionManager, model_id: str, body_limit: int) -> None:
+        self.manager = manager
+        self.model_id = model_id
+        self.body_limit = body_limit
+        self.keep = SessionKeep(manager)
+        self.accepting = True
+        self.in_flight = 0
+        self.created = int(time.time())
+        self._app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._endpoint(self.chat_completions), methods=["POST"]),
+                Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
+                Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self._endpoint(self.model), methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: self._http_error},
+        )
+
+    async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI application."""
+        if scope["type"] == "http" and self.in_flight >= MAX_CONCURRENT_RPCS:
+            # The bound gRPC has on requests served at once.
+            status, body = domain_error(Unavailable("too many requests at once; retry"))
+            await JSONResponse(body, status)(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self._app(scope, receive, send)
+        except asyncio.CancelledError:
+            # NOTE: once the daemon stops, uvicorn cancels the requests that outlive the grace
+            # period. The cancellation has passed through the request (its generation was
+            # told to stop on the way) and ends the task here, where uvicorn would log it as
+            # an application error.
+            if self.accepting:
+                raise
+        finally:
+            self.in_flight -= 1
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _endpoint(
+        self, fn: Callable[[Request], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """Errors of a handler as OpenAI error bodies."""
+
+        async def handle(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except KvkeepError as e:
+                if type(e) is KvkeepError:
+                    log.error("internal error", exc_info=e)
+                status, body = domain_error(e)
+                return JSONResponse(body, status)
+            except ValidationError as e:
+                return JSONResponse(error("invalid_request_error", _describe(e)), 400)
+            except ClientDisconnect:
+                return Response(status_code=400)  # nobody reads it
+            except BodyTooLarge:
+                message = f"the request body is larger than the limit of {self.body_limit} bytes"
+                return JSONResponse(error("request_too_large", message), 413)
+            except Exception as e:
+                log.error("internal error", exc_info=e)
+                status, body = domain_error(KvkeepError())
+                return JSONResponse(body, status)
+
+        return handle
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error(kind, f"{request.method} {request.url.path}: {exc.detail}"), exc.status_code
+        )
+
+    def _tenant(self, request: Request) -> Tenant:
+        if not self.accepting:
+            raise Unavailable("the daemon is shutting down")
+        return self.manager.tenants.resolve(request.headers.get("authorization"))
+
+    async def _parse(self, request: Request, model: type[B]) -> B:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.body_limit:
+            raise BodyTooLarge
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > self.body_limit:
+                raise BodyTooLarge
+        parsed = model.model_validate_json(bytes(body))
+        if parsed.model != self.model_id:
+            raise NotFound(f"no model {parsed.model[:80]!r}; this daemon serves {self.model_id!r}")
+        return parsed
+
+    # ---- models ------------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        self._tenant(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._tenant(request)
+        if request.path_params["model_id"] != self.model_id:
+            raise NotFound(f"no model {request.path_params['model_id'][:80]!r}")
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "kvkeep"}
+
+    # ---- chat --------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        req = await self._parse(request, ChatCompletionRequest)
+        turn = req.turn()
+        messages = req.chat_messages()
+        if self.manager.template is None:
+            raise NoChatTemplate("the model has no chat template; use /v1/completions")
+        m = self.manager
+        on_fail: Callable[[], Awaitable[None]] = _nothing
+        if req.session_id is None:
+            found = self.keep.find(tenant, messages)
+            if found is not None:
+                # The whole conversation: if another request moved the session on meanwhile,
+                # the flow keeps what still matches.
+                stream = m.converse(found[0].session_id, tenant, messages=messages, whole=True, turn=turn)
+            else:
+                session, rest = await self._new_chat_session(tenant, messages, persistent=False)
+                self.keep.add(tenant, session)
+                stream = m.converse(session.session_id, tenant, messages=rest, whole=False, turn=turn)
+        elif req.session_id == NEW_SESSION:
+            session, rest = await self._new_chat_session(tenant, messages, persistent=req.persistent)
+            on_fail = self._closer(session, tenant)
+            stream = m.converse(session.session_id, tenant, messages=rest, whole=False, turn=turn)
+            req.session_id = session.session_id
+        else:
+            self.keep.release(tenant, req.session_id)
+            stream = m.converse(req.session_id, tenant, messages=messages, whole=False, turn=turn)
+        reply = self._reply("chat", req.session_id)
+        top = req.top_logprobs or 0
+        if req.stream:
+            render: Render = lambda c, first: reply.chat_chunk(c, top, first)  # noqa: E731
+            return await self._events(request, stream, render, reply, req.include_usage, on_fail)
+        chunks = await self._collect(request, stream, on_fail)
+        return JSONResponse(reply.chat("".join(c.text for c in chunks), chunks, top))
+
+    async def _new_chat_session(
+        self, tenant: Tenant, messages: Sequence[Message], *, persistent: bool
+    ) -> tuple[Session, list[Message]]:
+        """A new session whose system prompt is the conversation's leading system message,
+        and the messages that follow it."""
+        system = messages[0].content if messages[0].role == "system" else ""
+        rest = list(messages[1:] if system else messages)
+        if not rest:
+            raise InvalidRequest("the conversation has no message after its system prompt")
+        await self.keep.make_room(tenant)
+        session = await self.manager.create(tenant, system, SamplingOverrides(), (), persistent=persistent)
+        return session, rest
+
+    # ---- legacy completions ------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        req = await self._parse(request, CompletionRequest)
+        turn = req.turn()
+        prompt, token_ids = req.prompt_parts()
+        on_fail: Callable[[], Awaitable[None]] = _nothing
+        if req.session_id is None or req.session_id == NEW_SESSION:
+            if not prompt and not token_ids:
+                raise InvalidRequest("the prompt is empty")
+            await self.keep.make_room(tenant)
+            session = await self.manager.create(
+                tenant, "", SamplingOverrides(), (), persistent=req.persistent
+            )
+            if req.session_id is None:
+                self.keep.add(tenant, session)  # a source for the prefix cache
+            else:
+                on_fail = self._closer(session, tenant)
+                req.session_id = session.session_id
+            session_id = session.session_id
+        else:
+            self.keep.release(tenant, req.session_id)
+            session_id = req.session_id
+        stream = self.manager.generate(
+            session_id, tenant, prompt=prompt, prompt_token_ids=token_ids, parse_special=False, turn=turn
+        )
+        reply = self._reply("text", req.session_id)
+        top = req.logprobs or 0
+        if req.stream:
+            render: Render = lambda c, _first: reply.completion_chunk(c, top)  # noqa: E731
+            return await self._events(request, stream, render, reply, req.include_usage, on_fail)
+        chunks = await self._collect(request, stream, on_fail)
+        return JSONResponse(reply.completion("".join(c.text for c in chunks), chunks, top))
+
+    # ---- responses ---------------------------------------------------------------------------
+
+    def _reply(self, kind: str, session_id: str | None) -> Reply:
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        return Reply(kind, prefix + secrets.token_hex(12), int(time.time()), self.model_id, session_id)
+
+    def _closer(self, session: Session, tenant: Tenant) -> Callable[[], Awaitable[None]]:
+        """Close a session made for a request that failed before the client learnt its id."""
+
+        async def close() -> None:
+            with contextlib.suppress(KvkeepError):
+                await self.manager.close(session.session_id, tenant)
+
+        return close
+
+    async def _collect(
+        self, request: Request, stream: AsyncIterator[Chunk], on_fail: Callable[[], Awaitable[None]]
+    ) -> list[Chunk]:
+        async def collect() -> list[Chunk]:
+            return [c async for c in stream]
+
+        try:
+            return await _unless_left(request, collect())
+        except (KvkeepError, ClientDisconnect):
+            await on_fail()
+            raise
+
+    async def _events(
+        self,
+        request: Request,
+        stream: AsyncIterator[Chunk],
+        render: Render,
+        reply: Reply,
+        include_usage: bool,
+        on_fail: Callable[[], Awaitable[None]],
+    ) -> Response:
+        it = aiter(stream)
+        try:
+            first = await _unless_left(request, anext(it))
+        except (KvkeepError, ClientDisconnect):
+            await on_fail()
+            raise
+
+        async def events() -> AsyncGenerator[bytes, None]:
+            chunk, is_first = first, True
+            try:
+                while True:
+                    yield sse(render(chunk, is_first))
+                    is_first = False
+                    if chunk.finish_reason is not None:
+                        break
+                    chunk = await anext(it)
+                if include_usage and chunk.usage is not None:
+                    yield sse(reply.usage_chunk(chunk.usage))
+                yield sse("[DONE]")
+            except Exception as e:
+                if not isinstance(e, KvkeepError) or type(e) is KvkeepError:
+                    log.error("internal error", exc_info=e)
+                yield sse(domain_error(e if isinstance(e, KvkeepError) else KvkeepError())[1])
+            finally:
+                # A client that left stops the generation (within one engine step).
+                if isinstance(it, AsyncGenerator):
+                    await it.aclose()
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+        )
+
+
+async def _unless_left(request: Request, work: Awaitable[T]) -> T:
+    """What `work` gives, unless the client leaves first: then `work` is cancelled, which
+    stops its generation as a stream's reader that leaves does (within one engine step), and
+    ClientDisconnect. uvicorn goes on running a request whose client left; only the
+    application learns of it, by the ASGI message `http.disconnect`."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_left(request.receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            # Until the generation has been told to stop and its stream is closed.
+            await asyncio.wait((task,))
+    if task.cancelled():
+        raise ClientDisconnect
+    return task.result()
+
+
+async def _left(receive: Receive) -> None:
+    """Return once the client has gone (its request's body already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _describe(e: ValidationError) -> str:
+    """The first problem of a body, naming the field."""
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+    return f"{where + ': ' if where else ''}{first.get('msg', 'invalid body')}{more}"

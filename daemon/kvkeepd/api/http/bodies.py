@@ -1,0 +1,177 @@
+"""Response bodies of the OpenAI-compatible door: completions, their stream chunks, usage,
+logprobs and errors, as OpenAI's API shapes them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from kvkeepd.engine.job import Chunk, GeneratedToken, Usage
+from kvkeepd.errors import KvkeepError
+
+# The engine's finish reasons as OpenAI names them.
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length", "cancelled": "stop"}
+
+# Each error class's HTTP status and OpenAI error type (README: Errors).
+STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "OUT_OF_RANGE": (400, "context_length_exceeded"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "ALREADY_EXISTS": (409, "conflict_error"),
+    "FAILED_PRECONDITION": (409, "conflict_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "DATA_LOSS": (500, "server_error"),
+    "INTERNAL": (500, "server_error"),
+    "UNAVAILABLE": (503, "service_unavailable"),
+}
+INTERNAL_MESSAGE = "internal error (see the daemon's log)"
+
+
+def error(kind: str, message: str, code: str = "") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code or kind}}
+
+
+def domain_error(e: KvkeepError) -> tuple[int, dict[str, Any]]:
+    """The status and body of a domain error; a bare KvkeepError says nothing of itself.
+    Errors that share a status name their cause in `code` (`no-chat-template`...), as
+    gRPC's `kvkeep-error` metadata does."""
+    status, kind = STATUS.get(e.code, STATUS["INTERNAL"])
+    message = INTERNAL_MESSAGE if type(e) is KvkeepError else str(e)
+    return status, error(kind, message, e.cause)
+
+
+def usage(u: Usage) -> dict[str, Any]:
+    """OpenAI's usage: the whole prompt, of which `cached_tokens` were not evaluated again."""
+    return {
+        "prompt_tokens": u.context_tokens,
+        "completion_tokens": u.generated_tokens,
+        "total_tokens": u.context_tokens + u.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.reused_tokens},
+    }
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n".encode()
+
+
+class Reply:
+    """The constant part of every body of one response: id, times, model, session."""
+
+    def __init__(self, kind: str, response_id: str, created: int, model: str, session_id: str | None) -> None:
+        self.kind = kind
+        self.response_id = response_id
+        self.created = created
+        self.model = model
+        self.session_id = session_id
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        head: dict[str, Any] = {
+            "id": self.response_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+        if self.session_id is not None:
+            head["session_id"] = self.session_id
+        return head
+
+    # ---- chat -------------------------------------------------------------------------------
+
+    def chat(self, text: str, chunks: Sequence[Chunk], top: int) -> dict[str, Any]:
+        last = chunks[-1]
+        tokens = [g for c in chunks for g in c.logprobs]
+        return {
+            **self._head("chat.completion"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": {"content": chat_logprobs(tokens, top)} if tokens else None,
+                    "finish_reason": FINISH.get(last.finish_reason or "", "stop"),
+                }
+            ],
+            "usage": usage(last.usage or Usage()),
+        }
+
+    def chat_chunk(self, c: Chunk, top: int, first: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": c.text}
+        if first:
+            delta["role"] = "assistant"
+        return {
+            **self._head("chat.completion.chunk"),
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": {"content": chat_logprobs(c.logprobs, top)} if c.logprobs else None,
+                    "finish_reason": FINISH.get(c.finish_reason, "stop") if c.finish_reason else None,
+                }
+            ],
+        }
+
+    def usage_chunk(self, u: Usage) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage(u)}
+
+    # ---- legacy completions -----------------------------------------------------------------
+
+    def completion(self, text: str, chunks: Sequence[Chunk], top: int) -> dict[str, Any]:
+        last = chunks[-1]
+        tokens = [g for c in chunks for g in c.logprobs]
+        return {
+            **self._head("text_completion"),
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": completion_logprobs(tokens, top) if tokens else None,
+                    "finish_reason": FINISH.get(last.finish_reason or "", "stop"),
+                }
+            ],
+            "usage": usage(last.usage or Usage()),
+        }
+
+    def completion_chunk(self, c: Chunk, top: int) -> dict[str, Any]:
+        return {
+            **self._head("text_completion"),
+            "choices": [
+                {
+                    "index": 0,
+                    "text": c.text,
+                    "logprobs": completion_logprobs(c.logprobs, top) if c.logprobs else None,
+                    "finish_reason": FINISH.get(c.finish_reason, "stop") if c.finish_reason else None,
+                }
+            ],
+        }
+
+
+def chat_logprobs(tokens: Sequence[GeneratedToken], top: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "token": g.sampled.text,
+            "logprob": g.sampled.logprob,
+            "bytes": list(g.sampled.text.encode()),
+            "top_logprobs": [
+                {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())} for t in g.top[:top]
+            ],
+        }
+        for g in tokens
+    ]
+
+
+def completion_logprobs(tokens: Sequence[GeneratedToken], top: int) -> dict[str, Any]:
+    offsets, at = [], 0
+    for g in tokens:
+        offsets.append(at)
+        at += len(g.sampled.text)
+    return {
+        "tokens": [g.sampled.text for g in tokens],
+        "token_logprobs": [g.sampled.logprob for g in tokens],
+        "top_logprobs": [{t.text: t.logprob for t in g.top[:top]} for g in tokens],
+        "text_offset": offsets,
+    }

@@ -1,0 +1,104 @@
+"""The sessions the HTTP door keeps between requests that name no session.
+
+A plain OpenAI client resends the whole conversation every turn. The door answers each such
+request in one of its own ephemeral sessions and keeps the most recent ones open, per
+tenant: the next request whose messages begin with a kept session's continues that session
+(only the new messages are evaluated), and any other one starts a new session that the
+prefix cache can attach blocks to from the kept ones (a closed ephemeral session leaves
+nothing in the cache). Nobody else is given their ids, so the door owns them: it closes the
+oldest beyond `PER_TENANT`, and the sweeper's idle expiry closes the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvkeepd.errors import KvkeepError
+from kvkeepd.sessions.chat import Message
+from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.sessions.session import Session
+from kvkeepd.sessions.tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+# Sessions kept per tenant: a few conversations in flight at once, each one parked in RAM
+# (or spilled to disk) when not in a slot, within --ram-cache like any other session.
+PER_TENANT = 8
+
+
+class SessionKeep:
+    """Owns the door's kept sessions; used from the event loop only."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.manager = manager
+        self._kept: dict[str, OrderedDict[str, Session]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def _live(self, tenant: Tenant) -> OrderedDict[str, Session]:
+        kept = self._kept.setdefault(tenant.name, OrderedDict())
+        for sid in [sid for sid, s in kept.items() if s.closed]:
+            del kept[sid]
+        return kept
+
+    def find(self, tenant: Tenant, messages: Sequence[Message]) -> tuple[Session, int] | None:
+        """The idle kept session whose messages are the longest proper prefix of `messages`
+        (at least one message long), and that prefix's length; it becomes the most recent."""
+        kept = self._live(tenant)
+        best: tuple[Session, int] | None = None
+        for s in kept.values():
+            n = len(s.messages)
+            if s.busy or not 0 < n < len(messages) or (best is not None and n <= best[1]):
+                continue
+            if all(
+                m.role == w.role and m.content == w.content
+                for m, w in zip(s.messages, messages, strict=False)
+            ):
+                best = (s, n)
+        if best is not None:
+            kept.move_to_end(best[0].session_id)
+        return best
+
+    def add(self, tenant: Tenant, session: Session) -> None:
+        """Keep a new session; close the oldest idle ones beyond the bound."""
+        kept = self._live(tenant)
+        kept[session.session_id] = session
+        for old in [s for s in kept.values() if not s.busy][: max(0, len(kept) - PER_TENANT)]:
+            self._close(tenant, old)
+
+    def release(self, tenant: Tenant, session_id: str) -> None:
+        """The tenant continues this session by its id: it is no longer the door's to close.
+        Only the tenant's own kept sessions are looked at: another tenant's id changes nothing."""
+        kept = self._kept.get(tenant.name)
+        if kept is not None:
+            kept.pop(session_id, None)
+
+    async def make_room(self, tenant: Tenant) -> None:
+        """Close the tenant's oldest idle kept session if its session quota is reached, so
+        that the door's sessions never stand in the way of the tenant's own."""
+        limit = tenant.quota.max_sessions
+        if not limit or len(self.manager.owned(tenant)) < limit:
+            return
+        idle = [s for s in self._live(tenant).values() if not s.busy]
+        if idle:
+            self._kept[tenant.name].pop(idle[0].session_id, None)
+            await self._close_now(idle[0], tenant)
+
+    def _close(self, tenant: Tenant, session: Session) -> None:
+        self._kept[tenant.name].pop(session.session_id, None)
+        task = asyncio.get_running_loop().create_task(self._close_now(session, tenant))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_now(self, session: Session, tenant: Tenant) -> None:
+        try:
+            await self.manager.close(session.session_id, tenant)
+        except KvkeepError as e:
+            log.debug("a kept session was not closed: %s", e)
+
+    async def close_all(self) -> None:
+        """Wait for the closes under way (at shutdown)."""
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

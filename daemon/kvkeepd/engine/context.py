@@ -1,0 +1,416 @@
+"""LlamaContext: the llama.cpp model and context, and the only module that imports llama_cpp.
+
+Every method runs on the engine thread. By default the context runs one KV stream per slot
+(`kv_unified=false`), flash attention off and f16 K/V: the "exact" mode, in which a
+sequence's logits do not depend on what else shares the batch, on prefill chunking, or on
+which slot holds it (the start-up probe checks it). Flash attention (`--flash-attn`, and
+always with quantized K/V) or one shared KV buffer is the "compact" mode: faster or smaller,
+with logits that depend on the batch's shape. `swa_full` keeps every position of a
+sliding-window cache in its own cell (nothing is overwritten), which is what makes the cell
+layout of an uninterrupted run and of an import the same (see state/cells.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as llama
+import llguidance
+import numpy as np
+from llama_cpp import _ggml as llama_ggml
+from llguidance.llamacpp import lltokenizer_from_vocab
+
+from kvkeepd.engine import probes
+from kvkeepd.engine.sampling import Logits
+from kvkeepd.errors import InvalidRequest, KvkeepError
+from kvkeepd.state import cells as kvstate
+from kvkeepd.state import layout as kvlayout
+
+log = logging.getLogger(__name__)
+llama_log = logging.getLogger("kvkeepd.llama_cpp")
+
+KV_TYPE_IDS = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0, "q4_0": llama.GGML_TYPE_Q4_0}
+_PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the recurrent part of a hybrid's state
+# Sliding-window caches whose window is not "the last n_swa positions" (chunked attention).
+_OTHER_WINDOWS = {"llama4"}
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """What the context needs from the daemon's settings."""
+
+    model_path: Path
+    slots: int
+    ctx_per_session: int
+    batch_size: int
+    threads: int
+    gpu_layers: int
+    kv_type: str
+    kv_unified: bool
+    flash_attn: bool = False
+    # Where the exactness probe's results are kept (probes.py); None: probe at every start.
+    probe_cache: Path | None = None
+
+    @property
+    def flash_attention(self) -> bool:
+        """Flash attention is on: asked for, or needed by quantized K/V."""
+        return self.flash_attn or self.kv_type != "f16"
+
+    @property
+    def exact(self) -> bool:
+        """f16 K/V, a stream per slot, flash attention off: the bit-exact mode."""
+        return self.kv_type == "f16" and not self.kv_unified and not self.flash_attn
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the loaded model and context."""
+
+    description: str
+    architecture: str
+    n_vocab: int
+    n_ctx_train: int
+    n_ctx_seq: int
+    n_layer: int
+    n_swa: int
+    chat_template: str | None
+    bos_token: int
+    eos_token: int
+    add_bos: bool
+    # What memory the model has: kv, iswa, hybrid, hybrid-iswa, recurrent, or "unknown".
+    memory: str
+    # None when this model's sequence state is not one state/cells.py can parse: sessions then
+    # checkpoint their token history only and restore by evaluating it again.
+    layout: kvlayout.StateLayout | None
+    layout_note: str
+    # The exact mode: configured so, and the start-up probe found that a token's logits do
+    # not depend on how its sequence was batched (see batch_dependence). False in compact mode.
+    exact: bool
+    # The longest text of one token, in bytes: a prompt of more than prompt_limit times this
+    # many bytes has too many tokens, whatever they are (checked before tokenizing).
+    max_token_bytes: int = 1
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One token of a batch: which slot, what token at which position, whether to keep logits."""
+
+    slot: int
+    token: int
+    pos: int
+    logits: bool
+
+
+class LlamaContext:
+    """A loaded model and its multi-sequence context."""
+
+    def __init__(self, cfg: ContextConfig) -> None:
+        self.cfg = cfg
+        route_llama_log()
+        if cfg.exact:
+            # Read once by ggml at its first tiled matmul (see below): set before any.
+            os.environ["GGML_CPU_TILED_MM"] = "0"
+        llama.llama_backend_init()
+        mparams = llama.llama_model_default_params()
+        mparams.n_gpu_layers = 2**31 - 1 if cfg.gpu_layers < 0 else cfg.gpu_layers
+        if cfg.exact:
+            # Kernels chosen by batch size make a token evaluated alone differ from the same
+            # token inside a prompt chunk: the CPU's repacked weights (gemv for one column,
+            # gemm for more) and ggml's tiled K-quant matmul (8 rows and up). Exact mode
+            # takes the one kernel every batch shape shares; prefill speed did not change
+            # measurably here (Gemma 3 270M Q4_K_M, 1,024 tokens: 4.2-4.4 s either way).
+            mparams.use_extra_bufts = False
+        self._model = llama.llama_model_load_from_file(str(cfg.model_path).encode(), mparams)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load the model {cfg.model_path}")
+        cparams = llama.llama_context_default_params()
+        cparams.n_ctx = cfg.slots * cfg.ctx_per_session
+        cparams.n_batch = cfg.batch_size
+        cparams.n_ubatch = cfg.batch_size
+        cparams.n_seq_max = cfg.slots
+        cparams.n_threads = cfg.threads
+        cparams.n_threads_batch = cfg.threads
+        cparams.kv_unified = cfg.kv_unified
+        cparams.swa_full = True
+        # Flash attention makes logits depend on the batch's shape (its kernels differ for one
+        # query, for 64 and more, and for one sequence or several); quantized K/V requires it.
+        enabled, disabled = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED, llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.flash_attn_type = enabled if cfg.flash_attention else disabled
+        cparams.type_k = KV_TYPE_IDS[cfg.kv_type]
+        cparams.type_v = KV_TYPE_IDS[cfg.kv_type]
+        cparams.no_perf = True
+        self._ctx = llama.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            llama.llama_model_free(self._model)
+            raise RuntimeError("llama.cpp could not create the context")
+        self._vocab = llama.llama_model_get_vocab(self._model)
+        self._mem = llama.llama_get_memory(self._ctx)
+        self._batch = llama.llama_batch_init(cfg.batch_size, 0, 1)
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+        self._eog: dict[int, bool] = {}
+        self.n_vocab = int(llama.llama_vocab_n_tokens(self._vocab))
+        n_ctx_seq = int(llama.llama_n_ctx_seq(self._ctx))
+        if n_ctx_seq < cfg.ctx_per_session:
+            self.close()
+            raise RuntimeError(f"llama.cpp gave {n_ctx_seq} cells per session, not {cfg.ctx_per_session}")
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            llama.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            llama.llama_model_free(self._model)
+            self._model = None
+
+    # ---- facts ------------------------------------------------------------------------------
+
+    def info(self) -> ModelInfo:
+        """Facts about the model; probes the state layout and exactness in slot 0."""
+        model = self._model
+        template = llama.llama_model_chat_template(model, None)
+        desc = ctypes.create_string_buffer(256)
+        llama.llama_model_desc(model, desc, 256)
+        arch = self._meta("general.architecture")
+        layout, note = self.probe_layout(arch)
+        return ModelInfo(
+            description=desc.value.decode("utf-8", "replace"),
+            architecture=arch,
+            n_vocab=self.n_vocab,
+            n_ctx_train=int(llama.llama_model_n_ctx_train(model)),
+            n_ctx_seq=self.cfg.ctx_per_session,
+            n_layer=int(llama.llama_model_n_layer(model)),
+            n_swa=int(llama.llama_model_n_swa(model)),
+            chat_template=template.decode("utf-8") if template else None,
+            bos_token=int(llama.llama_vocab_bos(self._vocab)),
+            eos_token=int(llama.llama_vocab_eos(self._vocab)),
+            add_bos=bool(llama.llama_vocab_get_add_bos(self._vocab)),
+            memory=layout.kind if layout is not None else self._memory_guess(),
+            layout=layout,
+            layout_note=note,
+            exact=self._probe_exact(),
+            max_token_bytes=max(1, *(len(self.piece(t, True)) for t in range(self.n_vocab))),
+        )
+
+    def _meta(self, key: str) -> str:
+        buf = ctypes.create_string_buffer(256)
+        n = llama.llama_model_meta_val_str(self._model, key.encode(), buf, 256)
+        return buf.value.decode("utf-8", "replace") if n >= 0 else ""
+
+    def _memory_guess(self) -> str:
+        if llama.llama_model_is_recurrent(self._model):
+            return "recurrent"
+        if llama.llama_model_is_hybrid(self._model):
+            return "hybrid"
+        return "unknown"
+
+    def probe_layout(self, arch: str) -> tuple[kvlayout.StateLayout | None, str]:
+        """Learn the state layout from a real one-token state of slot 0, then clear it."""
+        n_swa = int(llama.llama_model_n_swa(self._model))
+        if arch in _OTHER_WINDOWS:
+            return None, f"checkpoints keep token history only: {arch}'s chunked attention window"
+        try:
+            self.decode([BatchItem(0, int(llama.llama_vocab_bos(self._vocab)), 0, False)])
+            layout = kvstate.discover(
+                self.state_bytes(0),
+                recurrent=bool(llama.llama_model_is_recurrent(self._model)),
+                hybrid=bool(llama.llama_model_is_hybrid(self._model)),
+                window=n_swa,
+            )
+        except kvlayout.StateFormatError as e:
+            log.warning("KV checkpoints are off for this model: %s", e)
+            return None, f"checkpoints keep token history only: {e}"
+        finally:
+            self.clear(0)
+        return layout, "checkpoints carry the model's computed state"
+
+    def _probe_exact(self) -> bool:
+        if not self.cfg.exact:
+            return False
+        found = probes.finding(self, self._build_facts())
+        if found is not None:
+            log.warning("a token's logits depend on how it was batched: %s", found)
+        return found is None
+
+    @staticmethod
+    def _build_facts() -> dict[str, Any]:
+        """What the loaded llama.cpp says of itself: version, library files, the CPU
+        features it was built for, and ggml's devices (name and description)."""
+        lib = Path(llama.__file__).parent / "lib"
+        files = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(lib.glob("*"))]
+        ggml = llama_ggml.libggml
+        count, get = ggml.ggml_backend_dev_count, ggml.ggml_backend_dev_get
+        name, desc = ggml.ggml_backend_dev_name, ggml.ggml_backend_dev_description
+        count.restype, count.argtypes = ctypes.c_size_t, []
+        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        for fn in (name, desc):
+            fn.restype, fn.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+        devices = []
+        for i in range(count()):
+            dev = get(i)
+            devices.append([(fn(dev) or b"").decode("utf-8", "replace") for fn in (name, desc)])
+        return {
+            "version": llama.__version__,
+            "libraries": files,
+            "system": llama.llama_print_system_info().decode("utf-8", "replace"),
+            "devices": devices,
+        }
+
+    # ---- tokens -----------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        if not data:
+            return []
+        cap = len(data) + 8
+        buf = (llama.llama_token * cap)()
+        n = llama.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (llama.llama_token * cap)()
+            n = llama.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise InvalidRequest("the prompt could not be tokenized")
+        return list(buf[:n])
+
+    def piece(self, token: int, special: bool) -> bytes:
+        key = (token, special)
+        cached = self._pieces.get(key)
+        if cached is None:
+            buf = ctypes.create_string_buffer(64)
+            n = llama.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+            cached = buf.raw[: max(n, 0)]
+            self._pieces[key] = cached
+        return cached
+
+    def detokenize(self, tokens: Sequence[int], special: bool) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        # Cached: asked once per generated token on the engine thread, where every ctypes
+        # call lets the asyncio thread take the GIL (and hold it) in the middle of a step.
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(llama.llama_vocab_is_eog(self._vocab, token))
+        return eog
+
+    def grammar_tokenizer(self) -> llguidance.LLTokenizer:
+        """The vocabulary as llguidance sees it: control tokens marked (grammars cannot
+        produce them unless they name them), every end-of-generation token allowed to end a
+        grammar's output. Takes a few hundred milliseconds."""
+        eog = [t for t in range(self.n_vocab) if self.is_eog(t)]
+        # llguidance's adapter reads token attributes through a deprecated alias that warns
+        # once per token.
+        with warnings.catch_warnings(action="ignore", category=DeprecationWarning):
+            return lltokenizer_from_vocab(self._vocab, eos_token=eog)
+
+    # ---- evaluation -------------------------------------------------------------------------
+
+    def decode(self, items: Sequence[BatchItem]) -> list[Logits]:
+        """Evaluate one batch; the logits rows of the items that asked for them, in order."""
+        batch = self._batch
+        for k, item in enumerate(items):
+            batch.token[k] = item.token
+            batch.pos[k] = item.pos
+            batch.n_seq_id[k] = 1
+            batch.seq_id[k][0] = item.slot
+            batch.logits[k] = int(item.logits)
+        batch.n_tokens = len(items)
+        rc = llama.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise KvkeepError(f"llama_decode failed with {rc} for a batch of {len(items)} tokens")
+        n_out = sum(1 for item in items if item.logits)
+        if not n_out:
+            return []
+        # The rows asked for lie together, in batch order: one call for all of them. Each
+        # row is copied on its own, so a row kept with a session holds no other row's memory.
+        out = np.ctypeslib.as_array(llama.llama_get_logits(self._ctx), shape=(n_out, self.n_vocab))
+        return [row.copy() for row in out]
+
+    # ---- sequences --------------------------------------------------------------------------
+
+    def wipe(self) -> None:
+        """Empty every slot and zero the memory's buffers, which maps their pages: the first
+        state loaded into a slot then costs what later ones do."""
+        llama.llama_memory_clear(self._mem, True)
+
+    def clear(self, slot: int) -> None:
+        """Forget every cell of a slot."""
+        llama.llama_memory_seq_rm(self._mem, slot, -1, -1)
+
+    def remove_from(self, slot: int, pos: int) -> bool:
+        """Forget a slot's cells from `pos` on; False where the memory cannot (recurrent)."""
+        return bool(llama.llama_memory_seq_rm(self._mem, slot, pos, -1))
+
+    def positions(self, slot: int) -> tuple[int, int]:
+        """(lowest, highest) position a slot holds; (-1, -1) when it is empty."""
+        return (
+            int(llama.llama_memory_seq_pos_min(self._mem, slot)),
+            int(llama.llama_memory_seq_pos_max(self._mem, slot)),
+        )
+
+    def state_bytes(self, slot: int, *, partial: bool = False) -> memoryview:
+        """A slot's sequence state as llama.cpp writes it (partial: the recurrent part only)."""
+        flags = _PARTIAL if partial else 0
+        size = int(llama.llama_state_seq_get_size_ext(self._ctx, slot, flags))
+        # np.empty, not a ctypes array: those are zero-filled, and llama.cpp overwrites it all.
+        out = np.empty(size, dtype=np.uint8)
+        buf = (ctypes.c_uint8 * size).from_buffer(out.data)
+        written = int(llama.llama_state_seq_get_data_ext(self._ctx, buf, size, slot, flags))
+        if written != size:
+            raise KvkeepError(f"llama.cpp wrote {written} of {size} bytes of sequence state")
+        return memoryview(out.data)
+
+    def set_state(self, slot: int, blob: bytes | bytearray | memoryview, *, partial: bool = False) -> bool:
+        """Load a checked blob into a slot; True when llama.cpp took all of it."""
+        try:
+            buf = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
+        except TypeError:  # a read-only buffer
+            buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        flags = _PARTIAL if partial else 0
+        read = int(llama.llama_state_seq_set_data_ext(self._ctx, buf, len(blob), slot, flags))
+        return read == len(blob)
+
+
+_log_callback: Any = None
+
+
+def route_llama_log() -> None:
+    """Send llama.cpp's C log to Python logging (it prints a lot to stderr otherwise).
+
+    llama.cpp's own INFO is chatty model-loading detail, so it lands at DEBUG here.
+    """
+    global _log_callback
+    if _log_callback is not None:
+        return
+    # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continue the previous line.
+    levels = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+    pending: list[str] = []
+    last_level = [logging.DEBUG]
+
+    def on_log(level: int, text: bytes | None, _user: Any) -> None:
+        if text is None:
+            return
+        if level != 5:
+            last_level[0] = levels.get(level, logging.DEBUG)
+        pending.append(text.decode("utf-8", "replace"))
+        if pending[-1].endswith("\n"):
+            message = "".join(pending).rstrip()
+            pending.clear()
+            if message:
+                llama_log.log(last_level[0], "%s", message)
+
+    _log_callback = llama.llama_log_callback(on_log)
+    llama.llama_log_set(_log_callback, ctypes.c_void_p(0))

@@ -1,0 +1,427 @@
+"""Engine: the one thread that owns llama.cpp (through a LlamaContext).
+
+Callers put work on its inbox (`call` for commands, `submit` for generations) and get
+results back through futures; the asyncio side never blocks on llama.cpp. Commands run
+between steps, in the order they were queued, and each runs to its end: moving a session's
+state into or out of a slot is one command (`load`, `unload`), so a slot is never left
+half-moved whatever happens to the request that asked for it.
+
+Each step builds one batch holding the pending tokens of every active generation (prompt
+chunks, or the last sampled token), decodes once, and samples per session.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvkeepd.engine import steps
+from kvkeepd.engine.context import BatchItem, ContextConfig, LlamaContext, ModelInfo
+from kvkeepd.engine.job import Job, Outbox, SeqState
+from kvkeepd.engine.sampling import Logits
+from kvkeepd.errors import ContextFull, CorruptCheckpoint, InvalidRequest, KvkeepError, Unavailable
+from kvkeepd.state import cells as kvstate
+from kvkeepd.state import layout as kvlayout
+from kvkeepd.state import pieces
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class _Call:
+    __slots__ = ("fn", "future")
+
+    def __init__(self, fn: Callable[[Engine], Any], future: concurrent.futures.Future[Any]) -> None:
+        self.fn = fn
+        self.future = future
+
+
+_STOP = object()
+
+# The most memory mapped at start for assembling states (twice: see Engine._main); a larger
+# state grows the buffer when it first comes.
+_PREMAPPED = 256 << 20
+
+
+class Engine:
+    """Owns llama.cpp. `start()` loads the model on the engine thread; `stop()` frees it."""
+
+    def __init__(self, config: ContextConfig) -> None:
+        self.config = config
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._active: list[Job] = []
+        # Where jobs' emit callbacks post their output (see Outbox): flushed before each
+        # decode and at the end of every turn of the loop.
+        self.outbox = Outbox()
+        self._ctx: LlamaContext | None = None
+        self._stopping = False
+        self.info: ModelInfo | None = None
+        self.layout: kvlayout.StateLayout | None = None
+        self.stats_evaluated = 0
+        self.stats_generated = 0
+        # Calls that read the vocabulary from other threads (tokenize, detokenize): the
+        # context is not freed while one runs.
+        self._readers = 0
+        self._readers_done = threading.Condition()
+        # Where states are assembled for llama.cpp, which copies them in at once: reused, so
+        # a load writes to memory already mapped instead of faulting in tens of MB.
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    @property
+    def ctx(self) -> LlamaContext:
+        assert self._ctx is not None, "the engine is not running"
+        return self._ctx
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> ModelInfo:
+        """Start the engine thread and load the model there. Raises if loading fails."""
+        ready: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._main, args=(ready,), name="kvkeep-engine", daemon=True)
+        self._thread.start()
+        self.info = ready.result()
+        self.layout = self.info.layout
+        return self.info
+
+    def stop(self) -> None:
+        """Finish: cancel generations, free the context and model, join the thread."""
+        if self._thread is None:
+            return
+        self._inbox.put(_STOP)
+        self._thread.join()
+        self._thread = None
+
+    def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
+        """Run `fn(engine)` on the engine thread between steps."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._thread is None or self._stopping:
+            future.set_exception(Unavailable("the engine is not running"))
+            return future
+        self._inbox.put(_Call(fn, future))
+        return future
+
+    def read_vocab(self, fn: Callable[[LlamaContext], T]) -> T:
+        """Run `fn(ctx)` on the calling thread: for tokenizing and detokenizing only, which
+        read the vocabulary, immutable once loaded, and so run beside decoding (as
+        llama-server's request threads do). A long prompt never delays other sessions' steps."""
+        with self._readers_done:
+            if self._ctx is None or self._stopping:
+                raise Unavailable("the engine is not running")
+            self._readers += 1
+        try:
+            return fn(self._ctx)
+        finally:
+            with self._readers_done:
+                self._readers -= 1
+                self._readers_done.notify_all()
+
+    def submit(self, job: Job) -> None:
+        """Queue a generation; its chunks and final result go to `job.emit`."""
+        if self._thread is None or self._stopping:
+            raise Unavailable("the engine is not running")
+        self._inbox.put(job)
+
+    # ---- thread main -----------------------------------------------------------------------
+
+    def _main(self, ready: concurrent.futures.Future[ModelInfo]) -> None:
+        try:
+            self._ctx = LlamaContext(self.config)
+            info = self._ctx.info()
+        except BaseException as e:  # report to start(), which re-raises
+            if self._ctx is not None:
+                self._ctx.close()
+            ready.set_exception(e)
+            return
+        # NOTE: the KV buffers are written once now (all slots): a slot's first load after a
+        # start otherwise faulted in its pages, 20-30 ms of a 1,900-token restore.
+        self._ctx.wipe()
+        if info.layout is not None:
+            # Mapped now, not by the first restore after a start: a state of one full slot,
+            # up to a limit (np.zeros would leave the pages unmapped until written).
+            bound = min(pieces.blob_bound(info.layout, self.config.ctx_per_session), _PREMAPPED)
+            self._scratch = np.empty(bound, np.uint8)
+            self._scratch.fill(0)
+            # As much again, freed at once: glibc keeps it (heap.keep_freed_memory), so the
+            # first export and block reads after a start find memory mapped, as later ones do.
+            np.empty(bound, np.uint8).fill(0)
+        ready.set_result(info)
+        try:
+            self._loop()
+        finally:
+            with self._readers_done:
+                self._stopping = True
+                self._readers_done.wait_for(lambda: self._readers == 0)
+                ctx, self._ctx = self._ctx, None
+            assert ctx is not None
+            ctx.close()
+
+    def _loop(self) -> None:
+        while True:
+            items: list[object] = []
+            if not self._active:
+                items.append(self._inbox.get())
+            while True:
+                try:
+                    items.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is _STOP:
+                    self._shut_down()
+                    return
+                if isinstance(item, Job):
+                    self._start_job(item)
+                elif isinstance(item, _Call):
+                    self._run_call(item)
+            if self._active:
+                try:
+                    self._step()
+                except Exception:
+                    # The engine thread must outlive any bug in a step: fail the step's
+                    # generations (their slots are cleared; their histories are whole).
+                    log.exception("an engine step failed")
+                    for job in list(self._active):
+                        self._fail(job, KvkeepError("the engine failed to run this generation"))
+            self.outbox.flush()
+
+    def _shut_down(self) -> None:
+        self._stopping = True
+        for job in self._active:
+            job.finish("cancelled")
+        self._active.clear()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                self.outbox.flush()
+                return
+            if isinstance(item, _Call):
+                item.future.set_exception(Unavailable("the daemon is shutting down"))
+            elif isinstance(item, Job):
+                item.emit(Unavailable("the daemon is shutting down"))
+
+    def _run_call(self, call: _Call) -> None:
+        if not call.future.set_running_or_notify_cancel():
+            return
+        try:
+            call.future.set_result(call.fn(self))
+        except BaseException as e:
+            call.future.set_exception(e)
+
+    # ---- sequence commands (engine thread only; through call()) ------------------------------
+
+    def load(self, slot: int, state: SeqState, kv: kvstate.SeqKv | None) -> None:
+        """Make the slot hold `kv` (the state after tokens[:kv.n]), or nothing.
+
+        On failure the slot is empty and `state` says so; CorruptCheckpoint is raised.
+        """
+        ctx = self.ctx
+        ctx.clear(slot)
+        n = kv.n if kv is not None else 0
+        if n != state.n_kv:
+            state.logits = None
+        state.n_kv = 0
+        state.window_from = 0
+        if kv is None or not n:
+            return
+        if kv.layout != self.layout:
+            raise KvkeepError("internal: KV of another layout")
+        into = None
+        if kv.raw is None:
+            size = pieces.blob_size(kv)
+            if self._scratch.size < size:
+                self._scratch = np.empty(size, dtype=np.uint8)
+            into = self._scratch[:size]
+        if not ctx.set_state(slot, pieces.assemble(kv, into=into)):
+            ctx.clear(slot)
+            state.logits = None
+            raise CorruptCheckpoint("llama.cpp did not take the session's state")
+        state.n_kv = n
+        state.window_from = kv.window_from
+
+    def unload(self, slot: int, state: SeqState, keep: bool) -> kvstate.SeqKv | None:
+        """Empty the slot; with keep, return its state first (None if it cannot be kept)."""
+        kv: kvstate.SeqKv | None = None
+        try:
+            if keep and state.n_kv and self.layout is not None:
+                kv = self.export(slot, state)
+        except KvkeepError:
+            log.exception("a slot's state could not be exported; its history stays")
+        finally:
+            self.ctx.clear(slot)
+        if kv is None:
+            state.n_kv = 0
+            state.logits = None
+            state.window_from = 0
+        return kv
+
+    def export(self, slot: int, state: SeqState) -> kvstate.SeqKv:
+        """The slot's state, parsed and checked to cover exactly tokens[:n_kv]."""
+        if self.layout is None:
+            raise KvkeepError("internal: this model's state cannot be exported")
+        kv = kvstate.parse(self.ctx.state_bytes(slot), self.layout)
+        if kv.n != state.n_kv:
+            raise KvkeepError(f"internal: the slot holds {kv.n} positions, expected {state.n_kv}")
+        return kv
+
+    def truncate(
+        self, slot: int, state: SeqState, n_tokens: int, snapshots: Sequence[kvstate.RecurrentCells]
+    ) -> None:
+        """Keep the first n_tokens of history and a state to match: the slot keeps at most
+        n_tokens - 1 positions (the last kept token is evaluated again for its logits),
+        fewer where the memory cannot be cut there (see state.rewind)."""
+        del state.tokens[n_tokens:]
+        if state.n_kv < n_tokens or (state.n_kv == n_tokens and state.logits is not None):
+            return
+        target = max(n_tokens - 1, 0)
+        layout = self.layout
+        state.logits = None
+        if layout is None or (layout.recurrent is None and pieces.can_cut(layout, state.window_from, target)):
+            self.ctx.remove_from(slot, target)
+            state.n_kv = target
+            return
+        kv = pieces.rewind(self.export(slot, state), target, snapshots)
+        self.load(slot, state, kv)
+
+    def cut(self, slot: int, state: SeqState, n: int) -> None:
+        """Keep the slot's first n positions (the caller checked that the memory can be cut
+        there exactly: no recurrent state, a window that holds what n needs)."""
+        if not self.ctx.remove_from(slot, n):
+            self.ctx.clear(slot)
+            state.n_kv = 0
+            state.logits = None
+            raise KvkeepError("internal: the slot's memory could not be cut")
+        state.n_kv = n
+
+    def check(self, slots: Sequence[int | None], deep: bool = True) -> list[str]:
+        """Problems with the slots, given per slot its owner's n_kv or None when free. A free
+        slot must be empty; an owned one must hold exactly positions [0, n_kv) (and its state
+        parse and check, when this model's layout is known and `deep`)."""
+        problems = []
+        for slot, owner in enumerate(slots):
+            lo, hi = self.ctx.positions(slot)
+            n_kv = owner or 0
+            if not n_kv:
+                if (lo, hi) != (-1, -1):
+                    problems.append(f"slot {slot} should be empty but holds positions [{lo}, {hi}]")
+                continue
+            if hi != n_kv - 1:
+                problems.append(f"slot {slot} holds positions up to {hi}, its owner {n_kv}")
+            if deep and self.layout is not None:
+                try:
+                    kv = kvstate.parse(self.ctx.state_bytes(slot), self.layout)
+                except kvlayout.StateFormatError as e:
+                    problems.append(f"slot {slot}: {e}")
+                    continue
+                if kv.n != n_kv:
+                    problems.append(f"slot {slot} holds {kv.n} positions, its owner {n_kv}")
+        return problems
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def _start_job(self, job: Job) -> None:
+        state = job.state
+        try:
+            limit = self.config.ctx_per_session
+            if len(state.tokens) + len(job.request.prompt) >= limit:
+                raise ContextFull(f"the session's context of {limit} tokens is full")
+            if not job.request.prompt and state.pending == 0 and state.logits is None:
+                if not state.n_kv:
+                    raise InvalidRequest("the session has nothing to continue from: give a prompt")
+                # The last logits row was not kept: evaluate the last token again to get it.
+                self.truncate(job.slot, state, len(state.tokens), ())
+            state.tokens.extend(job.request.prompt)
+        except BaseException as e:
+            job.emit(e)
+            return
+        prefix = job.prefix
+        if prefix is not None and state.n_kv < prefix.n < len(state.tokens):
+            try:
+                self.load(job.slot, state, prefix)
+            except KvkeepError as e:  # the slot is empty now: the history is evaluated
+                log.warning("a cached prefix was not taken: %s", e)
+        job.reused = state.n_kv
+        self._active.append(job)
+
+    def _step(self) -> None:
+        for job in [j for j in self._active if j.cancelled]:
+            self._active.remove(job)
+            job.finish("cancelled")
+        ctx = self.ctx
+        for job in [j for j in self._active if j.state.pending == 0]:
+            assert job.state.logits is not None
+            self._sample(job, job.state.logits)
+        jobs = list(self._active)
+        counts = steps.plan([j.state.pending for j in jobs], self.config.batch_size)
+        items: list[BatchItem] = []
+        taken: list[tuple[Job, int, bool]] = []  # job, tokens taken, wants logits
+        for job, count in zip(jobs, counts, strict=True):
+            if not count:
+                continue
+            state = job.state
+            if state.n_kv < job.boundary_at < state.n_kv + count:
+                count = job.boundary_at - state.n_kv  # the chunk ends where a snapshot is due
+            last = state.n_kv + count == len(state.tokens)
+            for k in range(count):
+                pos = state.n_kv + k
+                items.append(BatchItem(job.slot, state.tokens[pos], pos, last and k == count - 1))
+            taken.append((job, count, last))
+        if not items:
+            return
+        # What was sampled from stored logits goes out now, not after this decode.
+        self.outbox.flush()
+        try:
+            rows = ctx.decode(items)
+        except KvkeepError as e:
+            log.error("%s", e)
+            for job, _, _ in taken:
+                self._fail(job, KvkeepError("the engine failed to evaluate the batch"))
+            return
+        self.stats_evaluated += len(items)
+        rows_iter = iter(rows)
+        for job, count, last in taken:
+            state = job.state
+            state.n_kv += count
+            job.evaluated += count
+            if state.n_kv == job.boundary_at and job.boundary is None:
+                job.boundary = (state.n_kv, self._partial(job))
+            if not last:
+                state.logits = None
+                continue
+            state.logits = next(rows_iter)
+            if job.snapshot is None and not job.generated and self.layout and self.layout.recurrent:
+                # The end of the prompt: where a turn can later be taken back to.
+                partial = self._partial(job)
+                job.snapshot = next(s for s in partial if isinstance(s, kvstate.RecurrentCells))
+            self._sample(job, state.logits)
+
+    def _partial(self, job: Job) -> tuple[kvstate.Section, ...]:
+        """The sliding-window and recurrent sections of a job's slot, as they are now."""
+        assert self.layout is not None
+        blob = self.ctx.state_bytes(job.slot, partial=True)
+        return kvstate.parse_partial(blob, self.layout, job.state.n_kv)
+
+    def _sample(self, job: Job, row: Logits) -> None:
+        self.stats_generated += 1
+        if job.sample(row, self.ctx, self.config.ctx_per_session):
+            self._active.remove(job)
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        """End a job with an error. Its slot is emptied (what a failed step wrote is not
+        known); its history stays, so the session evaluates it again when next used."""
+        if job in self._active:
+            self._active.remove(job)
+        state = job.state
+        self.ctx.clear(job.slot)
+        state.n_kv = 0
+        state.logits = None
+        state.window_from = 0
+        job.emit(error)

@@ -1,0 +1,216 @@
+"""Structured output: a GBNF grammar or a JSON schema, applied as a mask on the logits row.
+
+llguidance compiles a grammar against the model's vocabulary; for every token it says which
+tokens may follow (a bitmask, computed in microseconds, within fuel limits that bound every
+step), and the sampler draws from the row with the others at -inf. Nothing random is added,
+so the same seed gives the same output.
+
+A session's open constraint is a `Constraint`: the grammar's text and the position in the
+history where its output begins. That is all a checkpoint keeps; the matcher is rebuilt by
+replaying `tokens[start:]`, so a restored, forked or resumed session continues within the
+grammar exactly where it was. A constraint closes when its output is complete (an
+end-of-generation token, allowed only once the grammar accepts) and is replaced by the next
+request that gives a prompt or a chat message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import llguidance
+import numpy as np
+import numpy.typing as npt
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from kvkeepd.errors import InvalidRequest, KvkeepError
+from kvkeepd.limits import MAX_GRAMMAR_CHARS
+
+Kind = Literal["gbnf", "json_schema"]
+KINDS: tuple[Kind, ...] = ("gbnf", "json_schema")
+
+# Compact JSON with the usual spaces after separators: a small model left free to choose
+# whitespace may emit it forever. A schema's own "x-guidance" options override these.
+JSON_OPTIONS: llguidance._lib.JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+# Compiled grammars kept for reuse (per tenant: compile times must not tell one tenant
+# which schemas another uses).
+CACHE_ENTRIES = 64
+# A GBNF rule the converter to Lark cannot take: it names root so.
+_GBNF_START = re.compile(r"(?m)^\s*start\s*::=")
+# An error message from the compiler is cut to this many characters.
+MAX_ERROR_CHARS = 600
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request asked its output to match."""
+
+    kind: Kind
+    text: str
+
+    @staticmethod
+    def of(grammar: str, json_schema: str) -> GrammarSpec | None:
+        """The spec of a request's `grammar` and `json_schema` fields (None: neither)."""
+        if grammar and json_schema:
+            raise InvalidRequest("give a grammar or a JSON schema, not both")
+        kind: Kind = "gbnf" if grammar else "json_schema"
+        text = grammar or json_schema
+        if not text:
+            return None
+        if len(text) > MAX_GRAMMAR_CHARS:
+            name = "grammar" if grammar else "JSON schema"
+            raise InvalidRequest(f"the {name} has {len(text)} characters; the limit is {MAX_GRAMMAR_CHARS}")
+        return GrammarSpec(kind, text)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """An open constrained output: its grammar, and the history position where it begins."""
+
+    spec: GrammarSpec
+    start: int
+
+
+def next_constraint(
+    current: Constraint | None, spec: GrammarSpec | None, start: int, continuing: bool
+) -> Constraint | None:
+    """The constraint a request runs under. `start` is where its output begins; `continuing`:
+    the request adds no prompt. Such a request continues the open constraint when it gives
+    no grammar or the same one; anything else starts `spec` afresh (or runs unconstrained)."""
+    if continuing and current is not None and spec in (None, current.spec):
+        return current
+    return Constraint(spec, start) if spec is not None else None
+
+
+class Matcher:
+    """A grammar's state after some output: which tokens may come next. Used by one thread
+    at a time (the engine's, while its generation runs)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, n_vocab: int) -> None:
+        self._m = matcher
+        self._n_vocab = n_vocab
+        self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
+
+    def allowed(self) -> npt.NDArray[np.bool_]:
+        """A boolean row over the vocabulary: True where the token may come next."""
+        self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        self._check()
+        row = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._n_vocab].view(np.bool_)
+        if not row.any():
+            raise KvkeepError("internal: the grammar allows no token")
+        return row
+
+    def consume(self, token: int) -> None:
+        """Advance past `token` (one the last mask allowed)."""
+        self._m.consume_token(token)
+        self._check()
+
+    def _check(self) -> None:
+        if self._m.is_error():
+            # A grammar can meet the engine's limits late (too ambiguous after some output).
+            raise InvalidRequest(f"the grammar could not be followed: {_short(self._m.get_error())}")
+
+
+Tokenizer = Callable[[], Awaitable[llguidance.LLTokenizer]]
+
+
+class Grammars:
+    """Compiles grammars against the model's vocabulary and builds matchers.
+
+    `tokenizer` gives the vocabulary as llguidance sees it (built on first use: it takes a
+    few hundred milliseconds). Compiling runs in a worker thread, never on the event loop or
+    the engine; llguidance's limits bound its time and memory.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, n_vocab: int) -> None:
+        self._make_tokenizer = tokenizer
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = asyncio.Lock()
+        self.n_vocab = n_vocab
+        self._cache: OrderedDict[tuple[str, GrammarSpec], llguidance.LLMatcher] = OrderedDict()
+        self._limits = llguidance.LLParserLimits()
+
+    async def check(self, tenant: str, spec: GrammarSpec) -> None:
+        """Compile `spec` (or find it compiled); InvalidRequest says what is wrong with it."""
+        await self._compiled(tenant, spec)
+
+    async def matcher(self, tenant: str, constraint: Constraint, output: Sequence[int]) -> Matcher:
+        """A matcher for `constraint` after `output` (the history since its start)."""
+        template = await self._compiled(tenant, constraint.spec)
+        tokens = list(output)
+
+        def replay() -> llguidance.LLMatcher:
+            m = template.deep_copy()
+            m.consume_tokens(tokens)
+            return m
+
+        m = await asyncio.to_thread(replay) if tokens else template.deep_copy()
+        if m.is_error():
+            raise InvalidRequest(
+                f"the session's output since position {constraint.start} does not match its grammar; "
+                "give a prompt to continue without it"
+            )
+        return Matcher(m, self.n_vocab)
+
+    async def _compiled(self, tenant: str, spec: GrammarSpec) -> llguidance.LLMatcher:
+        key = (tenant, spec)
+        found = self._cache.get(key)
+        if found is not None:
+            self._cache.move_to_end(key)
+            return found
+        tokenizer = await self._llg_tokenizer()
+        compiled = await asyncio.to_thread(compile_spec, tokenizer, spec, self._limits)
+        self._cache[key] = compiled
+        while len(self._cache) > CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return compiled
+
+    async def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        async with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = await self._make_tokenizer()
+            return self._tokenizer
+
+
+def compile_spec(
+    tokenizer: llguidance.LLTokenizer, spec: GrammarSpec, limits: llguidance.LLParserLimits
+) -> llguidance.LLMatcher:
+    """A fresh matcher for `spec`; InvalidRequest when it does not compile."""
+    name = "grammar" if spec.kind == "gbnf" else "JSON schema"
+    try:
+        if spec.kind == "gbnf":
+            # GBNF is converted to llguidance's Lark syntax, which is also accepted as it is (it
+            # has no "::="; llguidance's own guess, a rule named "start", mistakes GBNF's).
+            if _GBNF_START.search(spec.text):
+                raise ValueError("a GBNF rule may not be named 'start' (the converter's name for root)")
+            lark = gbnf_to_lark(spec.text) if "::=" in spec.text else spec.text
+            definition = llguidance.LLMatcher.grammar_from_lark(lark)
+        else:
+            schema = json.loads(spec.text)
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema must be a JSON object")
+            definition = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=JSON_OPTIONS)
+    except Exception as e:  # the GBNF converter raises bare Exceptions and RecursionError
+        raise InvalidRequest(f"the {name} is invalid: {_short(e)}") from None
+    matcher = llguidance.LLMatcher(tokenizer, definition, log_level=0, limits=limits)
+    if not matcher.is_error():
+        # Some limits are met only by the first mask (a grammar too ambiguous to follow).
+        first = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)
+    if matcher.is_error():
+        raise InvalidRequest(f"the {name} is invalid: {_short(matcher.get_error())}")
+    return matcher
+
+
+def _short(error: object) -> str:
+    text = str(error)
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."

@@ -1,0 +1,269 @@
+"""Generations: a session's computed state, a request to extend it, and the token output.
+
+A `Job` is created on the asyncio side and run by the engine thread, which owns the job's
+`SeqState` while it runs; everything the job produces reaches the asyncio side through its
+`emit` callback, the last `Chunk` carrying the finish reason and usage. The daemon's
+callbacks post to the engine's `Outbox`, which hands a step's output to each event loop in
+one wake-up, as the next decode starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvkeepd.engine.grammar import Matcher
+from kvkeepd.engine.sampling import Logits, SamplingParams, sample, top_logprobs
+from kvkeepd.engine.text import StopMatcher, Utf8Stream
+from kvkeepd.errors import KvkeepError
+from kvkeepd.state import cells as kvstate
+
+log = logging.getLogger(__name__)
+# Epochs of computed states: unique across SeqStates, so none is ever reused.
+_EPOCHS = itertools.count(1)
+
+
+@dataclass
+class SeqState:
+    """A session's computed state.
+
+    Invariant: wherever the session's KV is (a slot, RAM, the store), it holds exactly the
+    state after `tokens[:n_kv]`, and `logits` (when set) is the row the model gave after
+    them. Tokens past n_kv are pending: the last sampled token, or prompt tokens not yet
+    evaluated. `window_from` is the first position whose sliding-window cells are real (a
+    restored session's cells below its window are zeros). While the session is in a slot,
+    only the engine thread writes this; otherwise only the asyncio side does.
+
+    `epoch` changes whenever cells are taken away (n_kv lowered: a cut, a clear, a load),
+    never while cells are only added: at two moments of one epoch, the cells below the
+    smaller n_kv are the same bytes (see Residency.rewind_to).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    n_kv: int = 0
+    logits: Logits | None = None
+    draws: int = 0
+    window_from: int = 0
+    epoch: int = field(default_factory=lambda: next(_EPOCHS))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "n_kv" and isinstance(value, int) and value < getattr(self, "n_kv", 0):
+            object.__setattr__(self, "epoch", next(_EPOCHS))
+        object.__setattr__(self, name, value)
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.n_kv
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    reused_tokens: int = 0
+    evaluated_tokens: int = 0
+    # The history the generation followed (earlier turns and this prompt), in tokens.
+    context_tokens: int = 0
+    # Tokens of earlier turns dropped to make room (the "truncate" context policy).
+    dropped_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    sampled: TokenLogprob
+    top: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One piece of a streamed generation; the last carries finish_reason and usage."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[GeneratedToken, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request to extend a session by `prompt` and generate."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int | None
+    params: SamplingParams
+    stop: tuple[str, ...]
+    logprobs: int = 0
+
+
+class Vocab(Protocol):
+    """What token output needs from the model."""
+
+    def piece(self, token: int, special: bool) -> bytes: ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+
+class Job:
+    """One generation in flight on a slot."""
+
+    def __init__(
+        self,
+        state: SeqState,
+        slot: int,
+        request: GenerationRequest,
+        emit: Callable[[Chunk | BaseException], None],
+    ) -> None:
+        self.state = state
+        self.slot = slot
+        self.request = request
+        self.emit = emit
+        # The open constraint's state (structured output), advanced by every sampled token.
+        self.matcher: Matcher | None = None
+        # Set from the asyncio thread; read by the engine at the start of every step.
+        self.cancelled = False
+        self.generated: list[int] = []
+        self.text = ""
+        self.reused = 0
+        self.evaluated = 0
+        # The recurrent state at the end of the prompt (models with one): a point the
+        # session can later rewind to without evaluating from the start.
+        self.snapshot: kvstate.RecurrentCells | None = None
+        # A cached state of the history's first positions (the prefix cache), loaded into the
+        # slot at the start when it covers more than the slot holds.
+        self.prefix: kvstate.SeqKv | None = None
+        # Where the prefix cache wants the sliding-window and recurrent sections kept (the
+        # last block boundary of the system prompt, for models that have them; 0: nowhere),
+        # and what they were there.
+        self.boundary_at = 0
+        self.boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None
+        self._utf8 = Utf8Stream()
+        self._stop = StopMatcher(request.stop)
+        self._pending_ids: list[int] = []
+        self._pending_logprobs: list[GeneratedToken] = []
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=len(self.request.prompt),
+            generated_tokens=len(self.generated),
+            reused_tokens=self.reused,
+            evaluated_tokens=self.evaluated,
+            context_tokens=len(self.state.tokens) - len(self.generated),
+        )
+
+    def sample(self, row: Logits, vocab: Vocab, ctx_limit: int) -> bool:
+        """Draw the next token from `row`, record and stream it. True when the job ends."""
+        state, req = self.state, self.request
+        try:
+            allowed = self.matcher.allowed() if self.matcher is not None else None
+            token = sample(row, state.tokens, req.params, state.draws, allowed)
+            if self.matcher is not None:
+                self.matcher.consume(token)
+        except KvkeepError as e:  # the grammar met its engine's limits: nothing was added
+            self.emit(e)
+            return True
+        state.draws += 1
+        state.tokens.append(token)
+        self.generated.append(token)
+        eog = vocab.is_eog(token)
+        released = "" if eog else self._stop.feed(self._utf8.feed(vocab.piece(token, False)))
+        self.text += released
+        self._pending_ids.append(token)
+        if req.logprobs > 0:
+            lp, top = top_logprobs(row, token, req.logprobs)
+            text = _text_of(vocab, token)
+            self._pending_logprobs.append(
+                GeneratedToken(
+                    sampled=TokenLogprob(token, text, lp),
+                    top=tuple(TokenLogprob(t, _text_of(vocab, t), v) for t, v in top),
+                )
+            )
+        reason: str | None = None
+        if eog:
+            reason = "eos"
+        elif self._stop.matched:
+            reason = "stop"
+        elif req.max_tokens is not None and len(self.generated) >= req.max_tokens:
+            reason = "length"
+        elif len(state.tokens) >= ctx_limit:
+            reason = "context_full"
+        if reason is not None:
+            self.finish(reason, released)
+            return True
+        self._emit_pending(released)
+        return False
+
+    def finish(self, reason: str, released: str = "") -> None:
+        """Emit the last chunk: what the stop matcher held back (unless a stop matched)."""
+        if reason != "stop":
+            tail = self._stop.feed(self._utf8.flush()) + self._stop.flush()
+            self.text += tail
+            released += tail
+        self._emit_pending(released, reason)
+
+    def _emit_pending(self, text: str, reason: str | None = None) -> None:
+        self.emit(
+            Chunk(
+                text=text,
+                token_ids=tuple(self._pending_ids),
+                logprobs=tuple(self._pending_logprobs),
+                finish_reason=reason,
+                usage=self.usage() if reason else None,
+            )
+        )
+        self._pending_ids = []
+        self._pending_logprobs = []
+
+
+def _text_of(vocab: Vocab, token: int) -> str:
+    return vocab.piece(token, True).decode("utf-8", "replace")
+
+
+class Outbox:
+    """What the engine thread hands to event loops: calls posted during a step, delivered
+    together by `flush`, one `call_soon_threadsafe` per loop.
+
+    The engine flushes once a step's tokens are all sampled, just before it decodes again:
+    the asyncio side then wakes once per step, not once per session, and serves the step's
+    chunks while llama.cpp computes the next one (the decode releases the GIL). Woken
+    earlier, in the middle of the sampling, it would hold the GIL while the engine waits
+    for it at its next ctypes call.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Any], object], Any]]] = {}
+
+    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], object], item: Any) -> None:
+        """Queue `fn(item)` to run on `loop` at the next flush; from any thread."""
+        with self._lock:
+            self._pending.setdefault(loop, []).append((fn, item))
+
+    def flush(self) -> None:
+        """Deliver everything posted so far, in order, per loop."""
+        with self._lock:
+            if not self._pending:
+                return
+            pending, self._pending = self._pending, {}
+        for loop, calls in pending.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, calls)
+            except RuntimeError:  # the loop is closed: nobody waits for these any more
+                log.debug("%d outputs for a closed event loop dropped", len(calls))
+
+
+def _deliver(calls: list[tuple[Callable[[Any], object], Any]]) -> None:
+    for fn, item in calls:
+        fn(item)

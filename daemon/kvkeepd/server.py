@@ -1,0 +1,430 @@
+"""Server bootstrap: engine, session manager, gRPC server with health and reflection,
+signals and an ordered, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from google.protobuf.message_factory import GetMessageClass
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lack it
+from grpc_reflection.v1alpha import reflection
+
+from kvkeepd.api.metrics import serve_metrics
+from kvkeepd.api.service import KvKeepService
+from kvkeepd.api.wire import SERVICE
+from kvkeepd.config.settings import Settings
+from kvkeepd.engine.context import ContextConfig, ModelInfo
+from kvkeepd.engine.engine import Engine
+from kvkeepd.heap import keep_freed_memory
+from kvkeepd.limits import MAX_CONCURRENT_RPCS, MAX_STREAMS_PER_CONNECTION
+from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.sessions.persistence import Stores
+from kvkeepd.sessions.tenants import AuthFileError, Quota, Tenants
+from kvkeepd.storage.blocks import BlockStore, open_durable
+from kvkeepd.storage.blocks.local import LocalBlockStore
+from kvkeepd.storage.blocks.memory import MemoryBlockStore
+from kvkeepd.storage.budget import DiskBudget
+from kvkeepd.storage.catalog import Catalog
+from kvkeepd.storage.catalog.sqlite import SqliteCatalog
+from kvkeepd.storage.checkpoints import CheckpointStore
+from kvkeepd.storage.fingerprints import fingerprint
+from kvkeepd.storage.journal import FileJournal, TurnJournal
+from kvkeepd.storage.statedir import StateDir, fsync_dir
+
+if TYPE_CHECKING:
+    from kvkeepd.api.http.door import HttpDoor
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = SERVICE.full_name
+
+_HANDLERS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def engine_config(settings: Settings) -> ContextConfig:
+    return ContextConfig(
+        model_path=settings.model_path,
+        slots=settings.slots,
+        ctx_per_session=settings.ctx_per_session,
+        batch_size=settings.batch_size,
+        threads=settings.threads,
+        gpu_layers=settings.gpu_layers,
+        kv_type=settings.kv_type,
+        kv_unified=settings.kv_unified,
+        flash_attn=settings.flash_attn,
+        probe_cache=probe_cache(settings),
+    )
+
+
+def probe_cache(settings: Settings) -> Path | None:
+    """The file of the exactness probe's results (see probes.py); None: probe every start."""
+    if settings.probe_cache == "none":
+        return None
+    return Path(settings.probe_cache) if settings.probe_cache else settings.state_dir / "probes.json"
+
+
+def store_key(state_dir: Path) -> bytes:
+    """The store's HMAC key: 32 random bytes in `store.key`, made once, readable by owner only.
+    Daemons that share a store share this file."""
+    path = state_dir / "store.key"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        key = path.read_bytes()
+        if len(key) != 32:
+            raise OSError(f"{path} is not a 32-byte key") from None
+        return key
+    key = secrets.token_bytes(32)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(state_dir)
+    return key
+
+
+def durable_catalog(settings: Settings, state: StateDir, key: bytes) -> Catalog:
+    """sqlite in the state directory, or the shared Redis catalog `--catalog` names (redis-py
+    imported only then). Daemons sharing a catalog must share the store key (`store.key`):
+    one whose key differs stops here, where it would otherwise refuse every manifest."""
+    if not settings.catalog:
+        return SqliteCatalog(state.path / "catalog.db")
+    from kvkeepd.storage.catalog.redis import RedisCatalog
+
+    catalog = RedisCatalog(settings.catalog)
+    key_id = hashlib.blake2b(b"kvkeep store key id", key=key, digest_size=16).hexdigest()
+    if catalog.store_key_id(key_id) != key_id:
+        catalog.close()
+        raise OSError(
+            f"the catalog {catalog.where} holds manifests signed with another store key: copy "
+            f"store.key from a daemon of that deployment into {state.path}"
+        )
+    return catalog
+
+
+def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: str) -> Stores:
+    """durable: the catalog under the state dir (or the shared one `--catalog` names), blocks
+    there too or in the remote store `--store` names; volatile: both in RAM; spill: blocks
+    under the state dir, wiped now, with its catalog in RAM (nothing of it outlives us); the
+    turn journal under the state dir, read back now (torn tail dropped)."""
+    key = store_key(state.path)
+
+    def make(catalog: Catalog, blocks: BlockStore) -> CheckpointStore:
+        return CheckpointStore(
+            catalog,
+            blocks,
+            key,
+            fingerprint=fp,
+            layout=info.layout,
+            block_tokens=settings.block_tokens,
+            codec=settings.codec,
+            n_vocab=info.n_vocab,
+            exact=info.exact,
+        )
+
+    catalog = durable_catalog(settings, state, key)
+    blocks = open_durable(
+        settings.store,
+        state.path / "blocks",
+        s3_endpoint=settings.s3_endpoint,
+        timeout=settings.store_timeout,
+        retries=settings.store_retries,
+        known_bytes=catalog.block_bytes,
+    )
+    durable = make(catalog, blocks)
+    state.wipe_spill()
+    # Ephemeral sessions' catalogs stay local and in RAM whatever the durable one is.
+    spill = make(SqliteCatalog(":memory:"), LocalBlockStore(state.spill))
+    journal = FileJournal(state.path / "journal")
+    disk = DiskBudget(
+        settings.disk_budget,
+        (durable.store.total_bytes, spill.store.total_bytes, durable.catalog.file_bytes, journal.file_bytes),
+        lambda target: durable.sweep(target, used=disk.used),
+    )
+    durable.budget = spill.budget = journal.budget = disk
+    volatile = make(SqliteCatalog(":memory:"), MemoryBlockStore())
+    return Stores(durable=durable, volatile=volatile, spill=spill, disk=disk, journal=journal)
+
+
+def load_tenants(settings: Settings) -> Tenants:
+    """The tenants of the auth file, or the one anonymous tenant; AuthFileError if the file
+    cannot be used."""
+    sessions, parked, stored = settings.quota()
+    default = Quota(max_sessions=sessions, max_parked_bytes=parked, max_stored_bytes=stored)
+    if settings.auth_file is None:
+        return Tenants.anonymous(default)
+    return Tenants.load(settings.auth_file, default)
+
+
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS credentials from the settings' PEM files (mutual TLS with a client CA), or None."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    ca = settings.tls_client_ca.read_bytes() if settings.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+
+
+def add_service(server: grpc.aio.Server, service: KvKeepService) -> None:
+    """Serve each method of the KvKeep service by the service's method of its name, which
+    takes its request's bytes: no deserializer, so that nothing of a request is parsed before
+    its caller is authenticated, and then only within its method's bounds (wire.py)."""
+    handlers = {
+        m.name: _HANDLERS[m.client_streaming, m.server_streaming](
+            getattr(service, m.name), response_serializer=GetMessageClass(m.output_type).SerializeToString
+        )
+        for m in SERVICE.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def build_server(
+    settings: Settings, service: KvKeepService, credentials: grpc.ServerCredentials | None = None
+) -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
+    """A gRPC server with the service, health and reflection, bound but not started.
+
+    Returns (server, health servicer, bound port; 0 for a unix socket).
+    """
+    limit = settings.max_message_bytes
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+            # Dead peers are found (a ping every minute, 20 s to answer) and idle connections
+            # closed after 30 minutes; clients may not ping more often than every 10 s.
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.max_connection_idle_ms", 30 * 60_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 3),
+            # Flow-control windows stay at their default: grown by BDP probing, they let
+            # gRPC buffer megabytes of a slow import's unread chunks per stream (measured:
+            # 10 parallel 150 MB imports grew RSS by 83-305 MiB with it, 29-33 MiB without).
+            ("grpc.http2.bdp_probe", 0),
+        ],
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+    )
+    add_service(server, service)
+    health_servicer = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    if credentials is not None:
+        port = server.add_secure_port(settings.address, credentials)
+    else:
+        port = server.add_insecure_port(settings.address)
+    if port == 0 and not settings.address.startswith("unix:"):
+        raise OSError(f"cannot listen on {settings.address}")
+    return server, health_servicer, port
+
+
+def http_door(settings: Settings, manager: SessionManager) -> HttpDoor:
+    """The OpenAI-compatible HTTP door (imported only when asked for: an optional extra)."""
+    try:
+        from kvkeepd.api.http.door import HttpDoor
+    except ImportError as e:
+        raise OSError(
+            f"--http needs the HTTP extra ({e.name} is missing): pip install 'kvkeep[http]'"
+        ) from None
+    return HttpDoor(settings, manager)
+
+
+class Daemon:
+    """The whole daemon, startable and stoppable from any event loop (tests use this)."""
+
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.engine = Engine(engine_config(settings))
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._health: health_aio.HealthServicer | None = None
+        self._service: KvKeepService | None = None
+        self.manager: SessionManager | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._metrics: Any = None
+        self.metrics_port = 0
+        self._state: StateDir | None = None
+        self._http: HttpDoor | None = None
+        self.http_port = 0
+        self._journal: TurnJournal | None = None
+
+    async def start(self) -> int:
+        """Load the model, start serving, report SERVING. Returns the bound port."""
+        settings = self.settings
+        keep_freed_memory()
+        # File work (hashing the model, opening the catalog and block stores) and loading
+        # the model run in worker threads: the event loop never waits on them. The state
+        # directory is locked before anything in it is touched.
+        state = self._state = await asyncio.to_thread(StateDir.take, settings.state_dir)
+        try:
+            fp = await asyncio.to_thread(fingerprint, settings.model_path, state.path)
+            log.info("loading %s", settings.model_path)
+            info = await asyncio.to_thread(self.engine.start)
+            stores = await asyncio.to_thread(checkpoint_stores, settings, state, info, fp)
+            self._journal = stores.journal
+            orphans = await asyncio.to_thread(stores.durable.remove_orphans)
+            if orphans:
+                log.info("removed %d blocks that no checkpoint was committed for", orphans)
+            await asyncio.to_thread(stores.durable.sweep, settings.disk_budget, stores.disk.used)
+            manager = SessionManager(self.engine, settings, stores, clock=self.clock)
+            await manager.start()
+            self.manager = manager
+            self._sweeper = asyncio.create_task(manager.sweeper.run())
+            if settings.metrics_address:
+                self._metrics = serve_metrics(settings.metrics_address, manager)
+                self.metrics_port = int(self._metrics.server_port)
+            manager.tenants = await asyncio.to_thread(load_tenants, settings)
+            credentials = await asyncio.to_thread(server_credentials, settings)
+            self._service = KvKeepService(manager, str(settings.model_path), fp)
+            # A unix socket is created owner-only: the umask is in force while gRPC binds it.
+            old_umask = os.umask(0o177)
+            try:
+                self._server, self._health, self.port = build_server(settings, self._service, credentials)
+                await self._server.start()
+            finally:
+                os.umask(old_umask)
+            if settings.http_address:
+                self._http = http_door(settings, manager)
+                self.http_port = await self._http.start()
+        except BaseException:
+            if self._server is not None:
+                await self._server.stop(0)
+            if self._journal is not None:
+                self._journal.close()  # on the loop: what it queued goes first
+            await asyncio.to_thread(self.engine.stop)
+            self._release_state()
+            raise
+        if settings.exact and not info.exact:
+            log.warning(
+                "this llama.cpp build evaluates a token alone differently from inside a prompt "
+                "chunk (built with GGML_LLAMAFILE, or a backend whose kernels depend on the batch "
+                "shape): generation is deterministic, but restores by re-evaluation are not "
+                "bit-exact; scripts/setup builds it for the CPU without"
+            )
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "serving %s (%s) on %s: %d slots x %d tokens, %s mode, %s memory; %s",
+            info.description,
+            fp[:12],
+            self.address,
+            settings.slots,
+            info.n_ctx_seq,
+            "exact" if info.exact else "compact",
+            info.memory,
+            info.layout_note,
+        )
+        return self.port
+
+    async def reload_tenants(self) -> None:
+        """Read the auth file again (SIGHUP); a file that cannot be used keeps the old one."""
+        if self.manager is None or self.settings.auth_file is None:
+            return
+        try:
+            tenants = await asyncio.to_thread(load_tenants, self.settings)
+        except AuthFileError as e:
+            log.error("the auth file was not reloaded: %s", e)
+            return
+        self.manager.tenants = tenants
+        log.info("auth file reloaded: %d tenants", len(tenants.names))
+
+    @property
+    def address(self) -> str:
+        if self.settings.address.startswith("unix:"):
+            return self.settings.address
+        return f"{self.settings.address.rsplit(':', 1)[0]}:{self.port}"
+
+    async def stop(self) -> None:
+        """Health NOT_SERVING, refuse new work, drain for the grace period, free the model."""
+        log.info("shutting down")
+        if self._health is not None:
+            # NOT_SERVING for every service, and Watch streams told and ended.
+            await self._health.enter_graceful_shutdown()
+        if self._service is not None:
+            self._service.accepting = False
+        if self._http is not None:
+            self._http.refuse()
+        # Both doors drain at once, within one grace period, before the manager shuts down.
+        stopping = []
+        if self._server is not None:
+            stopping.append(self._server.stop(self.settings.grace_seconds))
+        if self._http is not None:
+            stopping.append(self._http.stop())
+        await asyncio.gather(*stopping)
+        if self._metrics is not None:
+            self._metrics.shutdown()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        if self.manager is not None:
+            await self.manager.shutdown()
+        if self._journal is not None:
+            self._journal.close()  # on the loop: what it queued goes first
+        await asyncio.to_thread(self.engine.stop)
+        self._release_state()
+        log.info("stopped")
+
+    def _release_state(self) -> None:
+        """Wipe the spill area and unlock the state directory (last: until then it is ours)."""
+        if self._state is not None:
+            state, self._state = self._state, None
+            state.wipe_spill()
+            state.release()
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        if self._health is not None:
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, status)
+
+
+async def serve(settings: Settings, ready_file: Path | None = None) -> None:
+    """Run the daemon until SIGTERM/SIGINT, then shut down in order."""
+    daemon = Daemon(settings)
+    port = await daemon.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[None]] = set()
+
+    def reload() -> None:
+        task = loop.create_task(daemon.reload_tenants())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
+    if ready_file is not None:
+        await asyncio.to_thread(ready_file.write_text, f"{port}\n")
+    try:
+        await stop.wait()
+    finally:
+        await daemon.stop()

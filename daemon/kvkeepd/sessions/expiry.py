@@ -1,0 +1,76 @@
+"""The sweeper: idle sessions expire, and RAM and disk are kept within their budgets.
+
+Every `sweep_interval` seconds, one pass runs as an operation (ops.py): sessions idle past
+`--idle-ttl` (ephemeral) or `--persistent-ttl` (persistent) are closed as a client's close
+would; with a shared catalog, persistent sessions that no daemon holds expire there too;
+parked state beyond the RAM budget spills to disk, and unreferenced blocks beyond the disk
+budget are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from kvkeepd.errors import KvkeepError
+
+if TYPE_CHECKING:
+    from kvkeepd.sessions.manager import SessionManager
+
+log = logging.getLogger(__name__)
+
+#: With a shared catalog, the most persistent sessions one sweep deletes there.
+EXPIRED_PER_SWEEP = 100
+
+
+class Sweeper:
+    """Expiry and budget sweeps for a SessionManager."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.m = manager
+
+    async def sweep(self) -> None:
+        """One pass of the sweeper: expire idle sessions, keep RAM and disk within budget."""
+        await self.m.ops.run(self._sweep())
+
+    async def _sweep(self) -> None:
+        m = self.m
+        now = m.clock()
+        for session in list(m.sessions.values()):
+            if session.busy or session.closed:
+                continue
+            ttl = m.settings.persistent_ttl if session.persistent else m.settings.idle_ttl
+            if ttl > 0 and now - session.last_used_at > ttl:
+                log.info(
+                    "session %s expired after %.0f s idle", session.session_id, now - session.last_used_at
+                )
+                await m.close_session(session)
+        if m.shared and m.settings.persistent_ttl > 0:
+            await self._expire_unheld(now - m.settings.persistent_ttl)
+        await m.residency.enforce_ram()
+        await asyncio.to_thread(m.durable.sweep, m.settings.disk_budget, m.stores.disk.used)
+
+    async def _expire_unheld(self, idle_before: float) -> None:
+        """Delete the shared catalog's persistent sessions idle since before `idle_before`
+        that no daemon holds (those held, here or elsewhere, their holder expires). The
+        catalog deletes each once, whichever daemons' sweepers ask."""
+        try:
+            expired = await asyncio.to_thread(
+                self.m.durable.catalog.expire_sessions, idle_before, EXPIRED_PER_SWEEP
+            )
+        except KvkeepError as e:
+            log.warning("idle sessions in the shared catalog were not expired: %s", e)
+            return
+        for session_id in expired:
+            log.info("session %s expired in the shared catalog (idle, held by no daemon)", session_id)
+
+    async def run(self) -> None:
+        """Sweep every `sweep_interval` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(self.m.settings.sweep_interval)
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("the sweeper failed; it will try again")
+            self.m.publish()

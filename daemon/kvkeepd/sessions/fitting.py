@@ -1,0 +1,124 @@
+"""What fits in a session's context: the checks on a turn's prompt and room for its reply,
+and the context policy "truncate", which keeps the system prompt and the most recent whole
+chat turns that fit.
+
+Every check runs before the session's history changes, so a turn refused here leaves the
+session as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, TypeVar
+
+from kvkeepd.engine.job import GenerationRequest
+from kvkeepd.errors import ContextFull, InvalidRequest
+from kvkeepd.sessions.chat import Message, after_prefix
+from kvkeepd.sessions.session import Session
+from kvkeepd.sessions.tokens import Tokenizer
+
+if TYPE_CHECKING:
+    from kvkeepd.sessions.manager import SessionManager
+
+T = TypeVar("T")
+
+# Under the context policy "truncate", a turn without max_tokens keeps room for a reply of
+# at least 1/TRUNCATE_ROOM of the session's context.
+TRUNCATE_ROOM = 4
+
+
+class Fitting:
+    """Context checks and truncation for a SessionManager's generation flows."""
+
+    def __init__(self, manager: SessionManager, tokens: Tokenizer) -> None:
+        self.manager = manager
+        self.tokens = tokens
+
+    def check_prompt(self, request: GenerationRequest) -> None:
+        """InvalidRequest for a prompt over the prompt limit."""
+        limit = self.manager.settings.prompt_limit
+        if len(request.prompt) > limit:
+            raise InvalidRequest(f"the prompt has {len(request.prompt)} tokens; the limit is {limit}")
+
+    def fits(self, n_history: int, request: GenerationRequest, *, truncating: bool = False) -> bool:
+        """Whether a prompt after `n_history` tokens leaves room for the reply: max_tokens,
+        or without it one token (truncating: a quarter of the context, so that a turn after
+        a truncation has room to answer; and the prompt, kept turns and all, within the
+        prompt limit)."""
+        n_ctx, n_prompt = self.manager.model.n_ctx_seq, len(request.prompt)
+        if truncating and n_prompt > self.manager.settings.prompt_limit:
+            return False
+        room = request.max_tokens or (n_ctx // TRUNCATE_ROOM if truncating else 1)
+        return n_history + n_prompt + room <= n_ctx
+
+    def check(self, n_history: int, request: GenerationRequest) -> None:
+        """InvalidRequest for an empty turn with nothing to continue; ContextFull unless
+        the prompt after `n_history` tokens leaves room for the reply (`fits`)."""
+        n_prompt = len(request.prompt)
+        if not n_prompt and not n_history:
+            raise InvalidRequest("the prompt is empty and the session has nothing to continue")
+        if not self.fits(n_history, request):
+            needed = n_history + n_prompt + (request.max_tokens or 1)
+            raise ContextFull(
+                f"history ({n_history}) + prompt ({n_prompt}) + max_tokens "
+                f"({request.max_tokens or 1}) is {needed} tokens; the session's context is "
+                f"{self.manager.model.n_ctx_seq}"
+            )
+
+    async def truncated(
+        self,
+        session: Session,
+        conversation: Sequence[Message],
+        k: int,
+        n_added: int,
+        request: GenerationRequest,
+    ) -> tuple[int, int, list[int]]:
+        """The context policy "truncate": the system prompt (`conversation[:k]`, the history's
+        first `session.system_end` tokens) and the most recent whole turns that fit with room
+        for the reply. Returns the index of the first message kept after the system prompt,
+        where the history is cut, and the tokens that follow (kept turns and new messages).
+        ContextFull if the new messages alone do not fit."""
+        template = self.manager.template
+        assert template is not None
+        history = session.state.tokens[: session.system_end]
+        system_text = await self.tokens.vocab(lambda c: c.detokenize(history, True))
+        head = list(conversation[:k])
+        # A kept part begins with a user message (templates may require roles to alternate),
+        # or with the new messages.
+        last = len(conversation) - n_added
+        starts = [i for i in range(k, last) if conversation[i].role == "user"] + [last]
+
+        async def render(first: int) -> tuple[int, list[int]]:
+            segments = template.render([*head, *conversation[first:]], add_generation_prompt=True)
+            delta = after_prefix(segments, system_text)
+            if delta is not None:
+                return len(history), await self.tokens.segments(delta, first=not history)
+            # A template that renders the system prompt otherwise once turns follow it.
+            full = await self.tokens.segments(segments, first=True)
+            cut = common_prefix(full, history)
+            return cut, full[cut:]
+
+        # The new messages alone must fit; fewer turns never render longer, so the first
+        # start that fits is found by bisection.
+        lo, hi = 0, len(starts) - 1
+        best = (starts[hi], *await render(starts[hi]))
+        self.check(best[1], replace(request, prompt=tuple(best[2])))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            cut, tokens = await render(starts[mid])
+            if self.fits(cut, replace(request, prompt=tuple(tokens)), truncating=True):
+                best, hi = (starts[mid], cut, tokens), mid
+            else:
+                lo = mid + 1
+        return best
+
+
+def common_prefix(a: Sequence[T], b: Sequence[T]) -> int:
+    """How many items a and b have in common from the start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,375 @@
+"""Generation flows: raw continuation and chat turns, from a request to streamed chunks.
+
+Both run inside an operation holding the session's lock: the prompt is tokenized (chat:
+through the model's template, message content never parsed for control tokens), checked
+against the context, the session is given a slot, and one engine job streams the reply.
+A persistent session's turn is recorded in the journal before the last chunk goes out, so
+a client that saw the end of a generation can rely on it surviving a crash; its KV blocks
+are saved (a new head) only once the turns since the last head add `--head-interval`
+tokens, or a turn truncates the conversation. Tokenizing is tokens.py's; what fits in the
+context, and truncation, fitting.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from kvkeepd.engine.grammar import Constraint, GrammarSpec, next_constraint
+from kvkeepd.engine.job import Chunk, GenerationRequest, Job
+from kvkeepd.errors import ContextFull, InvalidRequest, KvkeepError
+from kvkeepd.limits import MAX_LOGPROBS, MAX_MESSAGES, MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from kvkeepd.sessions import ops
+from kvkeepd.sessions.chat import ROLES, ChatMessage, Message, after_prefix
+from kvkeepd.sessions.fitting import Fitting, common_prefix
+from kvkeepd.sessions.session import SamplingOverrides, Session
+from kvkeepd.sessions.tokens import Tokenizer
+
+if TYPE_CHECKING:
+    from kvkeepd.sessions.manager import SessionManager
+
+
+Put = Callable[[Chunk], None]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What every generation request says besides its prompt."""
+
+    max_tokens: int | None = None
+    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
+    stop: Sequence[str] = ()
+    logprobs: int = 0
+    # Structured output: a GBNF grammar or a JSON schema (text), at most one of them.
+    grammar: str = ""
+    json_schema: str = ""
+
+
+class Conversations:
+    """Runs generations for a SessionManager."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.manager = manager
+        self.tokens = Tokenizer(manager)
+        self.fit = Fitting(manager, self.tokens)
+        self.tokens_reused = 0
+
+    async def generate(
+        self,
+        session: Session,
+        put: Put,
+        *,
+        prompt: str,
+        prompt_token_ids: Sequence[int],
+        parse_special: bool,
+        turn: Turn,
+    ) -> None:
+        """Extend the session by a prompt (text or token ids) and stream the continuation."""
+        if prompt and prompt_token_ids:
+            raise InvalidRequest("give the prompt as text or as token ids, not both")
+        n_vocab = self.manager.model.n_vocab
+        bad = next((t for t in prompt_token_ids if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
+        self.tokens.check_bytes(prompt, "prompt")
+        request = self._request(session, turn)
+        spec = await self._grammar(session, turn)
+        async with self.manager.use(session):
+            # The slot first: waiting for it may be cut short, and nothing has changed yet.
+            slot = await self.manager.residency.into_slot(session)
+            if prompt:
+                tokens = await self.tokens.tokenize(
+                    prompt, first=not session.state.tokens, parse_special=parse_special
+                )
+            else:
+                tokens = list(prompt_token_ids)
+            request = replace(request, prompt=tuple(tokens))
+            self.fit.check_prompt(request)
+            n_history = len(session.state.tokens)
+            if session.context_policy == "truncate" and not self.fit.fits(n_history, request):
+                raise ContextFull(
+                    f"history ({n_history}) + prompt ({len(tokens)}) + max_tokens is beyond the session's "
+                    f"context of {self.manager.model.n_ctx_seq}: the context policy truncate drops whole "
+                    "chat turns (Chat), not raw text (Generate); rewind the session or chat"
+                )
+            self.fit.check(n_history, request)
+            start = len(session.state.tokens) + len(tokens)
+            constraint = next_constraint(session.constraint, spec, start, continuing=not tokens)
+            reply = None
+            if constraint is not None and constraint is session.constraint and session.messages:
+                last = session.messages[-1]
+                # Continuing a chat reply cut short within its grammar: the text joins that reply.
+                reply = last if last.role == "assistant" and last.start == constraint.start else None
+            await self._run(session, slot, request, put, reply, constraint)
+
+    async def chat(self, session: Session, put: Put, *, message: str, turn: Turn) -> None:
+        """Add a user message through the chat template and stream the assistant's reply."""
+        if not message:
+            raise InvalidRequest("the message is empty")
+        await self.converse(session, put, messages=[Message("user", message)], whole=False, turn=turn)
+
+    async def converse(
+        self, session: Session, put: Put, *, messages: Sequence[Message], whole: bool, turn: Turn
+    ) -> None:
+        """Add messages (any roles) through the chat template and stream the assistant's reply.
+
+        With `whole`, `messages` is the whole conversation: the session keeps the part of
+        its history that matches it (token by token) and evaluates only the rest.
+        """
+        template = self.manager.template
+        assert template is not None
+        check_messages(messages)
+        for given in messages:
+            self.tokens.check_bytes(given.content, "message")
+        request = self._request(session, turn)
+        spec = await self._grammar(session, turn)
+        async with self.manager.use(session):
+            slot = await self.manager.residency.into_slot(session)
+            state = session.state
+            held = [Message(m.role, m.content) for m in session.messages]
+            # The session's messages that the conversation keeps, and those it adds.
+            if whole:
+                n_same = common_prefix(held, messages)
+                conversation, added = list(messages), list(messages[n_same:])
+            else:
+                n_same = len(held)
+                conversation, added = [*held, *messages], list(messages)
+            if not added:
+                raise InvalidRequest("the conversation adds no message to what the session holds")
+            segments = template.render(conversation, add_generation_prompt=True)
+            history = list(state.tokens)
+            history_text = await self.tokens.vocab(lambda c: c.detokenize(history, True))
+            delta = after_prefix(segments, history_text) if n_same == len(held) else None
+            if delta is not None:
+                tokens = await self.tokens.segments(delta, first=not state.tokens)
+                start = len(state.tokens)
+            else:
+                # The history is not a prefix of the rendered conversation (raw generation, a
+                # stop string left text the template does not have, or another conversation):
+                # keep what matches.
+                full = await self.tokens.segments(segments, first=True)
+                start = common_prefix(full, state.tokens)
+                tokens = full[start:]
+            request = replace(request, prompt=tuple(tokens))
+            truncated, dropped = False, 0
+            old_tokens, old_messages = state.tokens, session.messages
+            if session.context_policy == "truncate" and not self.fit.fits(start, request, truncating=True):
+                # Earlier turns make way; everything is decided before the history changes.
+                k = sum(1 for m in session.messages[:n_same] if m.start < session.system_end)
+                # A whole conversation may be cut anywhere before its newest turn (the messages
+                # after its last reply); otherwise only before the messages this request adds.
+                n_new = len(added)
+                if whole:
+                    n_new = next((i for i, m in enumerate(reversed(added)) if m.role == "assistant"), n_new)
+                first, cut, kept_tokens = await self.fit.truncated(
+                    session, conversation, k, max(n_new, 1), request
+                )
+                if first > k:
+                    truncated = True
+                    # Kept to put back if the turn fails once the history has changed.
+                    old_tokens, old_messages = list(state.tokens), [replace(m) for m in session.messages]
+                    # How much shorter the context is than it would have been.
+                    dropped = max(start + len(tokens) - cut - len(kept_tokens), 0)
+                    start, tokens, added, n_same = cut, kept_tokens, conversation[first:], k
+                    request = replace(request, prompt=tuple(tokens))
+            self.fit.check_prompt(request)
+            self.fit.check(start, request)
+            if start < len(state.tokens):
+                await self._check_stored(session)
+                await self.manager.residency.truncate(session, start)
+            kept = session.messages[:n_same]
+            for m in kept:
+                m.start = min(m.start, start)
+            reply = ChatMessage("assistant", "", len(state.tokens) + len(tokens))
+            constraint = next_constraint(None, spec, reply.start, continuing=False)
+            session.messages = [*kept, *(ChatMessage(m.role, m.content, start) for m in added), reply]
+            if truncated:
+                session.truncations += 1
+                session.dropped_tokens += dropped
+            try:
+                await self._run(session, slot, request, put, reply, constraint, dropped)
+            except BaseException:
+                if len(state.tokens) <= start:  # nothing was added: neither are messages
+                    session.messages = kept
+                    if truncated:
+                        session.truncations -= 1
+                        session.dropped_tokens -= dropped
+                        await self._untruncate(session, old_tokens, old_messages)
+                raise
+
+    async def _untruncate(self, session: Session, history: list[int], messages: list[ChatMessage]) -> None:
+        """Put back the history a truncating turn dropped, as tokens to evaluate again (the
+        state keeps covering its first n_kv tokens); on the engine thread, which owns the
+        state of a session in a slot."""
+        state = session.state
+        await asyncio.wrap_future(
+            self.manager.engine.call(lambda _: state.tokens.extend(history[len(state.tokens) :]))
+        )
+        session.messages = messages
+
+    async def _run(
+        self,
+        session: Session,
+        slot: int,
+        request: GenerationRequest,
+        put: Put,
+        reply: ChatMessage | None = None,
+        constraint: Constraint | None = None,
+        dropped: int = 0,
+    ) -> None:
+        """Run one generation on a session in `slot`, whose lock the caller holds, under
+        `constraint` (structured output) when there is one; `dropped` tokens of earlier
+        turns made room for it (reported in its usage)."""
+        manager = self.manager
+        await self._check_stored(session)
+        matcher = None
+        if constraint is not None:
+            output = session.state.tokens[constraint.start :]
+            matcher = await manager.grammars.matcher(session.tenant, constraint, output)
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
+
+        outbox = manager.engine.outbox
+
+        def emit(item: Chunk | BaseException) -> None:
+            outbox.post(loop, items.put_nowait, item)
+
+        job = Job(session.state, slot, request, emit)
+        job.matcher = matcher
+        job.prefix = await manager.prefixes.find(session, [*session.state.tokens, *request.prompt])
+        job.boundary_at = manager.prefixes.boundary_for(session)
+        session.job = job
+        before, previous = len(session.state.tokens), session.constraint
+        draws_before = session.state.draws
+        reply_before = reply.content if reply is not None else ""
+        session.constraint = constraint
+        manager.touch(session)
+        manager.engine.submit(job)
+        # A client that leaves stops the job within one step; the job's end is awaited all
+        # the same, so the session's history is settled before anything else touches it.
+        ops.current().on_abandon(lambda: setattr(job, "cancelled", True))
+        try:
+            while True:
+                item = await items.get()
+                # Chunks that queued up while the client was being served go out as one.
+                while isinstance(item, Chunk) and item.finish_reason is None and not items.empty():
+                    following = items.get_nowait()
+                    if not isinstance(following, Chunk):
+                        raise following
+                    item = _merge(item, following)
+                if isinstance(item, BaseException):
+                    raise item
+                if reply is not None:
+                    reply.content += item.text
+                if item.finish_reason is not None:
+                    session.job = None
+                    if item.usage is not None and dropped:
+                        item = replace(item, usage=replace(item.usage, dropped_tokens=dropped))
+                    if item.finish_reason == "eos":
+                        # Allowed only once a grammar accepts: the constrained output is whole.
+                        session.constraint = None
+                    if item.usage is not None:
+                        self.tokens_reused += item.usage.reused_tokens
+                        usage = manager.residency.usage[session.tenant]
+                        usage.tokens_reused += item.usage.reused_tokens
+                        usage.tokens_evaluated += item.usage.evaluated_tokens
+                        usage.tokens_generated += item.usage.generated_tokens
+                    session.keep_snapshot(job.snapshot)
+                    if job.boundary is not None:
+                        session.boundary = job.boundary
+                    if session.persistent:
+                        await self._save_turn(session, before, draws_before, truncated=dropped > 0)
+                put(item)
+                if item.finish_reason is not None:
+                    return
+        except BaseException:
+            if len(session.state.tokens) == before:  # nothing was added (or it was undone)
+                session.constraint = previous
+                if reply is not None:
+                    reply.content = reply_before
+            raise
+        finally:
+            session.job = None
+
+    async def _check_stored(self, session: Session) -> None:
+        """A persistent session's autosave would store more: refused before anything changes."""
+        if session.persistent:
+            await self.manager.persistence.check_stored(self.manager.tenants.get(session.tenant))
+
+    async def _save_turn(
+        self, session: Session, n_before: int, draws_before: int, *, truncated: bool
+    ) -> None:
+        """Make a persistent session's turn durable, or undo the turn: a client told that
+        its request failed may send it again without finding the first reply in the history.
+
+        Durable is a journal record, or a new head where a crash would otherwise evaluate
+        more than `--head-interval` tokens again: the tokens since the head, or the whole
+        history after a truncation (its kept turns moved). Such turns evaluated at least
+        that many tokens, so the head's cost is small beside theirs."""
+        persistence = self.manager.persistence
+        due = len(session.state.tokens) - session.head_n_kv >= self.manager.settings.head_interval
+        # The journal is this machine's file: on a shared catalog another daemon continues
+        # the session from its head alone, so every turn saves one.
+        due = due or persistence.durable.catalog.shared
+        try:
+            if due or truncated:
+                await persistence.save_head(session)
+            else:
+                await persistence.record_turn(session)
+        except KvkeepError as e:
+            await self.manager.residency.truncate(session, n_before)
+            # The sampler's position too: the same request sent again draws the same tokens.
+            session.state.draws = draws_before
+            undone = "the reply was not kept: the session is as it was before this request"
+            raise type(e)(f"{e}; {undone}") from None
+
+    def _request(self, session: Session, turn: Turn) -> GenerationRequest:
+        if turn.max_tokens is not None and turn.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be > 0, got {turn.max_tokens}")
+        if not 0 <= turn.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {turn.logprobs}")
+        return GenerationRequest(
+            prompt=(),
+            max_tokens=turn.max_tokens,
+            params=turn.sampling.apply(session.params),
+            stop=session.stop + check_stop(turn.stop),
+            logprobs=turn.logprobs,
+        )
+
+    async def _grammar(self, session: Session, turn: Turn) -> GrammarSpec | None:
+        """The request's grammar, compiled (or found compiled): refused before any wait."""
+        spec = GrammarSpec.of(turn.grammar, turn.json_schema)
+        if spec is not None:
+            await self.manager.grammars.check(session.tenant, spec)
+        return spec
+
+
+def _merge(a: Chunk, b: Chunk) -> Chunk:
+    """One chunk for two consecutive ones; the later one's end and usage are kept."""
+    return Chunk(
+        text=a.text + b.text,
+        token_ids=a.token_ids + b.token_ids,
+        logprobs=a.logprobs + b.logprobs,
+        finish_reason=b.finish_reason,
+        usage=b.usage,
+    )
+
+
+def check_stop(stop: Sequence[str]) -> tuple[str, ...]:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for s in stop:
+        if not s or len(s) > MAX_STOP_LENGTH:
+            raise InvalidRequest(f"stop strings must have 1 to {MAX_STOP_LENGTH} characters")
+    return tuple(stop)
+
+
+def check_messages(messages: Sequence[Message]) -> None:
+    """InvalidRequest unless there are not too many messages, each of a known role."""
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} messages, got {len(messages)}")
+    for m in messages:
+        if m.role not in ROLES:
+            raise InvalidRequest(f"a message's role must be one of {', '.join(ROLES)}, not {m.role[:40]!r}")

@@ -1,0 +1,459 @@
+"""SessionManager: the registry of sessions and the flows of the RPCs that act on them.
+
+Every flow runs as an operation that finishes once started (ops.py): a client that gives
+up stops waiting, not the work. One operation at a time acts on a session (its lock); a
+second one waits its turn. Where a session's state lives is the Residency's (sessions/residency.py);
+saving and finding checkpoints is the Persistence's; taking sessions over from a shared
+catalog and handing them to other daemons is the Handover's (handover.py); the flows of
+generation and of checkpoints are in generation.py and checkpointing.py; expiry and the
+budgets' sweeps in expiry.py; the counters and the invariant in census.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
+
+from kvkeepd.config.settings import Settings
+from kvkeepd.engine.context import ModelInfo
+from kvkeepd.engine.engine import Engine
+from kvkeepd.engine.grammar import Grammars
+from kvkeepd.engine.job import Chunk
+from kvkeepd.engine.sampling import MAX_SEED, SamplingParams
+from kvkeepd.errors import (
+    Busy,
+    ContextFull,
+    InvalidRequest,
+    KvkeepError,
+    NoChatTemplate,
+    NotFound,
+    SessionElsewhere,
+)
+from kvkeepd.limits import CONTEXT_POLICIES
+from kvkeepd.sessions import census
+from kvkeepd.sessions import ops as opsmod
+from kvkeepd.sessions.chat import ChatMessage, ChatTemplate, Message
+from kvkeepd.sessions.checkpointing import Checkpointing
+from kvkeepd.sessions.expiry import Sweeper
+from kvkeepd.sessions.generation import Conversations, Turn, check_stop
+from kvkeepd.sessions.handover import Handover
+from kvkeepd.sessions.persistence import Persistence, Stores
+from kvkeepd.sessions.prefix import PrefixCache
+from kvkeepd.sessions.residency import Residency
+from kvkeepd.sessions.session import Counters, SamplingOverrides, Session
+from kvkeepd.sessions.tenants import Tenant, Tenants, session_salt
+from kvkeepd.state.manifest import Snapshot
+from kvkeepd.storage.catalog import ListedSession
+
+log = logging.getLogger(__name__)
+
+_SESSION_ID = re.compile(r"^s_[0-9a-f]{24}$")
+#: With a shared catalog, the most persistent sessions a listing reports from it (the most
+#: recently used: ListSessions has no paging).
+LISTED_FROM_CATALOG = 1000
+
+
+@dataclass(frozen=True)
+class SessionView:
+    """What the RPCs report of a session."""
+
+    session: Session
+    n_tokens: int
+    tier: str
+    n_checkpoints: int
+
+
+class SessionManager:
+    """Owns every session. Built with the started engine, the settings, the checkpoint
+    stores and a clock (tests inject one to drive expiry)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: Settings,
+        stores: Stores,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if engine.info is None:
+            raise ValueError("the engine must be started before the session manager")
+        self.engine = engine
+        self.model: ModelInfo = engine.info
+        self.settings = settings
+        self.stores = stores
+        self.durable = stores.durable
+        self.clock = clock
+        self.sessions: dict[str, Session] = {}
+        self.ops = opsmod.Ops(on_idle=self._on_idle)
+        self.persistence = Persistence(stores, settings, lambda: self.clock())
+        self.residency = Residency(
+            engine,
+            settings,
+            stores.durable,
+            stores.spill,
+            self.persistence.save_head,
+            volatile=stores.volatile,
+            disk=stores.disk,
+        )
+        self.persistence.residency = self.residency
+        self.conversations = Conversations(self)
+        self.checkpoints = Checkpointing(self)
+        self.prefixes = PrefixCache(self)
+        self.grammars = Grammars(
+            # Reads the vocabulary only: built in a worker thread, beside the engine's steps.
+            lambda: asyncio.to_thread(engine.read_vocab, lambda c: c.grammar_tokenizer()),
+            self.model.n_vocab,
+        )
+        # Who may call, and their quotas; replaced as a whole when the auth file is read again.
+        self.tenants = Tenants.anonymous()
+        self.residency.parked_quota = lambda name: self.tenants.get(name).quota.max_parked_bytes
+        self.template: ChatTemplate | None = None
+        self.counters = Counters()
+        self.invariant_violations = 0
+        # Persistent sessions of the catalog that were not loaded at start (census.problems).
+        self.unloaded: set[str] = set()
+        # A shared catalog: sessions are found in it on demand, one lookup at a time.
+        self.shared = self.durable.catalog.shared
+        self.leases = self.persistence.leases
+        self.handover = Handover(self)
+        self.sweeper = Sweeper(self)
+
+    async def start(self) -> None:
+        """Finish set-up: the template's BOS/EOS text, and persistent sessions from disk."""
+        if self.model.chat_template:
+            bos, eos = await asyncio.wrap_future(
+                self.engine.call(
+                    lambda e: (
+                        e.ctx.detokenize([self.model.bos_token], True),
+                        e.ctx.detokenize([self.model.eos_token], True),
+                    )
+                )
+            )
+            self.template = ChatTemplate(self.model.chat_template, bos, eos)
+        if self.shared:
+            # Other daemons' sessions are theirs until asked for (find).
+            self.handover.start()
+            self.publish()
+            return
+        loaded = await asyncio.to_thread(self.persistence.load_persistent, self.restored_session)
+        for session, where in loaded:
+            self.sessions[session.session_id] = session
+            self.residency.add(session, where)
+        known = {s.session_id for s, _ in loaded}
+        sessions = await asyncio.to_thread(self.durable.catalog.sessions)
+        self.unloaded = {sid for sid, _, _ in sessions if sid not in known}
+        # Sessions that continue from a journal record are the ones with turns since their head.
+        replayed = {s.session_id for s, _ in loaded if s.dirty}
+        self.persistence.drop_stale_records(replayed, {sid for sid, _, _ in sessions})
+        if loaded:
+            log.info("loaded %d persistent sessions", len(loaded))
+        self.publish()
+
+    def restored_session(self, snap: Snapshot, session_id: str) -> Session:
+        """A persistent session as its head's snapshot describes it."""
+        return Session(
+            session_id,
+            True,
+            snap.params,
+            snap.stop,
+            snap.created_at,
+            snap.saved_at,
+            tenant=snap.tenant,
+            salt=bytes.fromhex(snap.salt),
+        )
+
+    async def shutdown(self) -> None:
+        """Let running operations end, then save every persistent session that changed."""
+        if not await self.ops.settle(self.settings.grace_seconds + 5):
+            log.warning("%d operations still running at shutdown", self.ops.running)
+        for session in list(self.sessions.values()):
+            if session.persistent and session.dirty and not session.closed:
+                try:
+                    await self.ops.run(self._save(session))
+                except KvkeepError as e:
+                    log.error("session %s was not saved at shutdown: %s", session.session_id, e)
+        await self.handover.stop()
+
+    async def _save(self, session: Session) -> None:
+        async with self.use(session):
+            await self.persistence.save_head(session)
+
+    @contextlib.asynccontextmanager
+    async def use(self, session: Session) -> AsyncIterator[None]:
+        """Hold a session's lock (waiting for it may be cut short), and check it is open."""
+        async with opsmod.current().waiting():
+            await session.lock.acquire()
+        try:
+            if session.closed:
+                raise self._gone(session)
+            yield
+        finally:
+            session.lock.release()
+            # The session may now give its slot up to a request waiting for one.
+            self.residency.slot_freed()
+            self.publish()
+
+    @staticmethod
+    def _gone(session: Session) -> KvkeepError:
+        if session.moved:
+            return SessionElsewhere(f"session {session.session_id} moved to another daemon; retry", 100)
+        return NotFound(f"no session {session.session_id}")
+
+    # ---- registry ----------------------------------------------------------------------------
+
+    def get(self, session_id: str, tenant: Tenant) -> Session:
+        """The tenant's open session with this id; InvalidRequest if malformed, NotFound if
+        unknown, closed or another tenant's (the same answer, by the same path)."""
+        if not _SESSION_ID.match(session_id):
+            raise InvalidRequest(f"malformed session id: {session_id[:80]!r}")
+        session = self.sessions.get(session_id)
+        if session is None or session.closed or session.tenant != tenant.name:
+            raise NotFound(f"no session {session_id}")
+        return session
+
+    async def find(self, session_id: str, tenant: Tenant) -> Session:
+        """The tenant's session, as `get` finds it; with a shared catalog, a persistent
+        session this daemon does not hold is looked up there and taken over (its lease
+        first, then its head): SessionElsewhere while another daemon holds it."""
+        try:
+            return self.get(session_id, tenant)
+        except NotFound:
+            if not self.shared:
+                raise
+        return await self.ops.run(self.handover.take_over(session_id, tenant))
+
+    async def view(self, session: Session) -> SessionView:
+        """The session as the RPCs report it; NotFound if it was closed meanwhile, and
+        SessionElsewhere if it was handed over or dropped to another daemon meanwhile."""
+        views = await self.views([session])
+        if not views:
+            raise self._gone(session)
+        return views[0]
+
+    async def views(self, sessions: Sequence[Session]) -> list[SessionView]:
+        """Sessions as the RPCs report them (those still registered)."""
+        ids = [s.session_id for s in sessions]
+
+        def counts() -> dict[str, int]:
+            out = self.durable.catalog.counts(ids)
+            out.update(self.stores.volatile.catalog.counts(ids))
+            return out
+
+        n = await asyncio.to_thread(counts)
+        return [
+            SessionView(s, len(s.state.tokens), self.residency.tier(s), n.get(s.session_id, 0))
+            for s in sessions
+            if s.session_id in self.sessions
+        ]
+
+    async def listing(self, tenant: Tenant) -> tuple[list[SessionView], list[ListedSession]]:
+        """The tenant's sessions as ListSessions reports them: those this daemon holds (as
+        they are now) and, with a shared catalog, its persistent sessions that another daemon
+        holds or none does (as the catalog has them: their heads)."""
+        views = await self.views(self.owned(tenant))
+        if not self.shared:
+            return views, []
+        rows = await asyncio.to_thread(self.durable.catalog.tenant_sessions, tenant.name, LISTED_FROM_CATALOG)
+        here = {v.session.session_id for v in views}
+        return views, [r for r in rows if r.session_id not in here]
+
+    def owned(self, tenant: Tenant) -> list[Session]:
+        """The tenant's open sessions, oldest first."""
+        mine = [s for s in self.sessions.values() if s.tenant == tenant.name and not s.closed]
+        return sorted(mine, key=lambda s: s.created_at)
+
+    async def create(
+        self,
+        tenant: Tenant,
+        system_prompt: str,
+        sampling: SamplingOverrides,
+        stop: Sequence[str],
+        persistent: bool,
+        cache_salt: bytes = b"",
+        context_policy: str = "",
+    ) -> Session:
+        """A new session; its system prompt is rendered now and evaluated on first use."""
+        policy = context_policy or "error"
+        if policy not in CONTEXT_POLICIES:
+            raise InvalidRequest(
+                f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, not {context_policy[:40]!r}"
+            )
+        seed = sampling.seed if sampling.seed is not None else secrets.randbelow(MAX_SEED + 1)
+        params = replace(sampling, seed=seed).apply(SamplingParams())
+        salt = session_salt(tenant, cache_salt)
+        now = self.clock()
+        session = Session(
+            "s_" + secrets.token_hex(12),
+            persistent,
+            params,
+            check_stop(stop),
+            now,
+            now,
+            tenant=tenant.name,
+            salt=salt,
+            context_policy=policy,
+        )
+        return await self.ops.run(self._create(tenant, session, system_prompt))
+
+    def check_quota(self, tenant: Tenant) -> None:
+        """Busy when the tenant holds as many sessions as its quota allows."""
+        limit = tenant.quota.max_sessions
+        if limit and len(self.owned(tenant)) >= limit:
+            raise Busy(f"the tenant's quota of {limit} sessions is reached: close one first")
+
+    async def _create(self, tenant: Tenant, session: Session, system_prompt: str) -> Session:
+        self.check_quota(tenant)
+        if system_prompt:
+            tokens = await self.conversations.tokens.system(system_prompt)
+            if len(tokens) >= self.model.n_ctx_seq:
+                raise ContextFull(
+                    f"the system prompt has {len(tokens)} tokens; the session's context holds "
+                    f"{self.model.n_ctx_seq}"
+                )
+            session.state.tokens = tokens
+            session.system_end = len(tokens)
+            session.messages.append(ChatMessage("system", system_prompt, 0))
+        self.residency.add(session)
+        if session.persistent:
+            try:
+                await self.persistence.check_disk()
+                await self.persistence.check_stored(tenant)
+                await self.persistence.save_head(session)
+            except BaseException:
+                await self.residency.forget(session)
+                await self.leases.release(session.session_id)
+                raise
+        self.sessions[session.session_id] = session
+        self.publish()
+        return session
+
+    async def close(self, session_id: str, tenant: Tenant) -> None:
+        """Stop the session's generation if any, forget its head and checkpoints, free its
+        state. All or nothing: the catalog transaction is the commit point."""
+        session = await self.find(session_id, tenant)
+        await self.ops.run(self.close_session(session))
+
+    async def close_session(self, session: Session) -> None:
+        """Close a session already found (`close`, and expiry: see expiry.py)."""
+        if session.job is not None:
+            session.job.cancelled = True
+        async with self.use(session):
+            await self.persistence.delete_session(session)
+            session.closed = True
+            self.sessions.pop(session.session_id, None)
+            await self.residency.forget(session)
+
+    async def rewind(self, session_id: str, tenant: Tenant, n_tokens: int) -> Session:
+        """Keep the first n_tokens tokens of history; the session continues from there."""
+        session = await self.find(session_id, tenant)
+        return await self.ops.run(self._rewind(session, n_tokens))
+
+    async def _rewind(self, session: Session, n_tokens: int) -> Session:
+        async with self.use(session):
+            if not 0 <= n_tokens <= len(session.state.tokens):
+                raise InvalidRequest(f"n_tokens must be in [0, {len(session.state.tokens)}], got {n_tokens}")
+            await self.residency.truncate(session, n_tokens)
+            session.messages = [m for m in session.messages if m.start < n_tokens]
+            self.touch(session)
+            if session.persistent:
+                await self.persistence.save_head(session)
+        return session
+
+    def touch(self, session: Session) -> None:
+        session.last_used_at = self.clock()
+        session.dirty = True
+
+    # ---- generation --------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        session_id: str,
+        tenant: Tenant,
+        *,
+        prompt: str,
+        prompt_token_ids: Sequence[int],
+        parse_special: bool,
+        turn: Turn,
+    ) -> AsyncIterator[Chunk]:
+        """Extend the session by a prompt (text or token ids) and stream the continuation."""
+        session = await self.find(session_id, tenant)
+        stream: AsyncIterator[Chunk] = self.ops.stream(
+            lambda put: self.conversations.generate(
+                session,
+                put,
+                prompt=prompt,
+                prompt_token_ids=prompt_token_ids,
+                parse_special=parse_special,
+                turn=turn,
+            )
+        )
+        async for chunk in stream:
+            yield chunk
+
+    async def chat(
+        self, session_id: str, tenant: Tenant, *, message: str, turn: Turn
+    ) -> AsyncIterator[Chunk]:
+        """Add a user message through the chat template and stream the assistant's reply."""
+        if self.template is None:
+            self.get(session_id, tenant)  # an unknown session is NotFound first
+            raise NoChatTemplate("the model has no chat template; use Generate")
+        session = await self.find(session_id, tenant)
+        stream: AsyncIterator[Chunk] = self.ops.stream(
+            lambda put: self.conversations.chat(session, put, message=message, turn=turn)
+        )
+        async for chunk in stream:
+            yield chunk
+
+    async def converse(
+        self, session_id: str, tenant: Tenant, *, messages: Sequence[Message], whole: bool, turn: Turn
+    ) -> AsyncIterator[Chunk]:
+        """Add messages of any roles through the chat template and stream the assistant's
+        reply; with `whole`, the messages are the whole conversation and the session keeps
+        what of its history matches them."""
+        if self.template is None:
+            self.get(session_id, tenant)
+            raise NoChatTemplate("the model has no chat template; use Generate")
+        session = await self.find(session_id, tenant)
+        stream: AsyncIterator[Chunk] = self.ops.stream(
+            lambda put: self.conversations.converse(session, put, messages=messages, whole=whole, turn=turn)
+        )
+        async for chunk in stream:
+            yield chunk
+
+    # ---- counters, invariants (census.py) ---------------------------------------------
+
+    def tenant_counters(self, tenant: Tenant) -> Counters:
+        """The counters of one tenant's sessions and requests (GetInfo shows a caller its own)."""
+        return census.tenant_counters(self, tenant)
+
+    def publish(self) -> Counters:
+        """Recompute the counters; the metrics thread reads the last value published."""
+        self.counters = census.counters(self)
+        return self.counters
+
+    async def check_invariant(self, deep: bool = True) -> list[str]:
+        """Everything that should agree and does not (census.problems). Meaningful when no
+        operation runs."""
+        return await census.problems(self, deep)
+
+    async def settle(self) -> None:
+        """Wait until no operation runs (tests, before an invariant check)."""
+        await self.ops.settle()
+
+    def _on_idle(self) -> None:
+        if self.settings.check_invariants:
+            asyncio.get_running_loop().create_task(self._debug_check())
+
+    async def _debug_check(self) -> None:
+        if self.ops.running:
+            return
+        # Positions only: parsing every slot's state whenever the daemon goes idle costs
+        # more than the requests it follows.
+        for problem in await self.check_invariant(deep=False):
+            self.invariant_violations += 1
+            log.error("invariant violated: %s", problem)

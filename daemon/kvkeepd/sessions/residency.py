@@ -1,0 +1,562 @@
+"""Residency: where each session's computed state lives, and the only code that moves it.
+
+A session's state is in exactly one place, one `Placement` value:
+
+- `InSlot`: in an engine slot (hot);
+- `Parked`: parsed and checked, in RAM (warm), after eviction, a restore or a fork;
+- `Stored`: in a checkpoint store (cold): a persistent session's head after a restart or a
+  spill, or an ephemeral session's spill (a disk area wiped at every start);
+- `HistoryOnly`: only the token history; the next generation evaluates it again.
+
+Moves into and out of slots are single engine commands (see engine.py), and they run inside
+operations that finish once started (ops.py), so every move ends with its bookkeeping done:
+a failed move leaves the session history-only (with its error) and the slot free. The slot
+table holds a session exactly while its placement is `InSlot` (and, during a load, while
+the slot is reserved for it). Callers hold the session's lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from kvkeepd.config.settings import Settings
+from kvkeepd.engine.engine import Engine
+from kvkeepd.errors import Busy, CorruptCheckpoint, KvkeepError, StoreWriteFailed
+from kvkeepd.sessions import ops
+from kvkeepd.sessions.lineage import Lineage
+from kvkeepd.sessions.session import Session, TenantUsage
+from kvkeepd.sessions.wholes import StateCache
+from kvkeepd.state import cells as kvstate
+from kvkeepd.state import pieces
+from kvkeepd.state.layout import StateFormatError, StateLayout
+from kvkeepd.state.manifest import Snapshot
+from kvkeepd.storage.budget import DiskBudget, state_bound
+from kvkeepd.storage.checkpoints import CheckpointStore
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class InSlot:
+    slot: int
+
+
+@dataclass(frozen=True)
+class Parked:
+    kv: kvstate.SeqKv
+
+
+@dataclass(frozen=True)
+class Stored:
+    store: CheckpointStore
+    checkpoint_id: str
+    snapshot: Snapshot
+
+
+@dataclass(frozen=True)
+class HistoryOnly:
+    reason: str = ""
+
+
+Placement = InSlot | Parked | Stored | HistoryOnly
+
+TIERS = {InSlot: "hot", Parked: "warm", Stored: "cold", HistoryOnly: "cold"}
+
+# Saves a persistent session's head; returns its checkpoint id and manifest.
+SaveHead = Callable[[Session], Awaitable[tuple[str, Snapshot]]]
+
+
+class Residency:
+    """The slot table and every session's placement."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: Settings,
+        durable: CheckpointStore,
+        spill: CheckpointStore,
+        save_head: SaveHead,
+        *,
+        volatile: CheckpointStore | None = None,
+        disk: DiskBudget | None = None,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.durable = durable
+        self.spill_store = spill
+        self.save_head = save_head
+        # Ephemeral sessions' checkpoints: in RAM, so under --ram-cache too.
+        self.volatile = volatile
+        self.disk = disk
+        self._where: dict[str, tuple[Session, Placement]] = {}
+        self._slots: list[Session | None] = [None] * settings.slots
+        self._slot_freed = asyncio.Event()
+        # A tenant's RAM quota in bytes (0: none); the manager knows the tenants.
+        self.parked_quota: Callable[[str], int] = lambda _tenant: 0
+        # Which checkpoints each session's cells still are (rewind_to).
+        self.lineage = Lineage()
+        # Ephemeral checkpoints' whole states, in the RAM budget's free room.
+        self.wholes = StateCache()
+        self.waiting = 0
+        self.rewinds = 0
+        self.swap_ins = 0
+        self.swap_in_seconds = 0.0
+        # Per tenant, for GetInfo: each sees its own.
+        self.usage: defaultdict[str, TenantUsage] = defaultdict(TenantUsage)
+
+    # ---- reading ------------------------------------------------------------------------------
+
+    def where(self, session: Session) -> Placement:
+        return self._where[session.session_id][1]
+
+    def tier(self, session: Session) -> str:
+        return TIERS[type(self.where(session))]
+
+    @property
+    def slots_in_use(self) -> int:
+        return sum(1 for s in self._slots if s is not None)
+
+    def parked_bytes(self, tenant: str | None = None) -> int:
+        """Bytes of state held in RAM (of one tenant's sessions, or of all)."""
+        total = 0
+        for session, where in self._where.values():
+            if tenant is not None and session.tenant != tenant:
+                continue
+            total += sum(s.nbytes for s in session.snapshots)
+            if isinstance(where, Parked):
+                total += where.kv.nbytes
+        return total
+
+    def ram_bytes(self) -> int:
+        """Bytes in RAM that --ram-cache bounds: parked states, recurrent snapshots, ephemeral
+        sessions' checkpoints (blocks and manifests) and the spill area's manifests. The
+        whole states of `wholes` fill what is left, and give way to these."""
+        total = self.parked_bytes() + self.spill_store.catalog.manifest_bytes
+        if self.volatile is not None:
+            total += self.volatile.store.total_bytes() + self.volatile.catalog.manifest_bytes
+        return total
+
+    # ---- placing new sessions -------------------------------------------------------------------
+
+    def add(self, session: Session, where: Placement | None = None) -> None:
+        """Start tracking a session that holds no slot (new: history only)."""
+        if isinstance(where, InSlot):
+            raise ValueError("a session enters a slot through into_slot")
+        self._where[session.session_id] = (session, where or HistoryOnly())
+
+    def _set(self, session: Session, where: Placement) -> None:
+        if isinstance(where, HistoryOnly):
+            state = session.state
+            state.n_kv = 0
+            state.logits = None
+            state.window_from = 0
+        self._where[session.session_id] = (session, where)
+
+    # ---- moves ----------------------------------------------------------------------------------
+
+    async def into_slot(self, session: Session) -> int:
+        """Give the session a slot and load its state there (a free slot, or the one of the
+        least recently used idle session, which is parked first). A stored state is read
+        only once the slot is the session's, so it never waits in RAM."""
+        where = self.where(session)
+        if isinstance(where, InSlot):
+            return where.slot
+        slot = await self._free_slot(session)
+        state = session.state
+        self._slots[slot] = session  # reserved while its state is read and loaded
+        started = time.perf_counter()
+        kv: kvstate.SeqKv | None = None
+        try:
+            where = self.where(session)
+            if isinstance(where, Stored):
+                kv = await self._read_stored(session)
+            elif isinstance(where, Parked):
+                kv = where.kv
+            await self._engine(lambda e: e.load(slot, state, kv))
+        except BaseException as e:
+            self._slots[slot] = None
+            self._slot_freed.set()
+            await self._drop_spill(session)
+            self._set(session, HistoryOnly(str(e)))
+            raise
+        await self._drop_spill(session)  # a spilled state is the slot's now
+        self._set(session, InSlot(slot))
+        if kv is not None:
+            took = time.perf_counter() - started
+            self.swap_ins += 1
+            self.swap_in_seconds += took
+            usage = self.usage[session.tenant]
+            usage.swap_ins += 1
+            usage.swap_in_seconds += took
+        return slot
+
+    async def release(self, session: Session, *, park: bool = True) -> None:
+        """Take the session out of its slot; with park, its state moves to RAM (room made
+        first), or straight to disk when the RAM budget cannot take it."""
+        where = self._where.get(session.session_id, (session, None))[1]
+        if not isinstance(where, InSlot):
+            return
+        slot = where.slot
+        layout = self.engine.layout
+        keep = park and layout is not None
+        state = session.state
+        room = keep and layout is not None and await self.make_room(layout.max_bytes(state.n_kv), session)
+        kv: kvstate.SeqKv | None = None
+        try:
+            kv = await self._engine(lambda e: e.unload(slot, state, keep))
+        finally:  # the slot is free whatever happened (the engine clears it in any case)
+            self._slots[slot] = None
+            self._slot_freed.set()
+            self._set(session, Parked(kv) if kv is not None else HistoryOnly())
+        if kv is not None and not room:
+            await self._spill(session)
+
+    async def forget(self, session: Session) -> None:
+        """Free whatever the session's state holds (a slot, RAM, a spill) and stop tracking it."""
+        await self.release(session, park=False)
+        await self._drop_spill(session)
+        self._where.pop(session.session_id, None)
+        self.lineage.forget(session)
+
+    async def replace(self, session: Session, snap: Snapshot, kv: kvstate.SeqKv | None) -> None:
+        """The session's history and state become a checkpoint's (restore, fork). The state
+        is parked if the RAM budget can make room for it, else stored on disk; Busy, before
+        anything changes, if neither has room."""
+        to_disk = False
+        if kv is not None and not await self.make_room(kv.nbytes, session):
+            bound = state_bound(kv.nbytes, len(snap.tokens), self.durable.n_vocab)
+            if self.disk is not None and not await asyncio.to_thread(self.disk.fits, bound):
+                raise Busy(
+                    "neither the RAM cache nor the disk budget has room for this state: close "
+                    "sessions or delete checkpoints"
+                )
+            to_disk = True
+        await self.release(session, park=False)
+        await self._drop_spill(session)
+        session.apply(snap, kv.n if kv is not None else 0)
+        self._set(session, Parked(kv) if kv is not None else HistoryOnly())
+        if to_disk:
+            await self._spill(session)
+
+    async def assemble_parked(self, session: Session) -> None:
+        """Assemble a parked state read from blocks into the blob llama.cpp takes, in a
+        worker thread, so that its load into a slot only copies that in. Worth it beside
+        a wait such as a head save's sync, which it overlaps. Only where the blob is the
+        state as parsed (cells at their positions, no window to place); otherwise the
+        load assembles it, as before."""
+        where = self.where(session)
+        layout = self.engine.layout
+        if not isinstance(where, Parked) or layout is None:
+            return
+        if where.kv.raw is not None or where.kv.window_from:
+            return
+        # Allocated here, on the event loop's thread, where it is also freed after its load:
+        # glibc then reuses one arena's freed blob instead of keeping one per worker thread.
+        into = np.empty(pieces.blob_size(where.kv), dtype=np.uint8)
+        kv = await asyncio.to_thread(_assembled, where.kv, layout, into)
+        if kv is not None and self.where(session) is where:  # (the caller holds its lock)
+            self._set(session, Parked(kv))
+
+    async def state_of(self, session: Session) -> kvstate.SeqKv | None:
+        """The session's state as it is now (exported from its slot if hot), for a save."""
+        where = self.where(session)
+        if isinstance(where, Stored):
+            return await self._read_stored(session)  # read for a save; it stays where it is
+        state = session.state
+        if isinstance(where, InSlot):
+            if self.engine.layout is None or not state.n_kv:
+                return None
+            slot = where.slot
+            return await self._engine(lambda e: e.export(slot, state))
+        return where.kv if isinstance(where, Parked) else None
+
+    # ---- rollbacks that keep the cells ------------------------------------------------------
+
+    async def rewind_to(
+        self, session: Session, checkpoint_id: str, snap: Snapshot, layout_desc: str | None
+    ) -> bool:
+        """Make the session the checkpoint's without loading its state, where the session's
+        own cells already are that state: the checkpoint was saved from this session, its
+        cells have not been taken away since (same epoch), and its tokens are a prefix of
+        the session's. The slot (or the parked state) is cut to the checkpoint's length.
+        False where that is not exact: a recurrent state (it cannot be cut), a sliding
+        window that no longer holds the cells the cut needs, another layout; the caller then
+        loads the checkpoint."""
+        state = session.state
+        where = self.where(session)
+        layout = self.engine.layout
+        n = snap.n_kv
+        if (
+            not self.lineage.holds(session, checkpoint_id, n)
+            or not isinstance(where, InSlot | Parked)
+            or layout is None
+            or layout.recurrent is not None
+            or snap.kv_layout is None
+            or snap.kv_layout != layout_desc
+            or not 0 < n <= state.n_kv
+            or snap.tokens[:n] != state.tokens[:n]
+            or not pieces.can_cut(layout, state.window_from, n)
+        ):
+            return False
+        window_from, epoch = state.window_from, state.epoch
+        if isinstance(where, InSlot):
+            slot = where.slot
+            try:
+                await self._engine(lambda e: e.cut(slot, state, n))
+            except KvkeepError:
+                log.exception("session %s: a rollback in place failed; loading instead", session.session_id)
+                return False
+        else:
+            kv = pieces.head(where.kv, n)
+            if kv is None:  # the parked window does not hold [first(n), n)
+                return False
+            self._set(session, Parked(kv))
+        session.apply(snap, n)
+        session.state.window_from = window_from
+        # The cells below n are the same bytes: what agreed with them still does.
+        self.lineage.cut(session, epoch, n)
+        self.rewinds += 1
+        return True
+
+    async def truncate(self, session: Session, n_tokens: int) -> None:
+        """Keep the first n_tokens of history, and a state to match (see Engine.truncate)."""
+        session.forget_snapshots_after(n_tokens)
+        snapshots = tuple(session.snapshots)
+        state = session.state
+        if isinstance(self.where(session), Stored):
+            await self._warm(session)
+        where = self.where(session)
+        if isinstance(where, InSlot):
+            slot = where.slot
+            await self._engine(lambda e: e.truncate(slot, state, n_tokens, snapshots))
+            return
+        del state.tokens[n_tokens:]
+        if not isinstance(where, Parked) or state.n_kv < n_tokens:
+            return
+        if state.n_kv == n_tokens and state.logits is not None:
+            return
+        kv = pieces.rewind(where.kv, max(n_tokens - 1, 0), snapshots)
+        state.logits = None
+        state.n_kv = kv.n if kv is not None else 0
+        self._set(session, Parked(kv) if kv is not None else HistoryOnly())
+
+    # ---- slots --------------------------------------------------------------------------------
+
+    async def _free_slot(self, session: Session) -> int:
+        if self.waiting >= self.settings.max_queue:
+            raise Busy("too many requests are waiting for a slot; try again later")
+        self.waiting += 1
+        try:
+            while (slot := self._first_free()) is None:
+                victim = self._victim()
+                if victim is not None:
+                    # Idle, so taking its lock does not wait, unless a request for it is
+                    # queued: that one goes first, and may close it or keep its slot.
+                    async with victim.lock:
+                        if not victim.closed:
+                            await self.release(victim, park=True)
+                    await self.enforce_ram(keep=session)
+                    continue
+                self._slot_freed.clear()
+                async with ops.current().waiting():
+                    await self._slot_freed.wait()
+        finally:
+            self.waiting -= 1
+        return slot
+
+    def _first_free(self) -> int | None:
+        return next((i for i, s in enumerate(self._slots) if s is None), None)
+
+    def _victim(self) -> Session | None:
+        idle = [s for s in self._slots if s is not None and not s.busy and isinstance(self.where(s), InSlot)]
+        return min(idle, key=lambda s: s.last_used_at) if idle else None
+
+    def slot_freed(self) -> None:
+        """A session went idle: requests waiting for a slot may now evict it."""
+        self._slot_freed.set()
+
+    # ---- RAM and disk tiers ---------------------------------------------------------------------
+
+    async def enforce_ram(self, keep: Session | None = None) -> None:
+        """Spill parked state to disk, least recently used first, while over the RAM budget;
+        and a tenant's, while over its own quota (never another tenant's for it)."""
+        for tenant in {s.tenant for s, _ in self._where.values()}:
+            limit = self.parked_quota(tenant)
+            if limit:
+                while self.parked_bytes(tenant) > limit:
+                    if not await self._spill_one(keep, tenant):
+                        break
+        await self.make_room(0, keep)
+
+    async def make_room(self, n: int, keep: Session | None = None) -> bool:
+        """Spill idle parked state, least recently used first, until `n` more bytes fit
+        under the RAM budget; False if they cannot (nothing idle is left to spill)."""
+        budget = self.settings.ram_cache
+        if n > budget:
+            return False
+        self.wholes.shrink(budget - self.ram_bytes() - n)
+        while self.ram_bytes() + n > budget:
+            if not await self._spill_one(keep, None):
+                return False
+        return True
+
+    def keep_whole(self, checkpoint_id: str, session: Session, kv: kvstate.SeqKv | None) -> None:
+        """Keep the whole state of an ephemeral session's new checkpoint where the RAM budget
+        has room for it (see sessions/wholes.py)."""
+        if kv is not None and not session.persistent:
+            self.wholes.put(checkpoint_id, session.session_id, kv, self.settings.ram_cache - self.ram_bytes())
+
+    async def reserve_ram(self, n: int, keep: Session, what: str) -> None:
+        """Make room for `n` bytes of RAM, or Busy naming `what` would not fit."""
+        if not await self.make_room(n, keep):
+            raise Busy(
+                f"the RAM cache of {self.settings.ram_cache} bytes has no room for {what} "
+                f"({n} bytes): delete checkpoints or close sessions"
+            )
+
+    async def _spill_one(self, keep: Session | None, tenant: str | None) -> bool:
+        """Spill the least recently used idle parked session (of `tenant`, or any); False if
+        there is none."""
+        idle = [
+            s
+            for s, where in self._where.values()
+            if isinstance(where, Parked)
+            and not s.busy
+            and s is not keep
+            and (tenant is None or s.tenant == tenant)
+        ]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda s: s.last_used_at)
+        async with victim.lock:
+            if not victim.closed:
+                await self._spill(victim)
+        return True
+
+    async def _spill(self, session: Session) -> None:
+        """Parked state to disk: a persistent session's head, or the spill area. Where the
+        disk has no room either (or fails), the state is dropped: the history stays, and
+        the next generation evaluates it again."""
+        where = self.where(session)
+        if not isinstance(where, Parked):
+            return
+        session.snapshots = []
+        try:
+            if session.persistent:
+                checkpoint_id, stored = await self.save_head(session)
+                ref = Stored(self.durable, checkpoint_id, stored)
+            else:
+                snap = session.snapshot("", self.settings.block_tokens)
+                row, stored = await store_write(
+                    self.spill_store.save, snap, where.kv, kind="spill", now=time.time()
+                )
+                ref = Stored(self.spill_store, row.checkpoint_id, stored)
+        except KvkeepError as e:
+            log.warning("session %s: its state is dropped, not spilled: %s", session.session_id, e)
+            self._set(session, HistoryOnly(str(e)))
+            return
+        self._set(session, ref if ref.snapshot.n_kv == session.state.n_kv else HistoryOnly())
+
+    async def _read_stored(self, session: Session) -> kvstate.SeqKv | None:
+        """A stored state read back (its placement unchanged), or None if it cannot be used
+        here (then the session is history-only). A damaged block fails the request with
+        DATA_LOSS and leaves the session history-only: the next request evaluates again."""
+        ref = self.where(session)
+        assert isinstance(ref, Stored)
+        try:
+            kv, _ = await asyncio.to_thread(ref.store.cells, ref.snapshot)
+        except CorruptCheckpoint as e:
+            await self._drop_spill(session)
+            self._set(session, HistoryOnly(str(e)))
+            raise
+        except KvkeepError as e:
+            kv = None
+            log.warning("session %s: its stored state is not used: %s", session.session_id, e)
+        if kv is None or kv.n != session.state.n_kv:
+            await self._drop_spill(session)
+            self._set(session, HistoryOnly("the stored state does not fit this daemon"))
+            return None
+        return kv
+
+    async def _warm(self, session: Session) -> None:
+        """A stored state back into RAM (Parked), room made first, or history-only if it
+        cannot be used."""
+        kv = await self._read_stored(session)
+        if kv is None:
+            return
+        await self.make_room(kv.nbytes, session)
+        await self._drop_spill(session)
+        self._set(session, Parked(kv))
+
+    async def _drop_spill(self, session: Session) -> None:
+        where = self._where.get(session.session_id, (session, HistoryOnly()))[1]
+        if isinstance(where, Stored) and where.store is self.spill_store:
+            self._where[session.session_id] = (session, HistoryOnly())
+            await asyncio.to_thread(self.spill_store.delete, where.checkpoint_id)
+            await asyncio.to_thread(self.spill_store.sweep, 0)
+
+    # ---- checks --------------------------------------------------------------------------------
+
+    def problems(self) -> list[str]:
+        """Where the slot table and the placements disagree (empty when they agree)."""
+        out = []
+        for i, owner in enumerate(self._slots):
+            if owner is not None and self._where.get(owner.session_id, (owner, None))[1] != InSlot(i):
+                out.append(f"slot {i} is held by {owner.session_id}, which is not placed there")
+        for sid, (session, where) in self._where.items():
+            state = session.state
+            if state.n_kv > len(state.tokens):
+                out.append(f"{sid}: state covers {state.n_kv} of {len(state.tokens)} tokens")
+            match where:
+                case InSlot(slot):
+                    if self._slots[slot] is not session:
+                        out.append(f"{sid} is placed in slot {slot}, which another holds")
+                case Parked(kv):
+                    if kv.n != state.n_kv:
+                        out.append(f"{sid}: parked state covers {kv.n} tokens, the session {state.n_kv}")
+                case Stored(_, _, snap):
+                    if snap.n_kv != state.n_kv:
+                        out.append(f"{sid}: stored state covers {snap.n_kv} tokens, the session {state.n_kv}")
+                case HistoryOnly():
+                    if state.n_kv:
+                        out.append(f"{sid} is history-only but claims {state.n_kv} tokens of state")
+        return out
+
+    def slot_owners(self) -> list[int | None]:
+        """Per slot, its owner's state length or None: what the engine's check compares."""
+        return [s.state.n_kv if s is not None else None for s in self._slots]
+
+    async def _engine(self, fn: Callable[[Engine], T]) -> T:
+        return await asyncio.wrap_future(self.engine.call(fn))
+
+
+def _assembled(kv: kvstate.SeqKv, layout: StateLayout, into: np.ndarray) -> kvstate.SeqKv | None:
+    """kv as one blob (written into `into`), parsed again: its sections are views of the
+    blob, not of blocks."""
+    blob = pieces.assemble(kv, into=into)
+    try:
+        whole = kvstate.parse(blob, layout)
+    except StateFormatError:
+        log.exception("an assembled state does not parse back")
+        return None
+    return whole if whole.raw is not None and whole.n == kv.n else None
+
+
+async def store_write(fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+    """A store write in a worker thread; a failing disk is RESOURCE_EXHAUSTED."""
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except (OSError, sqlite3.Error) as e:
+        log.error("the state store failed: %s", e)
+        raise StoreWriteFailed("the state store is failing (disk full?); nothing was saved") from None

@@ -1,0 +1,189 @@
+"""Sessions as the daemon records them, and the values the session layer trades in."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field, fields, replace
+
+from kvkeepd.engine.grammar import Constraint
+from kvkeepd.engine.job import Job, SeqState
+from kvkeepd.engine.sampling import SamplingParams
+from kvkeepd.sessions.chat import ChatMessage
+from kvkeepd.state import cells as kvstate
+from kvkeepd.state.manifest import Snapshot
+
+# Recurrent snapshots a session keeps (models with a recurrent state): the newest turns' starts.
+MAX_SNAPSHOTS = 2
+
+
+@dataclass
+class Session:
+    """A conversation bound to the loaded model. Where its computed state lives is not
+    recorded here: the Residency owns that."""
+
+    session_id: str
+    persistent: bool
+    params: SamplingParams
+    stop: tuple[str, ...]
+    created_at: float
+    last_used_at: float
+    # Whose it is, and the salt its blocks are keyed with (see tenants.py).
+    tenant: str = ""
+    salt: bytes = b""
+    # Its state descends from an imported checkpoint (see apply): for the rest of its life it
+    # keys its blocks with that import's salt and is no prefix source for anyone.
+    imported: bool = False
+    state: SeqState = field(default_factory=SeqState)
+    messages: list[ChatMessage] = field(default_factory=list)
+    # Recurrent states at earlier positions of this history (see Job.snapshot), oldest first.
+    snapshots: list[kvstate.RecurrentCells] = field(default_factory=list)
+    # Tokens of the system prompt, and (models with sliding windows or recurrent state) their
+    # state at its last block boundary: what other sessions with this prompt attach.
+    system_end: int = 0
+    boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None
+    head_checkpoint_id: str = ""
+    # The fencing token of this daemon's lease on it (persistent sessions; 0: none yet).
+    lease: int = 0
+    # What a chat turn that does not fit does (CONTEXT_POLICIES), and what truncating cost.
+    context_policy: str = "error"
+    truncations: int = 0
+    dropped_tokens: int = 0
+    # Structured output cut short (max_tokens, a stop string...): the next request without a
+    # prompt continues within it (see grammar.py).
+    constraint: Constraint | None = None
+    # Changed since its last head save, and the tokens its head's state covers (persistent
+    # sessions only: turns since then are in the journal, their KV not yet stored).
+    dirty: bool = False
+    head_n_kv: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    job: Job | None = None
+    closed: bool = False
+    # Let go to another daemon (a shared catalog): requests still holding it retry there.
+    moved: bool = False
+
+    @property
+    def busy(self) -> bool:
+        return self.lock.locked()
+
+    def keep_snapshot(self, snap: kvstate.RecurrentCells | None) -> None:
+        if snap is not None:
+            older = [s for s in self.snapshots if s.pos < snap.pos]
+            self.snapshots = [*older[len(older) - MAX_SNAPSHOTS + 1 :], snap]
+
+    def forget_snapshots_after(self, n_tokens: int) -> None:
+        """Drop snapshots of positions the history no longer has, and a constraint whose
+        output would begin beyond it."""
+        self.snapshots = [s for s in self.snapshots if s.pos + 1 <= n_tokens]
+        if self.constraint is not None and self.constraint.start > n_tokens:
+            self.constraint = None
+        if self.boundary is not None and self.boundary[0] > n_tokens:
+            self.boundary = None
+        self.system_end = min(self.system_end, n_tokens)
+
+    def snapshot(self, label: str, block_tokens: int) -> Snapshot:
+        """The session as a manifest would record it (its state pieces filled in on save)."""
+        state = self.state
+        return Snapshot(
+            session_id=self.session_id,
+            persistent=self.persistent,
+            created_at=self.created_at,
+            tokens=list(state.tokens),
+            n_kv=state.n_kv,
+            logits=state.logits if state.n_kv == len(state.tokens) else None,
+            draws=state.draws,
+            params=self.params,
+            stop=self.stop,
+            messages=[replace(m) for m in self.messages],
+            fingerprint="",
+            kv_layout=None,
+            block_tokens=block_tokens,
+            label=label,
+            salt=self.salt.hex(),
+            imported=self.imported,
+            tenant=self.tenant,
+            constraint=self.constraint,
+            system_end=self.system_end,
+            context_policy=self.context_policy,
+            truncations=self.truncations,
+            dropped_tokens=self.dropped_tokens,
+        )
+
+    def apply(self, snap: Snapshot, n_kv: int) -> None:
+        """Make this session's history and parameters the snapshot's, with a state that
+        covers tokens[:n_kv] (the caller places it).
+
+        A snapshot of imported state brings its salt along, for good: KV this daemon did not
+        compute is keyed apart from every block it did (heads, spills and checkpoints after
+        it too), so it never stands for them, even under a salt other sessions share."""
+        if snap.imported:
+            self.salt = bytes.fromhex(snap.salt)
+            self.imported = True
+        self.state = SeqState(
+            tokens=list(snap.tokens),
+            n_kv=n_kv,
+            logits=snap.logits if n_kv == len(snap.tokens) else None,
+            draws=snap.draws,
+        )
+        self.params = snap.params
+        self.stop = snap.stop
+        self.messages = [replace(m) for m in snap.messages]
+        self.constraint = snap.constraint
+        self.system_end = snap.system_end
+        self.context_policy = snap.context_policy
+        self.truncations = snap.truncations
+        self.dropped_tokens = snap.dropped_tokens
+        self.snapshots = []
+        self.boundary = None
+
+
+@dataclass(frozen=True)
+class SamplingOverrides:
+    """Optional per-request or per-session values; None keeps the current one."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    penalty_last_n: int | None = None
+    seed: int | None = None
+
+    def apply(self, base: SamplingParams) -> SamplingParams:
+        return base.merged(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+@dataclass
+class TenantUsage:
+    """What one tenant's requests cost: tokens by what happened to them, and swap-ins."""
+
+    tokens_evaluated: int = 0
+    tokens_generated: int = 0
+    tokens_reused: int = 0
+    swap_ins: int = 0
+    swap_in_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What GetInfo and the metrics report; a snapshot, safe to read from any thread."""
+
+    sessions: int = 0
+    hot: int = 0
+    warm: int = 0
+    cold: int = 0
+    slots_in_use: int = 0
+    tokens_evaluated: int = 0
+    tokens_generated: int = 0
+    tokens_reused: int = 0
+    swap_ins: int = 0
+    swap_in_seconds: float = 0.0
+    parked_bytes: int = 0
+    store_bytes: int = 0
+    # Persistent turns made durable in the journal, and the syncs that did it (group commit:
+    # fewer syncs than records when turns end together).
+    journal_records: int = 0
+    journal_syncs: int = 0
+    # Whole states of ephemeral checkpoints kept in the RAM budget's free room, and the
+    # restores and forks that loaded one (sessions/wholes.py).
+    whole_bytes: int = 0
+    whole_hits: int = 0

@@ -1,0 +1,70 @@
+"""Text to tokens for generation flows: prompts, template renderings, system prompts.
+
+Tokenizing runs in a worker thread beside the engine's steps (Engine.read_vocab). Template
+text has its control tokens parsed; message content never does, so a message cannot
+forge a turn. Text is refused before tokenizing when it cannot be within the prompt limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+from kvkeepd.engine.context import LlamaContext
+from kvkeepd.errors import InvalidRequest
+from kvkeepd.sessions.chat import Message, Segment, text_of
+
+if TYPE_CHECKING:
+    from kvkeepd.sessions.manager import SessionManager
+
+T = TypeVar("T")
+
+
+class Tokenizer:
+    """Tokenizes for a SessionManager's generations with its model and chat template."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.manager = manager
+
+    async def system(self, system_prompt: str) -> list[int]:
+        """A session's system prompt as the model's template renders it (or as plain text)."""
+        self.check_bytes(system_prompt, "system prompt")
+        template = self.manager.template
+        if template is not None:
+            segments = template.render([Message("system", system_prompt)], False)
+            return await self.segments(segments, first=True)
+        return await self.tokenize(system_prompt, first=True, parse_special=False)
+
+    async def tokenize(self, text: str, *, first: bool, parse_special: bool) -> list[int]:
+        """Text, with the model's BOS before it when `first` and the model adds one."""
+        add = first and self.manager.model.add_bos
+        return await self.vocab(lambda c: c.tokenize(text, add_special=add, parse_special=parse_special))
+
+    async def segments(self, segments: Sequence[Segment], *, first: bool) -> list[int]:
+        """Template text with control tokens parsed; message content never."""
+        model = self.manager.model
+
+        def run(c: LlamaContext) -> list[int]:
+            bos_text = c.detokenize([model.bos_token], True)
+            add_bos = first and model.add_bos and not text_of(segments).startswith(bos_text)
+            out: list[int] = [model.bos_token] if add_bos else []
+            for seg in segments:
+                out += c.tokenize(seg.text, add_special=False, parse_special=not seg.content)
+            return out
+
+        return await self.vocab(run)
+
+    def check_bytes(self, text: str, what: str) -> None:
+        """InvalidRequest, before any tokenizing, for text too long to be within the prompt
+        limit whatever its tokens (each takes at most `max_token_bytes` of it)."""
+        limit = self.manager.settings.prompt_limit * self.manager.model.max_token_bytes
+        if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
+            raise InvalidRequest(
+                f"the {what} is longer than {limit} bytes: more tokens than the prompt limit of "
+                f"{self.manager.settings.prompt_limit}"
+            )
+
+    async def vocab(self, fn: Callable[[LlamaContext], T]) -> T:
+        """`fn` on the vocabulary, in a worker thread beside the engine's steps."""
+        return await asyncio.to_thread(self.manager.engine.read_vocab, fn)

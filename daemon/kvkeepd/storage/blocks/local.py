@@ -1,0 +1,141 @@
+"""Blocks as files under `blocks/`, named by key, written atomically.
+
+A write goes to `tmp/` (0600), is fsynced, renamed into place and the directory fsynced (and
+the store's root, when the rename's directory is new), so a block file is either absent or
+whole. Temp files left by a crash are swept at start. A block that exists but cannot be read
+is StoreReadFailed, not corruption: the bytes may be fine once the disk is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import stat
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvkeepd.errors import StoreReadFailed
+from kvkeepd.storage.blocks import check_key
+from kvkeepd.storage.statedir import FILE_MODE, StateDirError, fsync_dir, private_subdir, refusal
+
+log = logging.getLogger(__name__)
+
+# File reads release the GIL: a restore's blocks are read on every core.
+_READERS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kvkeep-file")
+
+
+class LocalBlockStore:
+    """Blocks under `root` (which the start checks, with the state directory's other fixed
+    entries: statedir.check_entries). Nothing under it is followed: a block file that is a
+    link refuses the start, reads open with O_NOFOLLOW, and a key prefix's directory is
+    checked with lstat when a write makes it (see statedir's docstring for what that covers)."""
+
+    in_process = False
+    remote = False
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.tmp = root / "tmp"
+        private_subdir(root)
+        private_subdir(self.tmp)
+        swept = 0
+        for stale in self.tmp.iterdir():
+            stale.unlink(missing_ok=True)
+            swept += 1
+        if swept:
+            log.info("swept %d unfinished block writes", swept)
+        self._bytes = 0
+        for path in self._files():
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):  # a block file that is a link refuses the start
+                raise StateDirError(refusal(path, st.st_mode, directory=False))
+            self._bytes += st.st_size
+
+    def _path(self, key: str) -> Path:
+        check_key(key)
+        return self.root / key[:2] / key
+
+    def _files(self) -> Iterator[Path]:
+        with os.scandir(self.root) as subs:
+            prefixes = [s.name for s in subs if s.name != "tmp" and s.is_dir(follow_symlinks=False)]
+        for name in prefixes:
+            with os.scandir(self.root / name) as entries:
+                yield from [self.root / name / e.name for e in entries]
+
+    def has(self, key: str) -> bool:
+        try:
+            return stat.S_ISREG(os.lstat(self._path(key)).st_mode)
+        except FileNotFoundError:
+            return False
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise KeyError(key) from None
+        except OSError as e:  # a link (ELOOP) among them
+            log.error("cannot read block %s: %s", path, e)
+            raise StoreReadFailed("the state store cannot be read (see the daemon's log)") from None
+        try:
+            with open(fd, "rb") as f:
+                return f.read()
+        except OSError as e:
+            log.error("cannot read block %s: %s", path, e)
+            raise StoreReadFailed("the state store cannot be read (see the daemon's log)") from None
+
+    def present(self, keys: Sequence[str]) -> set[str]:
+        return {k for k in keys if self.has(k)}
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        def read(key: str) -> bytes | None:
+            try:
+                return self.get(key)
+            except KeyError:
+                return None
+
+        found = zip(keys, _READERS.map(read, keys), strict=True)
+        return {k: data for k, data in found if data is not None}
+
+    def put(self, key: str, data: bytes) -> int:
+        path = self._path(key)
+        if self.has(key):
+            return 0
+        tmp = self.tmp / f"{key}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            # StateDirError (an OSError: the write fails) if a link was planted there; the
+            # rename replaces a link at the block's own path, never follows it.
+            private_subdir(path.parent)  # fsyncs the root when the directory is new
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
+            raise
+        try:
+            fsync_dir(path.parent)
+        except BaseException:
+            path.unlink(missing_ok=True)  # not known to be durable: not there at all
+            raise
+        self._bytes += len(data)
+        return len(data)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            size = path.lstat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return
+        self._bytes -= size
+
+    def block_keys(self) -> Iterator[str]:
+        return (p.name for p in list(self._files()))
+
+    def total_bytes(self) -> int:
+        return self._bytes

@@ -1,0 +1,228 @@
+"""The Lua scripts the Redis catalog (catalog/redis.py) runs for every write.
+
+The server runs each script atomically, so a checkpoint, its references and a head move
+commit together or not at all, and a head moves only while the writer's fencing token is
+the session's newest. Scripts are idempotent where a client retries them (a checkpoint id
+already committed is not committed twice). They derive the keys they touch from the
+deployment's prefix (ARGV[1]) as catalog/redis.py's docstring lists them, or are given them
+(KEYS).
+"""
+
+# Deletes one checkpoint and its references (a local function of the scripts below).
+_DELETE = """
+local function delete_ckpt(P, cid)
+  local ck = P .. ':ckpt:' .. cid
+  if redis.call('EXISTS', ck) == 0 then return 0 end
+  local f = redis.call('HMGET', ck, 'session_id', 'tenant', 'kind', 'manifest')
+  for _, b in ipairs(redis.call('SMEMBERS', P .. ':refs:' .. cid)) do
+    if redis.call('HINCRBY', P .. ':block-refs', b, -1) <= 0 then
+      redis.call('HDEL', P .. ':block-refs', b)
+    end
+  end
+  redis.call('DEL', P .. ':refs:' .. cid, ck)
+  redis.call('SREM', P .. ':ckpts:' .. f[1], cid)
+  redis.call('SREM', P .. ':tenant:' .. f[2], cid)
+  redis.call('SREM', P .. ':tenant-all:' .. f[2], cid)
+  if f[3] == 'explicit' then
+    if redis.call('HINCRBY', P .. ':explicit', f[1], -1) <= 0 then
+      redis.call('HDEL', P .. ':explicit', f[1])
+    end
+  end
+  redis.call('DECRBY', P .. ':manifest-bytes', string.len(f[4]))
+  return 1
+end
+local function forget_session(P, sid)
+  local tenant = redis.call('HGET', P .. ':session:' .. sid, 'tenant') or ''
+  for _, cid in ipairs(redis.call('SMEMBERS', P .. ':ckpts:' .. sid)) do delete_ckpt(P, cid) end
+  redis.call('DEL', P .. ':session:' .. sid, P .. ':ckpts:' .. sid)
+  redis.call('DEL', P .. ':lease:' .. sid, P .. ':want:' .. sid)
+  redis.call('ZREM', P .. ':sessions', sid)
+  redis.call('ZREM', P .. ':sessions-used', sid)
+  redis.call('ZREM', P .. ':tenant-sessions:' .. tenant, sid)
+  redis.call('HDEL', P .. ':explicit', sid)
+end
+local function fenced(P, sid, fence)
+  if fence == '0' then return false end
+  return (redis.call('GET', P .. ':fence:' .. sid) or '0') ~= fence
+end
+"""
+
+# ARGV: prefix, cid, manifest, now, head_of, fence, then the row's fields (in the order of
+# redis_catalog._FIELDS), then block key and size pairs. Returns {'ok', old head or ''} or
+# {'fenced'}.
+ADD = (
+    _DELETE
+    + """
+local P, cid, manifest, now, head_of, fence = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local sid, label, kind, n_tokens, written, referenced, created_at, tenant =
+  ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14]
+local ck = P .. ':ckpt:' .. cid
+if redis.call('EXISTS', ck) == 1 then return {'ok', ''} end
+if head_of ~= '' and fenced(P, head_of, fence) then return {'fenced'} end
+redis.call('HSET', ck, 'session_id', sid, 'label', label, 'kind', kind, 'n_tokens', n_tokens,
+  'bytes_written', written, 'bytes_referenced', referenced, 'created_at', created_at,
+  'tenant', tenant, 'manifest', manifest)
+redis.call('SADD', P .. ':ckpts:' .. sid, cid)
+redis.call('SADD', P .. ':tenant-all:' .. tenant, cid)
+if kind == 'explicit' or kind == 'imported' then redis.call('SADD', P .. ':tenant:' .. tenant, cid) end
+if kind == 'explicit' then redis.call('HINCRBY', P .. ':explicit', sid, 1) end
+redis.call('INCRBY', P .. ':manifest-bytes', string.len(manifest))
+for i = 15, #ARGV, 2 do
+  local b = ARGV[i]
+  if redis.call('HSETNX', P .. ':blocks', b, ARGV[i + 1]) == 1 then
+    redis.call('INCRBY', P .. ':block-bytes', ARGV[i + 1])
+  end
+  redis.call('ZADD', P .. ':block-used', now, b)
+  if redis.call('SADD', P .. ':refs:' .. cid, b) == 1 then redis.call('HINCRBY', P .. ':block-refs', b, 1) end
+end
+local old = ''
+if head_of ~= '' then
+  local s = P .. ':session:' .. head_of
+  old = redis.call('HGET', s, 'head') or ''
+  if redis.call('EXISTS', s) == 0 then
+    redis.call('HSET', s, 'created_at', created_at, 'tenant', tenant)
+    redis.call('ZADD', P .. ':sessions', created_at, head_of)
+  end
+  redis.call('HSET', s, 'head', cid)
+  redis.call('ZADD', P .. ':sessions-used', now, head_of)
+  redis.call('ZADD', P .. ':tenant-sessions:' .. (redis.call('HGET', s, 'tenant') or ''), now, head_of)
+  if old ~= '' then delete_ckpt(P, old) end
+end
+return {'ok', old}
+"""
+)
+
+# ARGV: prefix, cid. Returns 1 if it existed.
+DELETE_ONE = (
+    _DELETE
+    + """
+local P, cid = ARGV[1], ARGV[2]
+local sid = redis.call('HGET', P .. ':ckpt:' .. cid, 'session_id')
+if sid and redis.call('HGET', P .. ':session:' .. sid, 'head') == cid then
+  redis.call('HDEL', P .. ':session:' .. sid, 'head')
+end
+return delete_ckpt(P, cid)
+"""
+)
+
+# ARGV: prefix, sid, fence. Returns 1, or 0 when fenced.
+DELETE_SESSION = (
+    _DELETE
+    + """
+local P, sid, fence = ARGV[1], ARGV[2], ARGV[3]
+if fenced(P, sid, fence) then return 0 end
+forget_session(P, sid)
+return 1
+"""
+)
+
+# ARGV: prefix, idle_before, limit. Deletes up to `limit` sessions whose head was saved
+# before idle_before and that have no live lease (nobody holds one or is taking it over:
+# a take-over takes the lease first); their fencing token moves on, so a daemon whose lease
+# lapsed cannot write their head again (and bring them back). Returns their ids.
+EXPIRE = (
+    _DELETE
+    + """
+local P, before, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local out = {}
+for _, sid in ipairs(redis.call('ZRANGEBYSCORE', P .. ':sessions-used', '-inf', '(' .. before)) do
+  if #out >= limit then break end
+  if redis.call('EXISTS', P .. ':session:' .. sid) == 0 then
+    redis.call('ZREM', P .. ':sessions-used', sid)  -- deleted by a daemon that kept no index
+  elseif redis.call('EXISTS', P .. ':lease:' .. sid) == 0 then
+    forget_session(P, sid)
+    redis.call('INCR', P .. ':fence:' .. sid)
+    table.insert(out, sid)
+  end
+end
+return out
+"""
+)
+
+# ARGV: prefix, tenant, limit. The tenant's `limit` most recently used sessions with a head:
+# for each, id, created_at, last use (the head's save), head, its n_tokens, explicit checkpoints.
+LIST = """
+local P, tenant, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local out = {}
+for _, sid in ipairs(redis.call('ZREVRANGE', P .. ':tenant-sessions:' .. tenant, 0, limit - 1)) do
+  local s = redis.call('HMGET', P .. ':session:' .. sid, 'created_at', 'head', 'tenant')
+  if s[1] and s[2] and s[3] == tenant then
+    local h = redis.call('HMGET', P .. ':ckpt:' .. s[2], 'n_tokens', 'created_at')
+    if h[1] then
+      local n = redis.call('HGET', P .. ':explicit', sid) or '0'
+      table.insert(out, {sid, s[1], h[2], s[2], h[1], n})
+    end
+  end
+end
+return out
+"""
+
+# ARGV: prefix. Indexes the sessions a catalog written before the indexes existed holds
+# (by last use, overall and per tenant), once.
+INDEX = """
+local P = ARGV[1]
+if redis.call('GET', P .. ':index-version') == '1' then return 0 end
+for _, sid in ipairs(redis.call('ZRANGE', P .. ':sessions', 0, -1)) do
+  local s = redis.call('HMGET', P .. ':session:' .. sid, 'created_at', 'head', 'tenant')
+  if s[1] then
+    local used = s[1]
+    if s[2] then used = redis.call('HGET', P .. ':ckpt:' .. s[2], 'created_at') or s[1] end
+    redis.call('ZADD', P .. ':sessions-used', used, sid)
+    redis.call('ZADD', P .. ':tenant-sessions:' .. (s[3] or ''), used, sid)
+  end
+end
+redis.call('SET', P .. ':index-version', '1')
+return 1
+"""
+
+# ARGV: prefix, then block keys. Forgets those no checkpoint references; returns them.
+FORGET = """
+local P = ARGV[1]
+local out = {}
+for i = 2, #ARGV do
+  local b = ARGV[i]
+  if tonumber(redis.call('HGET', P .. ':block-refs', b) or '0') <= 0 then
+    local size = redis.call('HGET', P .. ':blocks', b)
+    if size then
+      redis.call('HDEL', P .. ':blocks', b)
+      redis.call('DECRBY', P .. ':block-bytes', size)
+      table.insert(out, b)
+    end
+    redis.call('ZREM', P .. ':block-used', b)
+  end
+end
+return out
+"""
+
+# KEYS: lease, fence, want. ARGV: holder, ttl_ms. Returns {token, 0}, or {0, ms the holder
+# keeps it} after marking the session wanted.
+TAKE = """
+local v = redis.call('GET', KEYS[1])
+if v then
+  local h, t = string.match(v, '^(.*)|(%d+)$')
+  if h == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return {tonumber(t), 0}
+  end
+  redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+local t = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1] .. '|' .. t, 'PX', ARGV[2])
+redis.call('DEL', KEYS[3])
+return {t, 0}
+"""
+
+# KEYS: lease, want. ARGV: "holder|token", ttl_ms. Returns 0: lost; 1: renewed; 2: renewed,
+# and another daemon asks for it.
+RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1 + redis.call('EXISTS', KEYS[2])
+"""
+
+# KEYS: lease, want. ARGV: "holder|token".
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1], KEYS[2]) end
+return 0
+"""

@@ -1,0 +1,479 @@
+"""CheckpointStore: snapshots + KV cells <-> manifests and blocks in a catalog and a store.
+
+A save writes only the blocks the store lacks (its cost grows with the new tokens), then
+commits the manifest. A load checks everything before llama.cpp can see it: the manifest's
+MAC and fields, the model fingerprint and KV layout, that the block keys follow from the
+tokens, and each block's checksum and size. Methods block (file I/O, hashing); the
+session manager runs them in worker threads.
+Exports and imports are exports.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import BinaryIO
+
+from kvkeepd.errors import (
+    CorruptCheckpoint,
+    IncompatibleCheckpoint,
+    KvkeepError,
+    NotFound,
+    StoreReadFailed,
+    StoreUnreachable,
+)
+from kvkeepd.state import cells as kvstate
+from kvkeepd.state import frames as blk
+from kvkeepd.state import layout as kvlayout
+from kvkeepd.state import manifest as mf
+from kvkeepd.state import pieces
+from kvkeepd.state.manifest import Snapshot
+from kvkeepd.storage import exports
+from kvkeepd.storage.blocks import BlockStore
+from kvkeepd.storage.budget import DiskBudget
+from kvkeepd.storage.catalog import Catalog, CheckpointRow
+
+log = logging.getLogger(__name__)
+
+_READERS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kvkeep-read")
+CHECKPOINT_ID_PREFIX = "c_"
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A checkpoint read back: its snapshot and state (None: evaluate the tokens again)."""
+
+    row: CheckpointRow
+    snapshot: Snapshot
+    kv: kvstate.SeqKv | None
+    reprefill: bool
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One stored piece of a state: its key, positions, and the payload size it must have."""
+
+    key: str
+    start: int
+    end: int
+    size: int
+
+
+class CheckpointStore:
+    """Checkpoints of one kind of session (persistent: disk; ephemeral: memory).
+
+    A state is stored as pieces, each a block of the store: the full-attention KV cut into
+    blocks of `block_tokens` positions (keys: the hash chain over the tokens), the
+    sliding-window KV of the window cut on the same grid (keys derived from the chain key of
+    the block a piece lies in, and the piece's first position in it), and the recurrent
+    state (key derived from the last chain key). Equal tokens give equal keys, so sessions
+    with a common prefix share its blocks.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: BlockStore,
+        key: bytes,
+        *,
+        fingerprint: str,
+        layout: kvlayout.StateLayout | None,
+        block_tokens: int,
+        codec: str,
+        n_vocab: int,
+        exact: bool = True,
+    ) -> None:
+        self.catalog = catalog
+        self.store = store
+        self.key = key
+        self.fingerprint = fingerprint
+        self.layout = layout
+        # NOTE: states computed in compact mode are named apart from exact ones (same bytes'
+        # layout, other values), so blocks of one never stand for the other's: an exact
+        # daemon evaluates a compact checkpoint's tokens again, and the reverse.
+        self.layout_desc = (layout.describe() + ("" if exact else ";compact")) if layout else None
+        self.block_tokens = block_tokens
+        self.codec = codec
+        self.n_vocab = n_vocab
+        # The disk budget this store's writes count against (none: a store in RAM).
+        self.budget: DiskBudget | None = None
+        # Saves of different sessions may run at once; each block is written once.
+        self._lock = threading.Lock()
+
+    # ---- save ----------------------------------------------------------------------------
+
+    def save(
+        self,
+        snap: Snapshot,
+        kv: kvstate.SeqKv | None,
+        *,
+        kind: str,
+        now: float,
+        head_of: str | None = None,
+        fence: int = 0,
+        foreign_layout: str | None = None,
+        boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None,
+    ) -> tuple[CheckpointRow, Snapshot]:
+        """Write the snapshot's missing pieces, then commit its manifest. Returns the row
+        and the snapshot as stored (with its piece keys).
+
+        `boundary`: sliding-window and recurrent sections at an earlier block boundary of the
+        same history (the system prompt's), stored and referenced too, so that the prefix
+        cache finds the whole state there (see prefix.py). `fence`: the lease token a head
+        write is conditioned on (Catalog.add_checkpoint)."""
+        n_kv = kv.n if kv is not None else 0
+        full, window, rec = self.plan(snap.tokens, n_kv, snap.block_tokens, snap.salt)
+        extra: list[tuple[_Piece, Callable[[], bytes]]] = []
+        if boundary is not None and kv is not None and 0 < boundary[0] <= len(snap.tokens):
+            at, partial = boundary
+            _, window_at, rec_at = self.plan(snap.tokens, at, snap.block_tokens, snap.salt)
+            boundary_kv = kvstate.SeqKv(kv.layout, at, partial)
+            extra = list(self._payloads(boundary_kv, [], window_at, rec_at))
+        unique: dict[str, tuple[_Piece, Callable[[], bytes]]] = {}
+        for piece, payload in [*self._payloads(kv, full, window, rec), *extra]:
+            unique.setdefault(piece.key, (piece, payload))
+        snap = replace(
+            snap,
+            n_kv=n_kv,
+            blocks=[p.key for p in full],
+            window=[(p.key, p.start) for p in window],
+            recurrent=rec.key if rec else "",
+            kv_layout=self.layout_desc if n_kv else foreign_layout,
+            saved_at=now,
+            fingerprint=self.fingerprint,
+        )
+        data = mf.encode(snap, self.key)
+        # At most: the pieces the store lacks, raw and framed, and the manifest (twice: the
+        # catalog's write-ahead log holds it until its next checkpoint).
+        # One batch per question: a remote store answers in a round trip, not one per piece.
+        held = self._held(list(unique))
+        lacking = [p for p, _ in unique.values() if p.key not in held]
+        bound = sum(p.size + blk.FRAME_HEADER for p in lacking) + 2 * len(data) + 4096
+        with self.budget.reserve(bound) if self.budget else contextlib.nullcontext(), self._lock:
+            written = referenced = 0
+            sizes: list[tuple[str, int]] = []
+            new_keys: list[str] = []
+            try:
+                # Asked again under the lock: a sweep may have dropped blocks meanwhile.
+                held = self._held(list(unique))
+                for piece, payload in unique.values():
+                    size = self.catalog.block_size(piece.key)
+                    if size is None or piece.key not in held:
+                        block = blk.frame(payload(), self.codec)
+                        if self.store.put(piece.key, block):
+                            new_keys.append(piece.key)
+                            written += len(block)
+                        size = len(block)
+                    sizes.append((piece.key, size))
+                    referenced += size
+                row = CheckpointRow(
+                    checkpoint_id=CHECKPOINT_ID_PREFIX + secrets.token_hex(12),
+                    session_id=snap.session_id,
+                    label=snap.label,
+                    kind=kind,
+                    n_tokens=len(snap.tokens),
+                    bytes_written=written + len(data),
+                    bytes_referenced=referenced + len(data),
+                    created_at=now,
+                    tenant=snap.tenant,
+                )
+                self.catalog.add_checkpoint(row, data, sizes, now, head_of=head_of, fence=fence)
+            except BaseException:
+                # Blocks this save wrote that no committed checkpoint knows: reclaimed now,
+                # not at the next start.
+                # (Best effort: a remote store that failed the write may fail this too.)
+                with contextlib.suppress(OSError, KvkeepError):
+                    known = self.catalog.present(new_keys) if new_keys else set()
+                    for key in new_keys:
+                        if key not in known:
+                            self.store.delete(key)
+                raise
+        return row, snap
+
+    def _held(self, keys: list[str]) -> set[str]:
+        """Which pieces of a save the store holds. A remote store that cannot say fails the
+        save as a write it did not take (StoreUnreachable), as a failed put would."""
+        try:
+            return self.store.present(keys)
+        except StoreReadFailed:
+            if not self.store.remote:
+                raise
+            raise StoreUnreachable(
+                "the block store does not answer (see the daemon's log); nothing was saved"
+            ) from None
+
+    def _payloads(
+        self, kv: kvstate.SeqKv | None, full: list[_Piece], window: list[_Piece], rec: _Piece | None
+    ) -> Iterator[tuple[_Piece, Callable[[], bytes]]]:
+        """Each piece with a function that cuts its payload from `kv` (only called for
+        pieces the store lacks)."""
+        if kv is None:
+            return
+        for section in kv.sections:
+            if isinstance(section, kvstate.RecurrentCells):
+                if rec is not None:
+                    yield rec, functools.partial(bytes, section.data)
+                continue
+            for p in window if section.layout.window else full:
+                yield p, functools.partial(pieces.cut, section, p.start, p.end)
+
+    def plan(
+        self, tokens: list[int], n: int, block_tokens: int, salt: str
+    ) -> tuple[list[_Piece], list[_Piece], _Piece | None]:
+        """The pieces that hold the state after tokens[:n]: full-attention blocks,
+        sliding-window pieces, the recurrent state."""
+        lay = self.layout
+        if lay is None or n == 0:
+            return [], [], None
+        keys = blk.chain(
+            tokens[:n],
+            fingerprint=self.fingerprint,
+            layout=self.layout_desc or "",
+            block_tokens=block_tokens,
+            salt=bytes.fromhex(salt),
+        )
+        full: list[_Piece] = []
+        if lay.full is not None:
+            cell = lay.full.cell_bytes
+            for i, key in enumerate(keys):
+                a, b = i * block_tokens, min((i + 1) * block_tokens, n)
+                full.append(_Piece(key, a, b, (b - a) * cell))
+        window: list[_Piece] = []
+        if lay.windowed is not None:
+            cell = lay.windowed.cell_bytes
+            a = lay.windowed.first(n)
+            while a < n:
+                i = a // block_tokens
+                b = min((i + 1) * block_tokens, n)
+                window.append(_Piece(blk.derived(keys[i], "win", a - i * block_tokens), a, b, (b - a) * cell))
+                a = b
+        rec = None
+        if lay.recurrent is not None:
+            rec = _Piece(blk.derived(keys[-1], "rec"), n - 1, n, lay.recurrent.nbytes)
+        return full, window, rec
+
+    # ---- load ----------------------------------------------------------------------------
+
+    def row(self, checkpoint_id: str) -> tuple[CheckpointRow, bytes]:
+        found = self.catalog.get(checkpoint_id)
+        if found is None:
+            raise NotFound(f"no checkpoint {checkpoint_id}")
+        return found
+
+    def snapshot(self, checkpoint_id: str) -> Snapshot:
+        """A checkpoint's manifest, checked, without reading its blocks."""
+        _, data = self.row(checkpoint_id)
+        return mf.decode(data, self.key, self.n_vocab)
+
+    def cells(self, snap: Snapshot) -> tuple[kvstate.SeqKv | None, bool]:
+        """The state of a checked snapshot from this store: (state, must re-prefill)."""
+        return self.checked_cells(snap, self.store.get)
+
+    def load(
+        self,
+        checkpoint_id: str,
+        now: float,
+        snap: Snapshot | None = None,
+        whole: kvstate.SeqKv | None = None,
+    ) -> Loaded:
+        """A checkpoint's manifest and state, read and checked; `snap`: its manifest, if
+        `snapshot` gave it already (checkpoints are immutable: it is not decoded again);
+        `whole`: its state as this daemon saved it (sessions/wholes.py): its blocks are not read."""
+        row, data = self.row(checkpoint_id)
+        snap = snap or mf.decode(data, self.key, self.n_vocab)
+        kv: kvstate.SeqKv | None = whole
+        reprefill = False
+        if whole is None or whole.n != snap.n_kv or snap.kv_layout != self.layout_desc:
+            kv, reprefill = self.checked_cells(snap, self.store.get)
+        keys = snap.piece_keys()
+        if keys:
+            self.catalog.touch(keys, now)
+        return Loaded(row, snap, kv, reprefill)
+
+    def checked_cells(
+        self, snap: Snapshot, read: Callable[[str], bytes]
+    ) -> tuple[kvstate.SeqKv | None, bool]:
+        """Check the snapshot fits this daemon; read its pieces. (state, must re-prefill)."""
+        if snap.fingerprint != self.fingerprint:
+            raise IncompatibleCheckpoint(
+                f"the checkpoint was made with another model ({snap.fingerprint[:12]}, "
+                f"this daemon runs {self.fingerprint[:12]})"
+            )
+        if snap.kv_layout is None:
+            return None, False
+        if snap.kv_layout != self.layout_desc:
+            # Another --kv-type, engine mode or llama.cpp state version: the tokens are good.
+            log.warning(
+                "checkpoint state layout %s is not this daemon's %s: re-evaluating its tokens",
+                snap.kv_layout[:60],
+                (self.layout_desc or "none")[:60],
+            )
+            return None, True
+        if snap.n_kv == 0:
+            return None, False
+        lay = self.layout
+        assert lay is not None
+        full, window, rec = self.plan(snap.tokens, snap.n_kv, snap.block_tokens, snap.salt)
+        if (
+            [p.key for p in full] != snap.blocks
+            or [(p.key, p.start) for p in window] != snap.window
+            or (rec.key if rec else "") != snap.recurrent
+        ):
+            raise CorruptCheckpoint("the checkpoint's block keys do not follow from its tokens")
+        return self._read(snap.n_kv, full, window, rec, read), False
+
+    def _read(
+        self,
+        n: int,
+        full: list[_Piece],
+        window: list[_Piece],
+        rec: _Piece | None,
+        read: Callable[[str], bytes],
+    ) -> kvstate.SeqKv:
+        """The state after n positions from its pieces, each read once and checked."""
+        lay = self.layout
+        assert lay is not None
+        wanted = [*full, *window, *([rec] if rec else [])]
+        ours = read == self.store.get
+        if ours and self.store.remote:
+            # All at once: a remote store pipelines or parallelises what one get per piece
+            # would wait for in turn.
+            frames = self.store.get_many([p.key for p in wanted])
+            read = frames.__getitem__  # an absent piece is the KeyError `get` gives
+
+        def payload(p: _Piece) -> bytes | memoryview:
+            return self.read_block(p.key, p.size, read, ours=ours)[1]
+
+        if ours and self.store.in_process:
+            # Nothing to read or check (see read_block): handing pieces to threads cost more.
+            payloads = {p.key: payload(p) for p in wanted}
+        else:
+            # File reads and CRC-32 release the GIL: pieces are read and checked on every core.
+            payloads = dict(zip((p.key for p in wanted), _READERS.map(payload, wanted), strict=True))
+        sections: list[kvstate.Section] = []
+        for section in lay.sections:
+            if isinstance(section, kvlayout.RecurrentLayout):
+                assert rec is not None
+                sections.append(pieces.recurrent_from(section, n - 1, payloads[rec.key]))
+                continue
+            mine = window if section.window else full
+            runs = [pieces.piece(section, payloads[p.key], p.end - p.start) for p in mine]
+            sections.append(pieces.cells_from(section, mine[0].start, runs))
+        return pieces.build(lay, n, sections)
+
+    # ---- the prefix cache --------------------------------------------------------------------
+
+    def longest_prefix(self, tokens: list[int], limit: int, block_tokens: int, salt: str) -> int:
+        """The longest n <= limit, a multiple of block_tokens, whose state this store holds
+        every piece of (its keys follow from tokens[:n] and the salt); 0 if none."""
+        if self.layout is None or limit < block_tokens:
+            return 0
+        limit -= limit % block_tokens
+        full, window, rec = self.plan(tokens, limit, block_tokens, salt)
+        present = self.catalog.present([p.key for p in full])
+        known = [p.key for p in full if p.key in present]
+        held = self.store.present(known) if known else set()
+        n = 0 if full else limit  # a recurrent model has no full-attention blocks
+        for p in full:
+            if p.key not in held:
+                break
+            n = p.end
+        if self.layout.windowed is None and self.layout.recurrent is None:
+            return n
+        while n >= block_tokens:  # window pieces and the recurrent state exist at few points
+            _, window, rec = self.plan(tokens, n, block_tokens, salt)
+            extra = [p.key for p in [*window, *([rec] if rec else [])]]
+            have = self.catalog.present(extra)
+            if all(k in have for k in extra) and len(self.store.present(extra)) == len(set(extra)):
+                return n
+            n -= block_tokens
+        return 0
+
+    def prefix_state(self, tokens: list[int], n: int, block_tokens: int, salt: str) -> kvstate.SeqKv:
+        """The state after tokens[:n] from this store's pieces (see longest_prefix)."""
+        full, window, rec = self.plan(tokens, n, block_tokens, salt)
+        return self._read(n, full, window, rec, self.store.get)
+
+    def read_block(
+        self, key: str, size: int, read: Callable[[str], bytes], *, ours: bool | None = None
+    ) -> tuple[bytes, bytes | memoryview]:
+        """One block, read once and checked: (its frame, its payload). A damaged block of
+        this store (`ours`; by default when `read` is the store's) is removed, so that the
+        next checkpoint holding those tokens writes it again instead of reusing it."""
+        try:
+            data = read(key)
+        except KeyError:
+            raise CorruptCheckpoint(f"a KV block of the checkpoint is missing ({key[:12]})") from None
+        # NOTE: blocks that never left this process's memory are not checksummed again: at
+        # 3.5 GB/s that was 12 ms of a 2,000-token restore from RAM.
+        trusted = read == self.store.get and self.store.in_process
+        try:
+            return data, blk.unframe(data, size, checksum=not trusted)
+        except CorruptCheckpoint:
+            if ours or (ours is None and read == self.store.get):
+                log.error("removing damaged block %s", key)
+                with self._lock, contextlib.suppress(OSError, KvkeepError):
+                    self.store.delete(key)
+            raise
+
+    # ---- delete and sweep -------------------------------------------------------------------
+
+    def delete(self, checkpoint_id: str) -> None:
+        if not self.catalog.delete(checkpoint_id):
+            raise NotFound(f"no checkpoint {checkpoint_id}")
+
+    def sweep(self, budget_bytes: int, used: Callable[[], int] | None = None) -> int:
+        """Drop unreferenced blocks, least recently used first, until the store (or what
+        `used` counts) fits the budget. Returns the bytes freed."""
+        used = used or self.store.total_bytes
+        freed = 0
+        if used() <= budget_bytes:  # within it: the (shared, maybe remote) catalog is not listed
+            return 0
+        with self._lock:
+            for key, size in self.catalog.unreferenced():
+                if used() <= budget_bytes:
+                    break
+                # Forgotten first, and only if still unreferenced: with a shared catalog,
+                # another daemon may have referenced it since the list was read (and a
+                # remote store's bytes are what the catalog records).
+                if self.catalog.forget_blocks([key]):
+                    self.store.delete(key)
+                    freed += size
+        return freed
+
+    def remove_orphans(self) -> int:
+        """Delete block files no catalog row knows: what a crash left between writing a
+        block and committing its manifest. Run at start, before any save."""
+        if self.store.remote:
+            # Listing a bucket or a keyspace is as slow as the store is big, and another
+            # daemon's blocks may be there: a remote store is never listed at start.
+            return 0
+        with self._lock:
+            known = self.catalog.known_blocks()
+            orphans = [key for key in self.store.block_keys() if key not in known]
+            for key in orphans:
+                self.store.delete(key)
+        return len(orphans)
+
+    # ---- export and import (the format is exports.py's) ----------------------------------
+
+    def export(self, checkpoint_id: str) -> Iterator[bytes]:
+        """The checkpoint as a self-contained stream of chunks of at most 1 MiB."""
+        return exports.export(self, checkpoint_id)
+
+    def import_(
+        self, chunks: Iterable[bytes], limit: int, now: float, *, tenant: str, n_ctx: int
+    ) -> CheckpointRow:
+        """Import an exported stream given as chunks: see exports.import_chunks."""
+        return exports.import_chunks(self, chunks, limit, now, tenant=tenant, n_ctx=n_ctx)
+
+    def import_file(self, spool: BinaryIO, now: float, *, tenant: str, n_ctx: int) -> CheckpointRow:
+        """Import an exported stream held in a file: see exports.import_file."""
+        return exports.import_file(self, spool, now, tenant=tenant, n_ctx=n_ctx)

@@ -1,0 +1,315 @@
+"""The state directory: one daemon's alone, and private to the user it runs as.
+
+A daemon locks the directory (`flock` on its `lock` file) before it touches anything else in
+it, and holds the lock until it has stopped: a second daemon on the same directory refuses
+to start, instead of wiping the first one's spill area and deleting its new blocks as
+orphans. What a daemon creates there is private, directories 0700 and files 0600 (the
+catalog holds conversations in plain text), and every new directory entry is made durable
+by an fsync of the directory that holds it.
+
+    state-dir/            0700
+      lock                the holder's pid
+      kvkeep-state        what the directory is, and its format ("kvkeep state 1")
+      store.key           the HMAC key of manifests
+      fingerprints.json   model fingerprints by path, size and mtime
+      probes.json         the exactness probe's results (unless --probe-cache puts them elsewhere)
+      catalog.db(-wal, -shm)
+      journal             persistent sessions' turns since their heads
+      blocks/             persistent sessions' and checkpoints' KV blocks (tmp/, and one
+                          directory per key prefix)
+      spill/              ephemeral sessions' blocks: wiped at every start and graceful stop
+
+Nothing in it is followed: a symbolic link planted there (by whoever else can write to it)
+would send the journal's conversations, new blocks or the spill area's wipe wherever it
+points. At start every fixed entry above is checked with lstat, and a link, or a thing of
+another kind than the daemon keeps there, refuses the start (StateDirError, one line naming
+it). After start, files are opened with O_NOFOLLOW (see `open_private`), new ones are made
+with O_EXCL, and a directory made is checked with lstat (`private_subdir`). O_NOFOLLOW
+covers a path's last component only: for the directories between (blocks/'s), the start's
+check and the state directory's 0700 are the defence. The state directory's own path is
+the operator's, and is followed (systemd's DynamicUser makes it a link).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+import stat
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+# What a state directory holds under fixed names: files, and directories.
+FILES = (
+    "lock",
+    "kvkeep-state",
+    "store.key",
+    "fingerprints.json",
+    "probes.json",
+    "catalog.db",
+    "catalog.db-wal",
+    "catalog.db-shm",
+    "catalog.db-journal",
+    "journal",
+    "journal.tmp",
+)
+DIRS = ("blocks", "spill")
+MARK = "kvkeep-state"
+MARK_TEXT = b"kvkeep state 1\n"
+
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+class StateDirError(OSError):
+    """The state directory cannot be had (another daemon holds it), or holds something the
+    daemon will not follow or use; one line, for the operator. An OSError: met after start,
+    by a store's write, it fails that write as a failing disk would."""
+
+
+def refusal(path: Path, mode: int, *, directory: bool) -> str:
+    """The line that refuses `path`, found to be of `mode`'s kind where the daemon keeps a
+    directory (or a file)."""
+    found = next((name for test, name in _KINDS if test(mode)), "a device")
+    why = " (the daemon follows no links in its state directory)" if stat.S_ISLNK(mode) else ""
+    expected = "a directory" if directory else "a file"
+    return f"{path} is {found} where the daemon keeps {expected}{why}: remove it and start again"
+
+
+def check_entry(path: Path, *, directory: bool = False) -> bool:
+    """Whether `path` exists (lstat, not following it); StateDirError if it is a symbolic link
+    or not a regular file (with `directory`: not a directory)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not (stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)):
+        raise StateDirError(refusal(path, st.st_mode, directory=directory))
+    return True
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the directory's entries (a new file, a rename, a new subdirectory) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def private_dir(path: Path) -> bool:
+    """Make the directory and any missing parents (0700), each made durable in its parent.
+    Returns whether `path` was created. Links on the way are followed: this is for the state
+    directory's own path, the operator's (inside it, `private_subdir`)."""
+    if path.is_dir():
+        return False
+    private_dir(path.parent)
+    try:
+        path.mkdir(mode=DIR_MODE)
+    except FileExistsError:
+        if path.is_dir():  # made by someone else in the meantime
+            return False
+        raise
+    fsync_dir(path.parent)
+    return True
+
+
+def private_subdir(path: Path) -> bool:
+    """Make the directory (0700) in its parent, which exists, unless it is there; returns
+    whether it was made (then made durable in its parent). StateDirError if what is there is
+    not a directory, a symbolic link included: what is written under it would land wherever
+    the link points. (A link swapped in after this check is not seen: see the module's
+    docstring.)"""
+    try:
+        os.mkdir(path, DIR_MODE)
+        made = True
+    except FileExistsError:
+        made = False
+    check_entry(path, directory=True)
+    if made:
+        fsync_dir(path.parent)
+    return made
+
+
+def open_private(path: Path, flags: int) -> int:
+    """A descriptor of the file (`flags`, O_NOFOLLOW, O_CLOEXEC), created 0600 and made durable
+    in its directory if absent. StateDirError if the path is a symbolic link or not a regular
+    file: it is never followed, truncated or written through."""
+    flags |= os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    except FileExistsError:
+        check_entry(path)  # a link, a pipe, a directory: refused in one line, before an open
+        fd = os.open(path, flags)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # swapped in since the check
+            os.close(fd)
+            raise StateDirError(refusal(path, mode, directory=False)) from None
+        return fd
+    try:
+        fsync_dir(path.parent)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_private(path: Path) -> bytes:
+    """The file's bytes, read without following a link (StateDirError, as for anything but a
+    regular file); FileNotFoundError if absent."""
+    check_entry(path)
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+        return f.read()
+
+
+def private_file(path: Path) -> None:
+    """Create the file (empty, 0600) unless it exists, so that whatever opens it next (sqlite)
+    finds it private; sqlite gives its -wal and -shm files the same mode. StateDirError if it
+    is a symbolic link or not a regular file."""
+    os.close(open_private(path, os.O_RDONLY))
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Replace the file's contents atomically: a new 0600 temp file beside it (a name of its
+    own, made with O_EXCL: nothing planted there is written through), fsynced, renamed over it
+    (a link at `path` is replaced, not followed)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+class StateDir:
+    """A state directory this process holds the lock of (see `take`)."""
+
+    def __init__(self, path: Path, lock_fd: int) -> None:
+        self.path = path
+        self._lock_fd: int | None = lock_fd
+
+    @property
+    def spill(self) -> Path:
+        return self.path / "spill"
+
+    @classmethod
+    def take(cls, path: Path) -> StateDir:
+        """Create (0700) and lock the directory, then check its fixed entries (see the
+        module's docstring); StateDirError if another daemon holds it or an entry is refused.
+        Nothing else in the directory is touched before the lock is held."""
+        private_dir(path)
+        _tighten(path)
+        lock = path / "lock"
+        fd = open_private(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StateDirError(
+                f"the state directory {path} is in use by another kvkeep daemon (pid {holder}); "
+                "each daemon needs its own --state-dir"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            check_entries(path)
+            _check_mark(path)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return cls(path, fd)
+
+    def wipe_spill(self) -> None:
+        """Remove the spill area: ephemeral state never outlives the daemon that spilled it.
+        Nothing is followed: a link there (planted since the start's check) is removed, not
+        what it points to, and shutil's walk does not follow links inside either."""
+        try:
+            st = os.lstat(self.spill)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(self.spill, ignore_errors=True)
+        else:
+            log.warning("%s", refusal(self.spill, st.st_mode, directory=True))
+            with contextlib.suppress(OSError):
+                os.unlink(self.spill)
+
+    def release(self) -> None:
+        """Unlock (the lock file stays: removing it would let two daemons lock two files)."""
+        if self._lock_fd is None:
+            return
+        fd, self._lock_fd = self._lock_fd, None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+        os.close(fd)
+
+
+def check_entries(path: Path) -> None:
+    """StateDirError for the first fixed entry of the state directory that is a symbolic link
+    or not of the kind the daemon keeps there; blocks/ holds directories only (tmp/ and the
+    key prefixes'), none of them a link."""
+    for name in FILES:
+        check_entry(path / name)
+    for name in DIRS:
+        check_entry(path / name, directory=True)
+    blocks = path / "blocks"
+    if blocks.is_dir():
+        with os.scandir(blocks) as entries:
+            for entry in entries:
+                check_entry(blocks / entry.name, directory=True)
+
+
+def _check_mark(path: Path) -> None:
+    """A directory with state but without this format's mark (one of kvstash, the name this
+    daemon had before, or of another format) is refused, not read: its manifests and exports
+    carry other magic numbers. An empty one is marked."""
+    mark = path / MARK
+    try:
+        found = read_private(mark)
+    except FileNotFoundError:
+        found = None
+    if found == MARK_TEXT:
+        return
+    if found is not None:
+        raise StateDirError(
+            f"the state directory {path} is of another format ({found[:40]!r} in {MARK}): "
+            "start with another --state-dir"
+        )
+    if any(os.path.lexists(path / name) for name in ("store.key", "catalog.db", "journal", "blocks")):
+        raise StateDirError(
+            f"the state directory {path} was written by an earlier version (kvstash), whose state "
+            "kvkeep does not read: move it away, or start with another --state-dir"
+        )
+    write_private(mark, MARK_TEXT)
+
+
+def _tighten(path: Path) -> None:
+    """A state directory made before (or by hand) with group or other access becomes 0700,
+    when it is ours to change."""
+    st = path.stat()
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077 and st.st_uid == os.geteuid():
+        os.chmod(path, DIR_MODE)
+        log.warning("state directory %s was mode %04o; it is now %04o", path, mode, DIR_MODE)

@@ -1,5 +1,0 @@
-"""`python -m kvstashd` runs the daemon, as `kvstash serve` does."""
-
-from kvstashd.cli import main
-
-main()
