@@ -646,7 +646,8 @@ def mask_costs(tokens: list[int], gbnf: str) -> dict[str, list[float]]:
     from llguidance.llamacpp import lltokenizer_from_vocab
 
     import kvkeepd.engine.sampling
-    from kvkeepd.engine.grammar import GrammarSpec, Matcher, compile_spec
+    from kvkeepd.engine.grammar import Matcher, compile_spec
+    from kvkeepd.values import GrammarSpec
 
     params = lc.llama_model_default_params()
     params.vocab_only = True

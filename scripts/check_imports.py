@@ -1,4 +1,11 @@
-"""Import boundaries: who may import llama_cpp, grpc and kvkeepd."""
+"""Import boundaries: who may import llama_cpp, grpc and kvkeepd, the daemon's layers, and no
+circles.
+
+Every import counts, at the top of a module, inside a function or under TYPE_CHECKING (the
+tree is walked whole). A daemon module may import a module of a lower layer (LAYERS) or of
+its own folder, never one above; no modules import each other in a circle; and only the doors
+and the composition root reach the session manager itself (the flows get a SessionHost).
+"""
 
 from __future__ import annotations
 
@@ -22,6 +29,124 @@ RULES = {
 CLIENT_RULES = {
     "langchain_core": {"client/kvkeep/integrations/langchain.py"},
 }
+
+
+# The daemon's layers, lowest first: a module's layer is that of the longest prefix listed.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    (
+        "kvkeepd",
+        "kvkeepd.errors",
+        "kvkeepd.limits",
+        "kvkeepd.logs",
+        "kvkeepd.heap",
+        "kvkeepd.values",
+        "kvkeepd.files",
+        "kvkeepd.urls",
+    ),
+    ("kvkeepd.config", "kvkeepd.state"),
+    ("kvkeepd.engine", "kvkeepd.storage"),
+    ("kvkeepd.sessions",),
+    ("kvkeepd.api",),
+    ("kvkeepd.server",),
+    ("kvkeepd.cli",),
+    ("kvkeepd.__main__",),
+)
+# Who may import the session manager (the flows are given a SessionHost instead).
+MANAGER = "kvkeepd.sessions.manager"
+MANAGER_USERS = ("kvkeepd.api", "kvkeepd.server", "kvkeepd.sessions.manager")
+
+
+def module_of(path: Path) -> str:
+    parts = list(path.relative_to(ROOT / "daemon").with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer, the prefix that places it): the longest listed prefix of `module`."""
+    best = (-1, "")
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best[1]):
+                best = (i, prefix)
+    return best
+
+
+def daemon_graph() -> dict[str, set[str]]:
+    """Each daemon module's imports of other daemon modules."""
+    paths = {module_of(p): p for p in (ROOT / "daemon").rglob("*.py")}
+
+    def resolve(name: str) -> str:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                out.update(resolve(a.name) for a in node.names if a.name.startswith("kvkeepd"))
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvkeepd"):
+                for a in node.names:  # `from kvkeepd.x import y` may name the module x.y
+                    full = f"{node.module}.{a.name}"
+                    out.add(full if full in paths else resolve(node.module))
+        graph[module] = out - {module, ""}
+    return graph
+
+
+def layer_errors(graph: dict[str, set[str]]) -> list[str]:
+    errors = []
+    for module, targets in sorted(graph.items()):
+        layer, prefix = layer_of(module)
+        if layer < 0:
+            errors.append(f"{module}: in no layer (add it to LAYERS)")
+            continue
+        for target in sorted(targets):
+            their, their_prefix = layer_of(target)
+            if their > layer or (their == layer and their_prefix != prefix and layer > 0):
+                errors.append(
+                    f"{module} (layer {layer}) imports {target} (layer {their}): upward or sideways"
+                )
+            if target == MANAGER and not module.startswith(MANAGER_USERS):
+                errors.append(f"{module} imports the session manager: give it a SessionHost")
+    return errors
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import graph's strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
 
 
 def imports(path: Path) -> set[str]:
@@ -53,6 +178,9 @@ def main() -> int:
             allowed = CLIENT_RULES.get(name.split(".")[0])
             if allowed is not None and rel not in allowed:
                 errors.append(f"{rel}: imports {name}")
+    graph = daemon_graph()
+    errors += layer_errors(graph)
+    errors += [f"a circle: {' -> '.join(c)}" for c in circles(graph)]
     for e in errors:
         print(f"import boundary: {e}", file=sys.stderr)
     return 1 if errors else 0

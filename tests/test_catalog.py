@@ -13,11 +13,11 @@ import pytest
 from servers import RedisServer
 
 from kvkeepd.config.resolution import resolve
-from kvkeepd.config.settings import ConfigError, Settings, catalog_url
+from kvkeepd.config.settings import ConfigError, Settings
 from kvkeepd.errors import CatalogUnavailable, SessionElsewhere
-from kvkeepd.storage.blocks import redacted
 from kvkeepd.storage.catalog import Catalog, CheckpointRow, ListedSession, SessionRow
 from kvkeepd.storage.catalog.sqlite import SqliteCatalog
+from kvkeepd.urls import catalog_url, redacted
 
 TTL_MS = 400
 

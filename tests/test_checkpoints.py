@@ -37,7 +37,7 @@ from daemons import DaemonProcess, InProcessDaemon
 
 import kvkeep
 from kvkeep.cli import main as cli_main
-from kvkeepd.sessions.residency import InSlot
+from kvkeepd.sessions.placement import InSlot
 
 
 @pytest.fixture(scope="module")

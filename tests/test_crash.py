@@ -72,6 +72,7 @@ STATE_FILES = {
     "fingerprints.json",
     "probes.json",  # unless the tests keep it elsewhere (KVKEEP_PROBE_CACHE)
     "lock",  # held by the running daemon; released by the kernel when it dies
+    "kvkeep-state",  # what the directory is
     "blocks",
     "spill",
     "journal",  # persistent turns since their heads

@@ -14,7 +14,7 @@ import click
 import pytest
 from daemons import InProcessDaemon, model_path
 
-from kvkeepd import cli
+from kvkeepd import cli, urls
 from kvkeepd.config import resolution
 from kvkeepd.config import settings as config
 
@@ -68,7 +68,7 @@ def test_the_unit_starts_kvkeep_serve_with_valid_settings(tmp_path: Path) -> Non
     resolved = resolution.resolve(serve_flags(argv[2:]), {**env, "KVKEEP_MODEL": str(model_path())})
     settings = resolved.settings
     assert settings.state_dir == tmp_path / "state"
-    assert config.is_local(settings.address)  # no auth file: loopback only
+    assert urls.is_local(settings.address)  # no auth file: loopback only
     # Stopping takes up to the grace period, then as long again plus 5 s for operations in
     # flight (SessionManager.shutdown), then saving: systemd must wait longer than that.
     (timeout,) = service["TimeoutStopSec"]
@@ -136,7 +136,7 @@ def test_the_container_runs_kvkeep_serve_as_a_user_with_valid_settings(tmp_path:
     here = {**env, "KVKEEP_MODEL": str(model_path()), "KVKEEP_AUTH_FILE": str(auth)}
     here["KVKEEP_STATE_DIR"] = str(tmp_path / "state")
     settings = resolution.resolve(serve_flags(argv[2:]), here).settings
-    assert not config.is_local(settings.address) and settings.auth_file == auth
+    assert not urls.is_local(settings.address) and settings.auth_file == auth
     # The build uses scripts/setup (and so its llama.cpp flags).
     assert any("scripts/setup --daemon" in line for line in logical_lines(CONTAINERFILE))
 

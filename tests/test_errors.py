@@ -17,6 +17,7 @@ import kvkeep
 from kvkeepd.errors import StoreReadFailed
 from kvkeepd.storage.catalog import CheckpointRow
 from kvkeepd.storage.catalog.sqlite import SqliteCatalog
+from kvkeepd.storage.statedir import MARK, MARK_TEXT
 
 
 @pytest.fixture
@@ -295,6 +296,7 @@ def test_a_block_store_that_cannot_be_read_or_written(
 def test_a_catalog_that_cannot_be_read_stops_the_start_with_one_line(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
     state_dir.mkdir()
+    (state_dir / MARK).write_bytes(MARK_TEXT)  # a state directory of this format
     catalog = SqliteCatalog(state_dir / "catalog.db")
     row = CheckpointRow("c_" + "0" * 24, "s_" + "0" * 24, "", "explicit", 1, 1, 1, 0.0)
     catalog.add_checkpoint(row, b"manifest", [("ab" * 32, 10)], now=0.0)

@@ -14,7 +14,7 @@ hypothesis; no model, no llama.cpp, no daemon).
   with StateFormatError or parse to cells that a naive reading of the blob agrees with, the
   full section at exactly 0..n-1, a window at exactly its last positions, a recurrent state
   at n-1.
-- `CheckpointStore.import_`: valid exports import and load back equal; mutated ones (bytes
+- `exports.import_chunks`: valid exports import and load back equal; mutated ones (bytes
   and records, the final BLAKE2b recomputed so the inner checks are reached) are refused
   with a KvkeepError, or import into a checkpoint that loads and exports again.
 
@@ -50,9 +50,7 @@ import zstandard
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from kvkeepd.engine.sampling import SamplingParams
 from kvkeepd.errors import CorruptCheckpoint, IncompatibleCheckpoint, KvkeepError
-from kvkeepd.sessions.chat import ChatMessage
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import frames as blk
 from kvkeepd.state import manifest as mf
@@ -68,10 +66,12 @@ from kvkeepd.state.layout import (
 )
 from kvkeepd.state.manifest import Snapshot
 from kvkeepd.storage import checkpoints as ckpt
+from kvkeepd.storage import exports as kvexports
 from kvkeepd.storage.blocks.memory import MemoryBlockStore
 from kvkeepd.storage.catalog.sqlite import SqliteCatalog
 from kvkeepd.storage.checkpoints import CheckpointStore
 from kvkeepd.storage.exports import EXPORT_MAGIC
+from kvkeepd.values import ChatMessage, SamplingParams
 
 # ---- run length ---------------------------------------------------------------------------
 
@@ -1283,7 +1283,7 @@ def exports(draw: st.DrawFn) -> Export:
     kv = make_state(layout, n, rng) if n else None
     with memory_store(layout, codec) as store:
         row, _ = store.save(session_snapshot(tokens, rng), kv, kind="explicit", now=0.0)
-        return Export(layout, codec, kv, b"".join(store.export(row.checkpoint_id)))
+        return Export(layout, codec, kv, b"".join(kvexports.export(store, row.checkpoint_id)))
 
 
 _REC = struct.Struct("<BI")
@@ -1400,7 +1400,7 @@ def imports_or_refuses(
     """The id of the checkpoint the export imports as, or None if refused with a
     KvkeepError (CorruptCheckpoint, IncompatibleCheckpoint, InvalidRequest)."""
     row = typed(
-        lambda: store.import_(chunked(data, rng), limit, 0.0, tenant="t", n_ctx=N_CTX),
+        lambda: kvexports.import_chunks(store, chunked(data, rng), limit, 0.0, tenant="t", n_ctx=N_CTX),
         KvkeepError,
     )
     return None if row is None else row.checkpoint_id
@@ -1418,7 +1418,7 @@ def check_imported(store: CheckpointStore, checkpoint_id: str, rng: random.Rando
         assert loaded.kv.n == snap.n_kv
         blob, _ = write_state(loaded.kv)
         check_state(kvstate.parse(blob, store.layout), store.layout, blob)
-    again = b"".join(store.export(checkpoint_id))
+    again = b"".join(kvexports.export(store, checkpoint_id))
     with memory_store(store.layout, store.codec) as other:
         assert imports_or_refuses(other, again, rng) is not None
     return loaded
@@ -1481,7 +1481,7 @@ def test_every_field_of_an_exported_manifest_with_every_wrong_value_is_refused_o
         row, _ = store.save(
             session_snapshot(tokens, rng), make_state(ALL_SECTIONS, 20, rng), kind="explicit", now=0.0
         )
-        recs = records(b"".join(store.export(row.checkpoint_id)))
+        recs = records(b"".join(kvexports.export(store, row.checkpoint_id)))
     manifest = next(body for kind, body in recs if kind == 1)
     for path in paths(ManifestParts.of(manifest).meta):
         if len(path) > 1 and path[0] != "params":  # nested lists: decode's grid has them
@@ -1587,7 +1587,7 @@ def exported_with(**edits: Any) -> bytes:
         row, _ = store.save(
             session_snapshot([1], rng), make_state(NAMED["kv"], 1, rng), kind="explicit", now=0.0
         )
-        recs = records(b"".join(store.export(row.checkpoint_id)))
+        recs = records(b"".join(kvexports.export(store, row.checkpoint_id)))
     out = []
     for kind, body in recs:
         if kind == 1:
@@ -1609,11 +1609,13 @@ def test_an_export_with_a_salt_of_odd_length_is_refused() -> None:
     """A salt of hex digits of odd length (which bytes.fromhex refuses) is refused by the
     manifest's checks, with a typed error."""
     with memory_store(NAMED["kv"]) as store, pytest.raises(KvkeepError):
-        store.import_([exported_with(salt="a")], IMPORT_LIMIT, 0.0, tenant="t", n_ctx=N_CTX)
+        kvexports.import_chunks(store, [exported_with(salt="a")], IMPORT_LIMIT, 0.0, tenant="t", n_ctx=N_CTX)
 
 
 def test_an_export_with_a_lone_surrogate_in_its_label_is_refused() -> None:
     """JSON may escape a lone surrogate ("\\ud800"), which neither sqlite nor a gRPC reply can
     encode: a manifest holding one anywhere is refused with a typed error."""
     with memory_store(NAMED["kv"]) as store, pytest.raises(KvkeepError):
-        store.import_([exported_with(label="\ud800")], IMPORT_LIMIT, 0.0, tenant="t", n_ctx=N_CTX)
+        kvexports.import_chunks(
+            store, [exported_with(label="\ud800")], IMPORT_LIMIT, 0.0, tenant="t", n_ctx=N_CTX
+        )

@@ -25,11 +25,10 @@ from daemons import DaemonProcess, InProcessDaemon
 
 import kvkeep
 from kvkeep.cli import main
-from kvkeepd.engine.grammar import Constraint, GrammarSpec
-from kvkeepd.engine.sampling import SamplingParams
 from kvkeepd.errors import CorruptCheckpoint
 from kvkeepd.limits import MAX_GRAMMAR_CHARS
 from kvkeepd.state.manifest import Snapshot, decode, encode
+from kvkeepd.values import Constraint, GrammarSpec, SamplingParams
 
 # A context-free language (nested parentheses), so that no regular expression could check it.
 ARITHMETIC = r"""

@@ -31,7 +31,7 @@ from daemons import check_serving
 from servers import RedisServer, S3Server, WeedMini
 
 import kvkeep
-from kvkeepd.storage.blocks import BlockStore
+from kvkeepd.storage.blocks.base import BlockStore
 from kvkeepd.storage.blocks.redis import RedisBlockStore
 from kvkeepd.storage.blocks.s3 import S3BlockStore
 

@@ -17,8 +17,9 @@ import pytest
 from daemons import GREEDY, PROBE_CACHE, DaemonProcess, InProcessDaemon, check_serving, model_path, wait_until
 
 import kvkeep
+from kvkeepd.files import StateDirError
 from kvkeepd.storage.blocks.local import LocalBlockStore
-from kvkeepd.storage.statedir import StateDirError
+from kvkeepd.storage.statedir import MARK, MARK_TEXT
 
 STORY = "Once upon a time, in a small village by the sea, there lived"
 
@@ -256,7 +257,7 @@ def test_a_block_file_that_is_a_link_refuses_the_start(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
     (state_dir / "blocks" / "ab").mkdir(mode=0o700, parents=True)
     state_dir.chmod(0o700)
-    (state_dir / "kvkeep-state").write_bytes(b"kvkeep state 1\n")  # a directory of this format
+    (state_dir / MARK).write_bytes(MARK_TEXT)  # a directory of this format
     target = elsewhere(tmp_path, directory=False)
     before = snapshot(target)
     link = state_dir / "blocks" / "ab" / ("ab" + "0" * 62)

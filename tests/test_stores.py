@@ -28,7 +28,7 @@ from servers import RedisServer, S3Server, free_port
 
 from kvkeepd.errors import CorruptCheckpoint, StoreReadFailed, StoreUnreachable
 from kvkeepd.state import frames as blk
-from kvkeepd.storage.blocks import BlockStore
+from kvkeepd.storage.blocks.base import BlockStore
 from kvkeepd.storage.blocks.local import LocalBlockStore
 from kvkeepd.storage.blocks.memory import MemoryBlockStore
 from kvkeepd.storage.blocks.redis import PREFIX, RedisBlockStore

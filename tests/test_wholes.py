@@ -19,7 +19,8 @@ from daemons import InProcessDaemon
 from test_metrics import scrape
 
 import kvkeep
-from kvkeepd.sessions.residency import Parked, Residency
+from kvkeepd.sessions.placement import Parked
+from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.wholes import StateCache
 from kvkeepd.state.cells import SeqKv
 from kvkeepd.state.layout import StateLayout

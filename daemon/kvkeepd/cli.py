@@ -81,9 +81,9 @@ def serve(config_file: Path | None, print_config: bool, ready_file: Path | None,
     settings = resolved.settings
     from kvkeepd import logs
     from kvkeepd.errors import KvkeepError
+    from kvkeepd.files import StateDirError
     from kvkeepd.server import serve as run_server
     from kvkeepd.sessions.tenants import AuthFileError
-    from kvkeepd.storage.statedir import StateDirError
 
     logs.configure(settings.log_level, settings.log_json)
     try:

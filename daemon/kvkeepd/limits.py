@@ -22,6 +22,3 @@ MAX_STREAMS_PER_CONNECTION = 128
 # A request's grammar or JSON schema, in characters (its compile time is bounded by the
 # grammar engine's own limits).
 MAX_GRAMMAR_CHARS = 1 << 16
-# What a chat turn that does not fit the session's context does: refused, or earlier turns
-# dropped (generation.py).
-CONTEXT_POLICIES = ("error", "truncate")

@@ -27,12 +27,14 @@ from kvkeepd.api.wire import SERVICE
 from kvkeepd.config.settings import Settings
 from kvkeepd.engine.context import ContextConfig, ModelInfo
 from kvkeepd.engine.engine import Engine
+from kvkeepd.files import fsync_dir
 from kvkeepd.heap import keep_freed_memory
 from kvkeepd.limits import MAX_CONCURRENT_RPCS, MAX_STREAMS_PER_CONNECTION
+from kvkeepd.sessions.chat import ChatTemplate
 from kvkeepd.sessions.manager import SessionManager
-from kvkeepd.sessions.persistence import Stores
 from kvkeepd.sessions.tenants import AuthFileError, Quota, Tenants
-from kvkeepd.storage.blocks import BlockStore, open_durable
+from kvkeepd.storage.blocks import open_durable
+from kvkeepd.storage.blocks.base import BlockStore
 from kvkeepd.storage.blocks.local import LocalBlockStore
 from kvkeepd.storage.blocks.memory import MemoryBlockStore
 from kvkeepd.storage.budget import DiskBudget
@@ -41,7 +43,8 @@ from kvkeepd.storage.catalog.sqlite import SqliteCatalog
 from kvkeepd.storage.checkpoints import CheckpointStore
 from kvkeepd.storage.fingerprints import fingerprint
 from kvkeepd.storage.journal import FileJournal, TurnJournal
-from kvkeepd.storage.statedir import StateDir, fsync_dir
+from kvkeepd.storage.statedir import StateDir
+from kvkeepd.storage.stores import Stores
 
 if TYPE_CHECKING:
     from kvkeepd.api.http.door import HttpDoor
@@ -295,14 +298,15 @@ class Daemon:
             if orphans:
                 log.info("removed %d blocks that no checkpoint was committed for", orphans)
             await asyncio.to_thread(stores.durable.sweep, settings.disk_budget, stores.disk.used)
-            manager = SessionManager(self.engine, settings, stores, clock=self.clock)
+            template = await ChatTemplate.of_model(self.engine)
+            tenants = await asyncio.to_thread(load_tenants, settings)
+            manager = SessionManager(self.engine, settings, stores, template, tenants, clock=self.clock)
             await manager.start()
             self.manager = manager
             self._sweeper = asyncio.create_task(manager.sweeper.run())
             if settings.metrics_address:
                 self._metrics = serve_metrics(settings.metrics_address, manager)
                 self.metrics_port = int(self._metrics.server_port)
-            manager.tenants = await asyncio.to_thread(load_tenants, settings)
             credentials = await asyncio.to_thread(server_credentials, settings)
             self._service = KvKeepService(manager, str(settings.model_path), fp)
             # A unix socket is created owner-only: the umask is in force while gRPC binds it.
@@ -353,7 +357,7 @@ class Daemon:
         except AuthFileError as e:
             log.error("the auth file was not reloaded: %s", e)
             return
-        self.manager.tenants = tenants
+        self.manager.tenants.replace_with(tenants)
         log.info("auth file reloaded: %d tenants", len(tenants.names))
 
     @property

@@ -6,7 +6,6 @@ Nothing else happens here. Each handler is a translation; the work is in Session
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -16,31 +15,23 @@ import grpc
 
 from kvkeep.v1 import kvkeep_pb2 as pb
 from kvkeepd import __version__
+from kvkeepd.api.convert import (
+    checkpoint_to_pb,
+    chunk_to_pb,
+    listed_to_pb,
+    message_from_pb,
+    overrides_from_pb,
+    session_to_pb,
+    turn_from_pb,
+)
 from kvkeepd.api.wire import Requests
-from kvkeepd.engine.job import Chunk
-from kvkeepd.engine.sampling import SamplingParams
 from kvkeepd.errors import CAUSE_KEY, RETRY_KEY, InvalidRequest, KvkeepError, Unavailable
-from kvkeepd.sessions.chat import ChatMessage, Message
-from kvkeepd.sessions.generation import Turn
 from kvkeepd.sessions.manager import SessionManager, SessionView
-from kvkeepd.sessions.session import SamplingOverrides
 from kvkeepd.sessions.tenants import Tenant
-from kvkeepd.storage.catalog import CheckpointRow, ListedSession
 
 log = logging.getLogger(__name__)
 
 Resp = TypeVar("Resp")
-
-FINISH = {
-    "length": pb.FINISH_REASON_LENGTH,
-    "eos": pb.FINISH_REASON_EOS,
-    "stop": pb.FINISH_REASON_STOP,
-    "context_full": pb.FINISH_REASON_CONTEXT_FULL,
-    "cancelled": pb.FINISH_REASON_CANCELLED,
-}
-RESIDENCY = {"hot": pb.RESIDENCY_HOT, "warm": pb.RESIDENCY_WARM, "cold": pb.RESIDENCY_COLD}
-ROLES = {"system": pb.ROLE_SYSTEM, "user": pb.ROLE_USER, "assistant": pb.ROLE_ASSISTANT}
-
 
 #: The metadata key a client names the session of its call in; a proxy in front of several
 #: daemons routes by it (deploy/haproxy.cfg). CreateSession and ForkSession answer with the
@@ -192,7 +183,7 @@ class KvKeepService:
         self, request: pb.CreateSessionRequest, tenant: Tenant, context: Any
     ) -> pb.CreateSessionResponse:
         self._check_accepting()
-        session = await self.manager.create(
+        session = await self.manager.lifecycle.create(
             tenant,
             cache_salt=request.cache_salt,
             system_prompt=request.system_prompt,
@@ -225,13 +216,13 @@ class KvKeepService:
     async def CloseSession(
         self, request: pb.CloseSessionRequest, tenant: Tenant, context: Any
     ) -> pb.CloseSessionResponse:
-        await self.manager.close(request.session_id, tenant)
+        await self.manager.lifecycle.close(request.session_id, tenant)
         return pb.CloseSessionResponse()
 
     @unary
     async def Rewind(self, request: pb.RewindRequest, tenant: Tenant, context: Any) -> pb.RewindResponse:
         self._check_accepting()
-        session = await self.manager.rewind(request.session_id, tenant, request.n_tokens)
+        session = await self.manager.lifecycle.rewind(request.session_id, tenant, request.n_tokens)
         return pb.RewindResponse(session=self._session_pb(await self.manager.view(session)))
 
     @streaming
@@ -335,114 +326,3 @@ class KvKeepService:
 
     def _session_pb(self, view: SessionView) -> pb.SessionInfo:
         return session_to_pb(view, self.manager.model.n_ctx_seq)
-
-
-# ---- conversions ---------------------------------------------------------------------------
-
-
-def overrides_from_pb(p: pb.SamplingParams) -> SamplingOverrides:
-    return SamplingOverrides(
-        **{
-            f.name: getattr(p, f.name) if p.HasField(f.name) else None  # type: ignore[arg-type]
-            for f in dataclasses.fields(SamplingOverrides)
-        }
-    )
-
-
-def turn_from_pb(r: pb.GenerateRequest | pb.ChatRequest) -> Turn:
-    return Turn(
-        max_tokens=r.max_tokens if r.HasField("max_tokens") else None,
-        sampling=overrides_from_pb(r.sampling),
-        stop=list(r.stop),
-        logprobs=r.logprobs,
-        grammar=r.grammar,
-        json_schema=r.json_schema,
-    )
-
-
-def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
-
-
-def message_from_pb(m: pb.Message) -> Message:
-    role = next((name for name, value in ROLES.items() if value == m.role), None)
-    if role is None:
-        raise InvalidRequest("every message needs a role: system, user or assistant")
-    return Message(role, m.content)
-
-
-def message_to_pb(m: ChatMessage) -> pb.Message:
-    return pb.Message(role=ROLES[m.role], content=m.content)
-
-
-def session_to_pb(v: SessionView, n_ctx: int) -> pb.SessionInfo:
-    s = v.session
-    return pb.SessionInfo(
-        session_id=s.session_id,
-        persistent=s.persistent,
-        n_tokens=v.n_tokens,
-        n_ctx=n_ctx,
-        sampling=params_to_pb(s.params),
-        stop=list(s.stop),
-        messages=[message_to_pb(m) for m in s.messages],
-        residency=RESIDENCY[v.tier],
-        created_at=s.created_at,
-        last_used_at=s.last_used_at,
-        n_checkpoints=v.n_checkpoints,
-        head_checkpoint_id=s.head_checkpoint_id,
-        context_policy=s.context_policy,
-        truncations=s.truncations,
-        dropped_tokens=s.dropped_tokens,
-    )
-
-
-def listed_to_pb(r: ListedSession, n_ctx: int) -> pb.SessionInfo:
-    """A persistent session no one holds here, as the catalog has it: what its head's row
-    says (its sampling, stop strings and messages are in the head's manifest, which GetSession
-    reads as it takes the session over)."""
-    return pb.SessionInfo(
-        session_id=r.session_id,
-        persistent=True,
-        n_tokens=r.n_tokens,
-        n_ctx=n_ctx,
-        residency=pb.RESIDENCY_COLD,
-        created_at=r.created_at,
-        last_used_at=r.last_used_at,
-        n_checkpoints=r.n_checkpoints,
-        head_checkpoint_id=r.head,
-    )
-
-
-def checkpoint_to_pb(r: CheckpointRow) -> pb.CheckpointInfo:
-    return pb.CheckpointInfo(
-        checkpoint_id=r.checkpoint_id,
-        session_id=r.session_id,
-        label=r.label,
-        n_tokens=r.n_tokens,
-        bytes_written=r.bytes_written,
-        bytes_referenced=r.bytes_referenced,
-        created_at=r.created_at,
-    )
-
-
-def chunk_to_pb(c: Chunk) -> pb.GenerationChunk:
-    out = pb.GenerationChunk(text=c.text, token_ids=list(c.token_ids))
-    for g in c.logprobs:
-        item = out.logprobs.add()
-        item.sampled.CopyFrom(
-            pb.TokenLogprob(token_id=g.sampled.token_id, text=g.sampled.text, logprob=g.sampled.logprob)
-        )
-        item.top.extend(pb.TokenLogprob(token_id=t.token_id, text=t.text, logprob=t.logprob) for t in g.top)
-    if c.finish_reason is not None:
-        out.finish_reason = FINISH[c.finish_reason]
-    if c.usage is not None:
-        out.usage.CopyFrom(
-            pb.Usage(
-                prompt_tokens=c.usage.prompt_tokens,
-                generated_tokens=c.usage.generated_tokens,
-                reused_tokens=c.usage.reused_tokens,
-                evaluated_tokens=c.usage.evaluated_tokens,
-                dropped_tokens=c.usage.dropped_tokens,
-            )
-        )
-    return out

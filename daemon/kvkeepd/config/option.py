@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvkeepd.storage.blocks import redacted
+from kvkeepd.urls import redacted
 
 ENV_PREFIX = "KVKEEP_"
 

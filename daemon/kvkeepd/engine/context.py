@@ -27,11 +27,10 @@ import numpy as np
 from llama_cpp import _ggml as llama_ggml
 from llguidance.llamacpp import lltokenizer_from_vocab
 
-from kvkeepd.engine import probes
-from kvkeepd.engine.sampling import Logits
 from kvkeepd.errors import InvalidRequest, KvkeepError
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import layout as kvlayout
+from kvkeepd.values import Logits
 
 log = logging.getLogger(__name__)
 llama_log = logging.getLogger("kvkeepd.llama_cpp")
@@ -175,7 +174,7 @@ class LlamaContext:
     # ---- facts ------------------------------------------------------------------------------
 
     def info(self) -> ModelInfo:
-        """Facts about the model; probes the state layout and exactness in slot 0."""
+        """Facts about the model; probes the state layout in slot 0."""
         model = self._model
         template = llama.llama_model_chat_template(model, None)
         desc = ctypes.create_string_buffer(256)
@@ -197,7 +196,8 @@ class LlamaContext:
             memory=layout.kind if layout is not None else self._memory_guess(),
             layout=layout,
             layout_note=note,
-            exact=self._probe_exact(),
+            # What the settings ask for; the engine's start-up probe decides (probes.exact).
+            exact=self.cfg.exact,
             max_token_bytes=max(1, *(len(self.piece(t, True)) for t in range(self.n_vocab))),
         )
 
@@ -233,16 +233,8 @@ class LlamaContext:
             self.clear(0)
         return layout, "checkpoints carry the model's computed state"
 
-    def _probe_exact(self) -> bool:
-        if not self.cfg.exact:
-            return False
-        found = probes.finding(self, self._build_facts())
-        if found is not None:
-            log.warning("a token's logits depend on how it was batched: %s", found)
-        return found is None
-
     @staticmethod
-    def _build_facts() -> dict[str, Any]:
+    def build_facts() -> dict[str, Any]:
         """What the loaded llama.cpp says of itself: version, library files, the CPU
         features it was built for, and ggml's devices (name and description)."""
         lib = Path(llama.__file__).parent / "lib"

@@ -13,6 +13,7 @@ chunks, or the last sampled token), decodes once, and samples per session.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -21,14 +22,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvkeepd.engine import steps
+from kvkeepd.engine import probes, steps
 from kvkeepd.engine.context import BatchItem, ContextConfig, LlamaContext, ModelInfo
 from kvkeepd.engine.job import Job, Outbox, SeqState
-from kvkeepd.engine.sampling import Logits
 from kvkeepd.errors import ContextFull, CorruptCheckpoint, InvalidRequest, KvkeepError, Unavailable
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import layout as kvlayout
 from kvkeepd.state import pieces
+from kvkeepd.values import Logits
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class Engine:
         try:
             self._ctx = LlamaContext(self.config)
             info = self._ctx.info()
+            info = dataclasses.replace(info, exact=probes.exact(self._ctx))
         except BaseException as e:  # report to start(), which re-raises
             if self._ctx is not None:
                 self._ctx.close()

@@ -20,8 +20,6 @@ import json
 import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 import llguidance
 import numpy as np
@@ -29,10 +27,7 @@ import numpy.typing as npt
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from kvkeepd.errors import InvalidRequest, KvkeepError
-from kvkeepd.limits import MAX_GRAMMAR_CHARS
-
-Kind = Literal["gbnf", "json_schema"]
-KINDS: tuple[Kind, ...] = ("gbnf", "json_schema")
+from kvkeepd.values import Constraint, GrammarSpec
 
 # Compact JSON with the usual spaces after separators: a small model left free to choose
 # whitespace may emit it forever. A schema's own "x-guidance" options override these.
@@ -48,47 +43,6 @@ CACHE_ENTRIES = 64
 _GBNF_START = re.compile(r"(?m)^\s*start\s*::=")
 # An error message from the compiler is cut to this many characters.
 MAX_ERROR_CHARS = 600
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What a request asked its output to match."""
-
-    kind: Kind
-    text: str
-
-    @staticmethod
-    def of(grammar: str, json_schema: str) -> GrammarSpec | None:
-        """The spec of a request's `grammar` and `json_schema` fields (None: neither)."""
-        if grammar and json_schema:
-            raise InvalidRequest("give a grammar or a JSON schema, not both")
-        kind: Kind = "gbnf" if grammar else "json_schema"
-        text = grammar or json_schema
-        if not text:
-            return None
-        if len(text) > MAX_GRAMMAR_CHARS:
-            name = "grammar" if grammar else "JSON schema"
-            raise InvalidRequest(f"the {name} has {len(text)} characters; the limit is {MAX_GRAMMAR_CHARS}")
-        return GrammarSpec(kind, text)
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """An open constrained output: its grammar, and the history position where it begins."""
-
-    spec: GrammarSpec
-    start: int
-
-
-def next_constraint(
-    current: Constraint | None, spec: GrammarSpec | None, start: int, continuing: bool
-) -> Constraint | None:
-    """The constraint a request runs under. `start` is where its output begins; `continuing`:
-    the request adds no prompt. Such a request continues the open constraint when it gives
-    no grammar or the same one; anything else starts `spec` afresh (or runs unconstrained)."""
-    if continuing and current is not None and spec in (None, current.spec):
-        return current
-    return Constraint(spec, start) if spec is not None else None
 
 
 class Matcher:

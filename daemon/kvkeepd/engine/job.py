@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvkeepd.engine.grammar import Matcher
-from kvkeepd.engine.sampling import Logits, SamplingParams, sample, top_logprobs
+from kvkeepd.engine.sampling import sample, top_logprobs
 from kvkeepd.engine.text import StopMatcher, Utf8Stream
 from kvkeepd.errors import KvkeepError
 from kvkeepd.state import cells as kvstate
+from kvkeepd.values import Chunk, FinishReason, GeneratedToken, GenerationRequest, Logits, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 # Epochs of computed states: unique across SeqStates, so none is ever reused.
@@ -59,53 +60,6 @@ class SeqState:
     @property
     def pending(self) -> int:
         return len(self.tokens) - self.n_kv
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    reused_tokens: int = 0
-    evaluated_tokens: int = 0
-    # The history the generation followed (earlier turns and this prompt), in tokens.
-    context_tokens: int = 0
-    # Tokens of earlier turns dropped to make room (the "truncate" context policy).
-    dropped_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    text: str
-    logprob: float
-
-
-@dataclass(frozen=True)
-class GeneratedToken:
-    sampled: TokenLogprob
-    top: tuple[TokenLogprob, ...]
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One piece of a streamed generation; the last carries finish_reason and usage."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[GeneratedToken, ...] = ()
-    finish_reason: str | None = None
-    usage: Usage | None = None
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A validated request to extend a session by `prompt` and generate."""
-
-    prompt: tuple[int, ...]
-    max_tokens: int | None
-    params: SamplingParams
-    stop: tuple[str, ...]
-    logprobs: int = 0
 
 
 class Vocab(Protocol):
@@ -190,7 +144,7 @@ class Job:
                     top=tuple(TokenLogprob(t, _text_of(vocab, t), v) for t, v in top),
                 )
             )
-        reason: str | None = None
+        reason: FinishReason | None = None
         if eog:
             reason = "eos"
         elif self._stop.matched:
@@ -205,7 +159,7 @@ class Job:
         self._emit_pending(released)
         return False
 
-    def finish(self, reason: str, released: str = "") -> None:
+    def finish(self, reason: FinishReason, released: str = "") -> None:
         """Emit the last chunk: what the stop matcher held back (unless a stop matched)."""
         if reason != "stop":
             tail = self._stop.feed(self._utf8.flush()) + self._stop.flush()
@@ -213,7 +167,7 @@ class Job:
             released += tail
         self._emit_pending(released, reason)
 
-    def _emit_pending(self, text: str, reason: str | None = None) -> None:
+    def _emit_pending(self, text: str, reason: FinishReason | None = None) -> None:
         self.emit(
             Chunk(
                 text=text,

@@ -19,15 +19,13 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from kvkeepd.engine.sampling import Logits
-from kvkeepd.storage.statedir import write_private
-
-if TYPE_CHECKING:
-    from kvkeepd.engine.context import LlamaContext
+from kvkeepd.engine.context import BatchItem, LlamaContext
+from kvkeepd.files import write_private
+from kvkeepd.values import Logits
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +41,17 @@ PLAN = {"tokens": PROBE_TOKENS, "chunks": PROBE_CHUNKS, "singles": PROBE_SINGLES
 # Entries kept per file: one per configuration a machine's daemons ran.
 MAX_ENTRIES = 64
 _ENV_PREFIXES = ("GGML_", "LLAMA_", "CUDA_", "HIP_", "ROCR_", "OMP_", "VK_", "METAL_", "MTL_")
+
+
+def exact(ctx: LlamaContext) -> bool:
+    """Whether the context, configured for the exact mode, is exact on this machine: the
+    probe found no batch dependence (a finding is logged)."""
+    if not ctx.cfg.exact:
+        return False
+    found = finding(ctx, ctx.build_facts())
+    if found is not None:
+        log.warning("a token's logits depend on how it was batched: %s", found)
+    return found is None
 
 
 def finding(ctx: LlamaContext, build: dict[str, Any]) -> str | None:
@@ -81,8 +90,6 @@ def batch_dependence(ctx: LlamaContext) -> str | None:
     (past 256 positions) it splits the cells among threads, unless another sequence
     shares the batch.
     """
-    from kvkeepd.engine.context import BatchItem  # context.py imports this module
-
     n = min(PROBE_TOKENS, ctx.cfg.ctx_per_session)
     batch = ctx.cfg.batch_size
     tokens = [int(t) for t in np.random.default_rng(0).integers(0, ctx.n_vocab, n)]

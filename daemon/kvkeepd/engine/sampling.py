@@ -12,61 +12,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
 
-from kvkeepd.errors import InvalidRequest
-
-Logits = npt.NDArray[np.float32]
-
-MAX_SEED = 2**64 - 1
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """A session's sampling parameters. `seed` is always set once a session exists."""
-
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    penalty_last_n: int = 64
-    seed: int = 0
-
-    def validate(self) -> SamplingParams:
-        """Raise InvalidRequest for any value a sampler cannot use; return self."""
-        floats = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "min_p": self.min_p,
-            "repeat_penalty": self.repeat_penalty,
-        }
-        for name, value in floats.items():
-            if not math.isfinite(value):
-                raise InvalidRequest(f"{name} must be a finite number, got {value}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0 <= self.top_k <= 1_000_000:
-            raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0.0 < self.repeat_penalty <= 10.0:
-            raise InvalidRequest(f"repeat_penalty must be in (0, 10], got {self.repeat_penalty}")
-        if self.penalty_last_n < -1:
-            raise InvalidRequest(f"penalty_last_n must be >= -1, got {self.penalty_last_n}")
-        if not 0 <= self.seed <= MAX_SEED:
-            raise InvalidRequest(f"seed must be in [0, 2^64), got {self.seed}")
-        return self
-
-    def merged(self, **overrides: float | int | None) -> SamplingParams:
-        """This value with the given non-None fields replaced, validated."""
-        changes = {k: v for k, v in overrides.items() if v is not None}
-        return replace(self, **changes).validate() if changes else self  # type: ignore[arg-type]
+from kvkeepd.values import Logits, SamplingParams
 
 
 def uniform(seed: int, draw: int) -> float:

@@ -1,77 +1,133 @@
-"""Counting and checking a SessionManager's sessions: the counters that GetInfo and
-/metrics show, and the invariant that the registry, the Residency's placements and slots,
-the engine's sequences and the catalog agree (checked by the tests, and by the daemon
-itself whenever it goes idle under `--check-invariants`).
+"""Counting and checking the registered sessions: the counters that GetInfo and /metrics
+show, and the invariant that the registry, the Residency's placements and slots, the
+engine's sequences and the catalog agree (checked by the tests, and by the daemon itself
+whenever it goes idle under `--check-invariants`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
 
-from kvkeepd.sessions.session import Counters
+from kvkeepd.engine.engine import Engine
+from kvkeepd.sessions.ops import Ops
+from kvkeepd.sessions.placement import HistoryOnly, InSlot, Parked, Placement, Stored
+from kvkeepd.sessions.residency import Residency
+from kvkeepd.sessions.session import Counters, Session
 from kvkeepd.sessions.tenants import Tenant
-
-if TYPE_CHECKING:
-    from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.storage.stores import Stores
 
 
-def tenant_counters(m: SessionManager, tenant: Tenant) -> Counters:
-    """The counters of one tenant's sessions and requests."""
-    mine = m.owned(tenant)
-    tiers = [m.residency.tier(s) for s in mine]
-    usage = m.residency.usage[tenant.name]
-    return Counters(
-        sessions=len(mine),
-        hot=tiers.count("hot"),
-        warm=tiers.count("warm"),
-        cold=tiers.count("cold"),
-        slots_in_use=tiers.count("hot"),
-        tokens_evaluated=usage.tokens_evaluated,
-        tokens_generated=usage.tokens_generated,
-        tokens_reused=usage.tokens_reused,
-        swap_ins=usage.swap_ins,
-        swap_in_seconds=usage.swap_in_seconds,
-    )
+class Census:
+    """Counts what the sessions, the residency, the engine and the stores hold."""
+
+    def __init__(
+        self,
+        sessions: Mapping[str, Session],
+        residency: Residency,
+        engine: Engine,
+        stores: Stores,
+        ops: Ops,
+        tokens_reused: Callable[[], int],
+        unloaded: set[str],
+    ) -> None:
+        """`sessions`: the registry (read); `tokens_reused`: prompt tokens attached from the
+        prefix cache so far; `unloaded`: persistent sessions of the catalog not loaded at
+        start (kept up to date by their owner)."""
+        self.sessions = sessions
+        self.residency = residency
+        self.engine = engine
+        self.stores = stores
+        self.ops = ops
+        self.tokens_reused = tokens_reused
+        self.unloaded = unloaded
+
+    def tenant_counters(self, tenant: Tenant) -> Counters:
+        """The counters of one tenant's sessions and requests."""
+        tiers = [
+            self.residency.tier(s) for s in self.sessions.values() if s.tenant == tenant.name and not s.closed
+        ]
+        usage = self.residency.usage[tenant.name]
+        return Counters(
+            sessions=len(tiers),
+            hot=tiers.count("hot"),
+            warm=tiers.count("warm"),
+            cold=tiers.count("cold"),
+            slots_in_use=tiers.count("hot"),
+            tokens_evaluated=usage.tokens_evaluated,
+            tokens_generated=usage.tokens_generated,
+            tokens_reused=usage.tokens_reused,
+            swap_ins=usage.swap_ins,
+            swap_in_seconds=usage.swap_in_seconds,
+        )
+
+    def counters(self) -> Counters:
+        """The counters of the whole daemon, as they are now."""
+        residency = self.residency
+        tiers = [residency.tier(s) for s in self.sessions.values() if not s.closed]
+        return Counters(
+            sessions=len(tiers),
+            hot=tiers.count("hot"),
+            warm=tiers.count("warm"),
+            cold=tiers.count("cold"),
+            slots_in_use=residency.slots_in_use,
+            tokens_evaluated=self.engine.stats_evaluated,
+            tokens_generated=self.engine.stats_generated,
+            tokens_reused=self.tokens_reused(),
+            swap_ins=residency.swap_ins,
+            swap_in_seconds=residency.swap_in_seconds,
+            parked_bytes=residency.ram_bytes(),
+            store_bytes=self.stores.disk.used(),
+            journal_records=self.stores.journal.records,
+            journal_syncs=self.stores.journal.syncs,
+            whole_bytes=residency.wholes.nbytes,
+            whole_hits=residency.wholes.hits,
+        )
+
+    async def problems(self, deep: bool = True) -> list[str]:
+        """Everything that should agree and does not: slot table, placements, the engine's
+        sequences, the registry and the catalog. Meaningful when no operation runs: both
+        sides are read at that moment (the engine runs its check before any later command)."""
+        found = placement_problems(*self.residency.table())
+        for sid, s in self.sessions.items():
+            if s.closed or s.busy:
+                found.append(f"{sid} is {'closed' if s.closed else 'busy'} while registered and idle")
+        live = {sid for sid, s in self.sessions.items() if s.persistent} | self.unloaded
+        owners = self.residency.slot_owners()
+        engine_check = asyncio.wrap_future(self.engine.call(lambda e: e.check(owners, deep)))
+        catalog = self.stores.durable.catalog
+        listed = {sid for sid, _, _ in await asyncio.to_thread(catalog.sessions)}
+        found += await engine_check
+        # A shared catalog holds other daemons' sessions too.
+        if listed != live and not self.ops.running and not catalog.shared:
+            found.append(f"persistent sessions differ from the catalog's: {sorted(listed ^ live)}")
+        return found
 
 
-def counters(m: SessionManager) -> Counters:
-    """The counters of the whole daemon, as they are now."""
-    tiers = [m.residency.tier(s) for s in m.sessions.values() if not s.closed]
-    return Counters(
-        sessions=len(tiers),
-        hot=tiers.count("hot"),
-        warm=tiers.count("warm"),
-        cold=tiers.count("cold"),
-        slots_in_use=m.residency.slots_in_use,
-        tokens_evaluated=m.engine.stats_evaluated,
-        tokens_generated=m.engine.stats_generated,
-        tokens_reused=m.conversations.tokens_reused,
-        swap_ins=m.residency.swap_ins,
-        swap_in_seconds=m.residency.swap_in_seconds,
-        parked_bytes=m.residency.ram_bytes(),
-        store_bytes=m.stores.disk.used(),
-        journal_records=m.stores.journal.records,
-        journal_syncs=m.stores.journal.syncs,
-        whole_bytes=m.residency.wholes.nbytes,
-        whole_hits=m.residency.wholes.hits,
-    )
-
-
-async def problems(m: SessionManager, deep: bool = True) -> list[str]:
-    """Everything that should agree and does not: slot table, placements, the engine's
-    sequences, the registry and the catalog. Meaningful when no operation runs: both sides
-    are read at that moment (the engine runs its check before any later command)."""
-    found = m.residency.problems()
-    for sid, s in m.sessions.items():
-        if s.closed or s.busy:
-            found.append(f"{sid} is {'closed' if s.closed else 'busy'} while registered and idle")
-    live = {sid for sid, s in m.sessions.items() if s.persistent} | m.unloaded
-    owners = m.residency.slot_owners()
-    engine_check = asyncio.wrap_future(m.engine.call(lambda e: e.check(owners, deep)))
-    catalog = {sid for sid, _, _ in await asyncio.to_thread(m.durable.catalog.sessions)}
-    found += await engine_check
-    # A shared catalog holds other daemons' sessions too.
-    if catalog != live and not m.ops.running and not m.shared:
-        found.append(f"persistent sessions differ from the catalog's: {sorted(catalog ^ live)}")
-    return found
+def placement_problems(
+    slots: list[Session | None], placements: list[tuple[str, Session, Placement]]
+) -> list[str]:
+    """Where the slot table and the placements disagree (empty when they agree)."""
+    out = []
+    where_of = {sid: where for sid, _, where in placements}
+    for i, owner in enumerate(slots):
+        if owner is not None and where_of.get(owner.session_id) != InSlot(i):
+            out.append(f"slot {i} is held by {owner.session_id}, which is not placed there")
+    for sid, session, where in placements:
+        state = session.state
+        if state.n_kv > len(state.tokens):
+            out.append(f"{sid}: state covers {state.n_kv} of {len(state.tokens)} tokens")
+        match where:
+            case InSlot(slot):
+                if slots[slot] is not session:
+                    out.append(f"{sid} is placed in slot {slot}, which another holds")
+            case Parked(kv):
+                if kv.n != state.n_kv:
+                    out.append(f"{sid}: parked state covers {kv.n} tokens, the session {state.n_kv}")
+            case Stored(_, _, snap):
+                if snap.n_kv != state.n_kv:
+                    out.append(f"{sid}: stored state covers {snap.n_kv} tokens, the session {state.n_kv}")
+            case HistoryOnly():
+                if state.n_kv:
+                    out.append(f"{sid} is history-only but claims {state.n_kv} tokens of state")
+    return out

@@ -8,6 +8,7 @@ produced are tokenized with special-token parsing. A user who types
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,24 +16,9 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import InvalidRequest
-
-ROLES = ("system", "user", "assistant")
-
-
-@dataclass(frozen=True)
-class Message:
-    role: str
-    content: str
-
-
-@dataclass
-class ChatMessage:
-    """A recorded message of a session and the history index where its tokens begin."""
-
-    role: str
-    content: str
-    start: int
+from kvkeepd.values import Message
 
 
 @dataclass(frozen=True)
@@ -49,6 +35,23 @@ def _raise_exception(message: str) -> None:
 
 class ChatTemplate:
     """A compiled chat template."""
+
+    @staticmethod
+    async def of_model(engine: Engine) -> ChatTemplate | None:
+        """The loaded model's template, with its BOS and EOS texts (None: it has none)."""
+        model = engine.info
+        if model is None or not model.chat_template:
+            return None
+        source = model.chat_template
+        bos, eos = await asyncio.wrap_future(
+            engine.call(
+                lambda e: (
+                    e.ctx.detokenize([model.bos_token], True),
+                    e.ctx.detokenize([model.eos_token], True),
+                )
+            )
+        )
+        return ChatTemplate(source, bos, eos)
 
     def __init__(self, source: str, bos_text: str, eos_text: str) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)

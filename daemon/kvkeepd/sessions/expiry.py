@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
+from kvkeepd.config.settings import Settings
 from kvkeepd.errors import KvkeepError
-
-if TYPE_CHECKING:
-    from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.sessions.host import SessionHost
+from kvkeepd.sessions.residency import Residency
+from kvkeepd.sessions.session import Session
+from kvkeepd.storage.stores import Stores
 
 log = logging.getLogger(__name__)
 
@@ -25,31 +27,43 @@ EXPIRED_PER_SWEEP = 100
 
 
 class Sweeper:
-    """Expiry and budget sweeps for a SessionManager."""
+    """Expiry and budget sweeps of the sessions a SessionHost holds."""
 
-    def __init__(self, manager: SessionManager) -> None:
-        self.m = manager
+    def __init__(
+        self,
+        host: SessionHost,
+        settings: Settings,
+        residency: Residency,
+        stores: Stores,
+        close: Callable[[Session], Awaitable[None]],
+    ) -> None:
+        """`close`: closes a session as a client's close would."""
+        self.host = host
+        self.settings = settings
+        self.residency = residency
+        self.stores = stores
+        self.close = close
 
     async def sweep(self) -> None:
         """One pass of the sweeper: expire idle sessions, keep RAM and disk within budget."""
-        await self.m.ops.run(self._sweep())
+        await self.host.ops.run(self._sweep())
 
     async def _sweep(self) -> None:
-        m = self.m
-        now = m.clock()
-        for session in list(m.sessions.values()):
+        settings, durable = self.settings, self.stores.durable
+        now = self.host.clock()
+        for session in list(self.host.sessions.values()):
             if session.busy or session.closed:
                 continue
-            ttl = m.settings.persistent_ttl if session.persistent else m.settings.idle_ttl
+            ttl = settings.persistent_ttl if session.persistent else settings.idle_ttl
             if ttl > 0 and now - session.last_used_at > ttl:
                 log.info(
                     "session %s expired after %.0f s idle", session.session_id, now - session.last_used_at
                 )
-                await m.close_session(session)
-        if m.shared and m.settings.persistent_ttl > 0:
-            await self._expire_unheld(now - m.settings.persistent_ttl)
-        await m.residency.enforce_ram()
-        await asyncio.to_thread(m.durable.sweep, m.settings.disk_budget, m.stores.disk.used)
+                await self.close(session)
+        if durable.catalog.shared and settings.persistent_ttl > 0:
+            await self._expire_unheld(now - settings.persistent_ttl)
+        await self.residency.enforce_ram()
+        await asyncio.to_thread(durable.sweep, settings.disk_budget, self.stores.disk.used)
 
     async def _expire_unheld(self, idle_before: float) -> None:
         """Delete the shared catalog's persistent sessions idle since before `idle_before`
@@ -57,7 +71,7 @@ class Sweeper:
         catalog deletes each once, whichever daemons' sweepers ask."""
         try:
             expired = await asyncio.to_thread(
-                self.m.durable.catalog.expire_sessions, idle_before, EXPIRED_PER_SWEEP
+                self.stores.durable.catalog.expire_sessions, idle_before, EXPIRED_PER_SWEEP
             )
         except KvkeepError as e:
             log.warning("idle sessions in the shared catalog were not expired: %s", e)
@@ -68,9 +82,9 @@ class Sweeper:
     async def run(self) -> None:
         """Sweep every `sweep_interval` seconds until cancelled."""
         while True:
-            await asyncio.sleep(self.m.settings.sweep_interval)
+            await asyncio.sleep(self.settings.sweep_interval)
             try:
                 await self.sweep()
             except Exception:
                 log.exception("the sweeper failed; it will try again")
-            self.m.publish()
+            self.host.publish()

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
-from kvkeepd.engine.job import GenerationRequest
 from kvkeepd.errors import ContextFull, InvalidRequest
-from kvkeepd.sessions.chat import Message, after_prefix
+from kvkeepd.sessions.chat import ChatTemplate, after_prefix
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tokens import Tokenizer
-
-if TYPE_CHECKING:
-    from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.values import GenerationRequest, Message
 
 T = TypeVar("T")
 
@@ -29,15 +26,19 @@ TRUNCATE_ROOM = 4
 
 
 class Fitting:
-    """Context checks and truncation for a SessionManager's generation flows."""
+    """Context checks and truncation for the generation flows, in a context of `n_ctx`."""
 
-    def __init__(self, manager: SessionManager, tokens: Tokenizer) -> None:
-        self.manager = manager
+    def __init__(
+        self, n_ctx: int, prompt_limit: int, tokens: Tokenizer, template: ChatTemplate | None
+    ) -> None:
+        self.n_ctx = n_ctx
+        self.prompt_limit = prompt_limit
+        self.template = template
         self.tokens = tokens
 
     def check_prompt(self, request: GenerationRequest) -> None:
         """InvalidRequest for a prompt over the prompt limit."""
-        limit = self.manager.settings.prompt_limit
+        limit = self.prompt_limit
         if len(request.prompt) > limit:
             raise InvalidRequest(f"the prompt has {len(request.prompt)} tokens; the limit is {limit}")
 
@@ -46,8 +47,8 @@ class Fitting:
         or without it one token (truncating: a quarter of the context, so that a turn after
         a truncation has room to answer; and the prompt, kept turns and all, within the
         prompt limit)."""
-        n_ctx, n_prompt = self.manager.model.n_ctx_seq, len(request.prompt)
-        if truncating and n_prompt > self.manager.settings.prompt_limit:
+        n_ctx, n_prompt = self.n_ctx, len(request.prompt)
+        if truncating and n_prompt > self.prompt_limit:
             return False
         room = request.max_tokens or (n_ctx // TRUNCATE_ROOM if truncating else 1)
         return n_history + n_prompt + room <= n_ctx
@@ -63,7 +64,7 @@ class Fitting:
             raise ContextFull(
                 f"history ({n_history}) + prompt ({n_prompt}) + max_tokens "
                 f"({request.max_tokens or 1}) is {needed} tokens; the session's context is "
-                f"{self.manager.model.n_ctx_seq}"
+                f"{self.n_ctx}"
             )
 
     async def truncated(
@@ -79,7 +80,7 @@ class Fitting:
         for the reply. Returns the index of the first message kept after the system prompt,
         where the history is cut, and the tokens that follow (kept turns and new messages).
         ContextFull if the new messages alone do not fit."""
-        template = self.manager.template
+        template = self.template
         assert template is not None
         history = session.state.tokens[: session.system_end]
         system_text = await self.tokens.vocab(lambda c: c.detokenize(history, True))

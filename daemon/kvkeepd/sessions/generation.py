@@ -14,46 +14,71 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
-from kvkeepd.engine.grammar import Constraint, GrammarSpec, next_constraint
-from kvkeepd.engine.job import Chunk, GenerationRequest, Job
+from kvkeepd.config.settings import Settings
+from kvkeepd.engine.context import ModelInfo
+from kvkeepd.engine.engine import Engine
+from kvkeepd.engine.grammar import Grammars
+from kvkeepd.engine.job import Job
 from kvkeepd.errors import ContextFull, InvalidRequest, KvkeepError
-from kvkeepd.limits import MAX_LOGPROBS, MAX_MESSAGES, MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from kvkeepd.limits import MAX_LOGPROBS
 from kvkeepd.sessions import ops
-from kvkeepd.sessions.chat import ROLES, ChatMessage, Message, after_prefix
+from kvkeepd.sessions.chat import ChatTemplate, after_prefix
 from kvkeepd.sessions.fitting import Fitting, common_prefix
-from kvkeepd.sessions.session import SamplingOverrides, Session
+from kvkeepd.sessions.host import SessionHost
+from kvkeepd.sessions.persistence import Persistence
+from kvkeepd.sessions.prefix import PrefixCache
+from kvkeepd.sessions.residency import Residency
+from kvkeepd.sessions.session import Session
+from kvkeepd.sessions.tenants import Tenants
 from kvkeepd.sessions.tokens import Tokenizer
-
-if TYPE_CHECKING:
-    from kvkeepd.sessions.manager import SessionManager
-
+from kvkeepd.values import (
+    ChatMessage,
+    Chunk,
+    Constraint,
+    GenerationRequest,
+    GrammarSpec,
+    Message,
+    Turn,
+    check_messages,
+    check_stop,
+    next_constraint,
+)
 
 Put = Callable[[Chunk], None]
 
 
-@dataclass(frozen=True)
-class Turn:
-    """What every generation request says besides its prompt."""
-
-    max_tokens: int | None = None
-    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
-    stop: Sequence[str] = ()
-    logprobs: int = 0
-    # Structured output: a GBNF grammar or a JSON schema (text), at most one of them.
-    grammar: str = ""
-    json_schema: str = ""
-
-
 class Conversations:
-    """Runs generations for a SessionManager."""
+    """The generation flows: a prompt or chat messages added to a session, its continuation
+    streamed, the turn made durable (persistent sessions)."""
 
-    def __init__(self, manager: SessionManager) -> None:
-        self.manager = manager
-        self.tokens = Tokenizer(manager)
-        self.fit = Fitting(manager, self.tokens)
+    def __init__(
+        self,
+        host: SessionHost,
+        *,
+        settings: Settings,
+        model: ModelInfo,
+        engine: Engine,
+        residency: Residency,
+        persistence: Persistence,
+        prefixes: PrefixCache,
+        grammars: Grammars,
+        tenants: Tenants,
+        template: ChatTemplate | None,
+    ) -> None:
+        self.host = host
+        self.settings = settings
+        self.model = model
+        self.engine = engine
+        self.residency = residency
+        self.persistence = persistence
+        self.prefixes = prefixes
+        self.grammars = grammars
+        self.tenants = tenants
+        self.template = template
+        self.tokens = Tokenizer(engine, model, settings.prompt_limit, template)
+        self.fit = Fitting(model.n_ctx_seq, settings.prompt_limit, self.tokens, template)
         self.tokens_reused = 0
 
     async def generate(
@@ -69,16 +94,16 @@ class Conversations:
         """Extend the session by a prompt (text or token ids) and stream the continuation."""
         if prompt and prompt_token_ids:
             raise InvalidRequest("give the prompt as text or as token ids, not both")
-        n_vocab = self.manager.model.n_vocab
+        n_vocab = self.model.n_vocab
         bad = next((t for t in prompt_token_ids if not 0 <= t < n_vocab), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
         self.tokens.check_bytes(prompt, "prompt")
         request = self._request(session, turn)
         spec = await self._grammar(session, turn)
-        async with self.manager.use(session):
+        async with self.host.use(session):
             # The slot first: waiting for it may be cut short, and nothing has changed yet.
-            slot = await self.manager.residency.into_slot(session)
+            slot = await self.residency.into_slot(session)
             if prompt:
                 tokens = await self.tokens.tokenize(
                     prompt, first=not session.state.tokens, parse_special=parse_special
@@ -91,7 +116,7 @@ class Conversations:
             if session.context_policy == "truncate" and not self.fit.fits(n_history, request):
                 raise ContextFull(
                     f"history ({n_history}) + prompt ({len(tokens)}) + max_tokens is beyond the session's "
-                    f"context of {self.manager.model.n_ctx_seq}: the context policy truncate drops whole "
+                    f"context of {self.model.n_ctx_seq}: the context policy truncate drops whole "
                     "chat turns (Chat), not raw text (Generate); rewind the session or chat"
                 )
             self.fit.check(n_history, request)
@@ -118,15 +143,15 @@ class Conversations:
         With `whole`, `messages` is the whole conversation: the session keeps the part of
         its history that matches it (token by token) and evaluates only the rest.
         """
-        template = self.manager.template
+        template = self.template
         assert template is not None
         check_messages(messages)
         for given in messages:
             self.tokens.check_bytes(given.content, "message")
         request = self._request(session, turn)
         spec = await self._grammar(session, turn)
-        async with self.manager.use(session):
-            slot = await self.manager.residency.into_slot(session)
+        async with self.host.use(session):
+            slot = await self.residency.into_slot(session)
             state = session.state
             held = [Message(m.role, m.content) for m in session.messages]
             # The session's messages that the conversation keeps, and those it adds.
@@ -178,7 +203,7 @@ class Conversations:
             self.fit.check(start, request)
             if start < len(state.tokens):
                 await self._check_stored(session)
-                await self.manager.residency.truncate(session, start)
+                await self.residency.truncate(session, start)
             kept = session.messages[:n_same]
             for m in kept:
                 m.start = min(m.start, start)
@@ -205,7 +230,7 @@ class Conversations:
         state of a session in a slot."""
         state = session.state
         await asyncio.wrap_future(
-            self.manager.engine.call(lambda _: state.tokens.extend(history[len(state.tokens) :]))
+            self.engine.call(lambda _: state.tokens.extend(history[len(state.tokens) :]))
         )
         session.messages = messages
 
@@ -222,31 +247,30 @@ class Conversations:
         """Run one generation on a session in `slot`, whose lock the caller holds, under
         `constraint` (structured output) when there is one; `dropped` tokens of earlier
         turns made room for it (reported in its usage)."""
-        manager = self.manager
         await self._check_stored(session)
         matcher = None
         if constraint is not None:
             output = session.state.tokens[constraint.start :]
-            matcher = await manager.grammars.matcher(session.tenant, constraint, output)
+            matcher = await self.grammars.matcher(session.tenant, constraint, output)
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
 
-        outbox = manager.engine.outbox
+        outbox = self.engine.outbox
 
         def emit(item: Chunk | BaseException) -> None:
             outbox.post(loop, items.put_nowait, item)
 
         job = Job(session.state, slot, request, emit)
         job.matcher = matcher
-        job.prefix = await manager.prefixes.find(session, [*session.state.tokens, *request.prompt])
-        job.boundary_at = manager.prefixes.boundary_for(session)
+        job.prefix = await self.prefixes.find(session, [*session.state.tokens, *request.prompt])
+        job.boundary_at = self.prefixes.boundary_for(session)
         session.job = job
         before, previous = len(session.state.tokens), session.constraint
         draws_before = session.state.draws
         reply_before = reply.content if reply is not None else ""
         session.constraint = constraint
-        manager.touch(session)
-        manager.engine.submit(job)
+        self.host.touch(session)
+        self.engine.submit(job)
         # A client that leaves stops the job within one step; the job's end is awaited all
         # the same, so the session's history is settled before anything else touches it.
         ops.current().on_abandon(lambda: setattr(job, "cancelled", True))
@@ -272,7 +296,7 @@ class Conversations:
                         session.constraint = None
                     if item.usage is not None:
                         self.tokens_reused += item.usage.reused_tokens
-                        usage = manager.residency.usage[session.tenant]
+                        usage = self.residency.usage[session.tenant]
                         usage.tokens_reused += item.usage.reused_tokens
                         usage.tokens_evaluated += item.usage.evaluated_tokens
                         usage.tokens_generated += item.usage.generated_tokens
@@ -296,7 +320,7 @@ class Conversations:
     async def _check_stored(self, session: Session) -> None:
         """A persistent session's autosave would store more: refused before anything changes."""
         if session.persistent:
-            await self.manager.persistence.check_stored(self.manager.tenants.get(session.tenant))
+            await self.persistence.check_stored(self.tenants.get(session.tenant))
 
     async def _save_turn(
         self, session: Session, n_before: int, draws_before: int, *, truncated: bool
@@ -308,18 +332,18 @@ class Conversations:
         more than `--head-interval` tokens again: the tokens since the head, or the whole
         history after a truncation (its kept turns moved). Such turns evaluated at least
         that many tokens, so the head's cost is small beside theirs."""
-        persistence = self.manager.persistence
-        due = len(session.state.tokens) - session.head_n_kv >= self.manager.settings.head_interval
+        persistence = self.persistence
+        due = len(session.state.tokens) - session.head_n_kv >= self.settings.head_interval
         # The journal is this machine's file: on a shared catalog another daemon continues
         # the session from its head alone, so every turn saves one.
         due = due or persistence.durable.catalog.shared
         try:
             if due or truncated:
-                await persistence.save_head(session)
+                await self.residency.save_head(session)
             else:
                 await persistence.record_turn(session)
         except KvkeepError as e:
-            await self.manager.residency.truncate(session, n_before)
+            await self.residency.truncate(session, n_before)
             # The sampler's position too: the same request sent again draws the same tokens.
             session.state.draws = draws_before
             undone = "the reply was not kept: the session is as it was before this request"
@@ -342,7 +366,7 @@ class Conversations:
         """The request's grammar, compiled (or found compiled): refused before any wait."""
         spec = GrammarSpec.of(turn.grammar, turn.json_schema)
         if spec is not None:
-            await self.manager.grammars.check(session.tenant, spec)
+            await self.grammars.check(session.tenant, spec)
         return spec
 
 
@@ -355,21 +379,3 @@ def _merge(a: Chunk, b: Chunk) -> Chunk:
         finish_reason=b.finish_reason,
         usage=b.usage,
     )
-
-
-def check_stop(stop: Sequence[str]) -> tuple[str, ...]:
-    if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-    for s in stop:
-        if not s or len(s) > MAX_STOP_LENGTH:
-            raise InvalidRequest(f"stop strings must have 1 to {MAX_STOP_LENGTH} characters")
-    return tuple(stop)
-
-
-def check_messages(messages: Sequence[Message]) -> None:
-    """InvalidRequest unless there are not too many messages, each of a known role."""
-    if len(messages) > MAX_MESSAGES:
-        raise InvalidRequest(f"at most {MAX_MESSAGES} messages, got {len(messages)}")
-    for m in messages:
-        if m.role not in ROLES:
-            raise InvalidRequest(f"a message's role must be one of {', '.join(ROLES)}, not {m.role[:40]!r}")

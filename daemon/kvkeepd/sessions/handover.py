@@ -12,48 +12,63 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from kvkeepd.errors import KvkeepError, NotFound
 from kvkeepd.sessions import ops as opsmod
+from kvkeepd.sessions.host import SessionHost
+from kvkeepd.sessions.leases import Leases
+from kvkeepd.sessions.persistence import Persistence
+from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
-
-if TYPE_CHECKING:
-    from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.state.manifest import Snapshot
 
 log = logging.getLogger(__name__)
 
 
 class Handover:
-    """Take-overs and hand-overs of a SessionManager's sessions."""
+    """Take-overs and hand-overs of the sessions a SessionHost holds."""
 
-    def __init__(self, manager: SessionManager) -> None:
-        self.m = manager
-        self.leases = manager.leases
-        self.leases.on_change = self._leases_changed
+    def __init__(
+        self,
+        host: SessionHost,
+        *,
+        leases: Leases,
+        persistence: Persistence,
+        residency: Residency,
+        restored: Callable[[Snapshot, str], Session],
+    ) -> None:
+        """`restored`: a persistent session as its head's snapshot describes it."""
+        self.host = host
+        self.leases = leases
+        self.persistence = persistence
+        self.durable = persistence.durable
+        self.residency = residency
+        self.restored = restored
         # Per session being looked up: its lock and how many requests use it.
         self._adopting: dict[str, tuple[asyncio.Lock, list[int]]] = {}
-        self._lease_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._letting_go: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """Renew the leases held, in the background, until `stop`."""
-        self._lease_task = asyncio.create_task(self.leases.run())
+        """Renew the leases held, and let go of sessions whose leases were lost or asked
+        for, in the background, until `stop`."""
+        self._tasks = [asyncio.create_task(self.leases.run()), asyncio.create_task(self._watch())]
 
     async def stop(self) -> None:
         """Stop renewing, and let every lease held go."""
-        if self._lease_task is not None:
-            self._lease_task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._lease_task
+                await task
         for session_id in list(self.leases.held):
             await self.leases.release(session_id)
 
     async def take_over(self, session_id: str, tenant: Tenant) -> Session:
         """The tenant's persistent session, found in the shared catalog and registered here
         (its lease first, then its head); SessionElsewhere while another daemon holds it."""
-        m = self.m
         # One lookup per session at a time (others wait for it, then find it registered).
         lock, users = self._adopting.setdefault(session_id, (asyncio.Lock(), [0]))
         users[0] += 1
@@ -64,30 +79,29 @@ class Handover:
             self._unuse(session_id, users)
             raise
         try:
-            if session_id in m.sessions:
-                return m.get(session_id, tenant)
+            if session_id in self.host.sessions:
+                return self.host.get(session_id, tenant)
             # Checked before the lease is asked for: an id that is not the tenant's
             # persistent session takes nobody's lease and leaves nothing in the catalog.
-            row = await asyncio.to_thread(m.durable.catalog.session, session_id)
+            row = await asyncio.to_thread(self.durable.catalog.session, session_id)
             if row is None or row.head is None or row.tenant != tenant.name:
                 raise NotFound(f"no session {session_id}")
             token = await self.leases.take(session_id)
             try:
                 # The head as of the lease: whoever held it before can no longer move it.
-                row = await asyncio.to_thread(m.durable.catalog.session, session_id)
+                row = await asyncio.to_thread(self.durable.catalog.session, session_id)
                 if row is None or row.head is None:
                     raise NotFound(f"no session {session_id}")
                 session, where = await asyncio.to_thread(
-                    m.persistence.session_at, session_id, row.head, m.restored_session
+                    self.persistence.session_at, session_id, row.head, self.restored
                 )
             except BaseException:
                 await self.leases.release(session_id)
                 raise
             session.lease = token
-            m.sessions[session_id] = session
-            m.residency.add(session, where)
+            self.residency.add(session, where)
+            self.host.register(session)
             log.info("session %s taken over from the shared catalog", session_id)
-            m.publish()
             return session
         finally:
             lock.release()
@@ -98,15 +112,17 @@ class Handover:
         if not users[0]:
             del self._adopting[session_id]
 
-    def _leases_changed(self) -> None:
+    async def _watch(self) -> None:
         """Leases lost or asked for: let those sessions go, once each is idle."""
-        if self._letting_go is None or self._letting_go.done():
-            self._letting_go = asyncio.get_running_loop().create_task(self.m.ops.run(self._let_go()))
+        while True:
+            await self.leases.changed.wait()
+            self.leases.changed.clear()
+            if self._letting_go is None or self._letting_go.done():
+                self._letting_go = asyncio.get_running_loop().create_task(self.host.ops.run(self._let_go()))
 
     async def _let_go(self) -> None:
-        m = self.m
         for session_id in sorted(self.leases.lost | self.leases.wanted):
-            session = m.sessions.get(session_id)
+            session = self.host.sessions.get(session_id)
             lost = session_id in self.leases.lost
             if session is None or session.closed:
                 self.leases.lost.discard(session_id)
@@ -118,7 +134,7 @@ class Handover:
                     continue
                 if not lost and session.dirty:
                     try:
-                        await m.persistence.save_head(session)
+                        await self.residency.save_head(session)
                     except KvkeepError as e:
                         log.warning("session %s is kept: its head was not saved: %s", session_id, e)
                         continue
@@ -126,22 +142,22 @@ class Handover:
                 if lost and await self._lease_again(session):
                     continue
                 session.closed = session.moved = True
-                m.sessions.pop(session_id, None)
-                await m.residency.forget(session)
+                self.host.unregister(session)
+                await self.residency.forget(session)
                 if lost:
                     self.leases.lost.discard(session_id)
                     log.warning("session %s dropped: another daemon holds it now", session_id)
                 else:
                     await self.leases.release(session_id)
                     log.info("session %s handed over to another daemon", session_id)
-            m.residency.slot_freed()
-        m.publish()
+            self.residency.slot_freed()
+        self.host.publish()
 
     async def _lease_again(self, session: Session) -> bool:
         """A lapsed lease that no other daemon made use of (an outage of the catalog, a pause
         nobody noticed): taken again, the session stays here. True if it does: the head is
         still this daemon's last one, as of the new lease."""
-        catalog = self.m.durable.catalog
+        catalog = self.durable.catalog
         session_id = session.session_id
         try:
             row = await asyncio.to_thread(catalog.session, session_id)

@@ -22,7 +22,6 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
 
 from kvkeepd.errors import KvkeepError, SessionElsewhere
 from kvkeepd.storage.catalog import Catalog
@@ -45,10 +44,11 @@ class Leases:
         self.holder = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         self.held: dict[str, int] = {}
         # Sessions whose lease this daemon no longer has, or that another daemon asks for;
-        # the session manager drops or hands them over (on_change tells it to look).
+        # the session manager drops or hands them over (`changed` tells it to look).
         self.lost: set[str] = set()
         self.wanted: set[str] = set()
-        self.on_change: Callable[[], None] = lambda: None
+        # Set when `lost` or `wanted` gained sessions: the Handover looks then.
+        self.changed = asyncio.Event()
         # Whether the catalog answered the last renewal (or ping): the metrics show it.
         self.reachable = True
 
@@ -96,7 +96,7 @@ class Leases:
         """A write was refused: another daemon took the session."""
         self.held.pop(session_id, None)
         self.lost.add(session_id)
-        self.on_change()
+        self.changed.set()
 
     async def run(self) -> None:
         """Renew the held leases three times per lease period until cancelled (holding none,
@@ -131,4 +131,4 @@ class Leases:
             self.lost |= lost
             self.wanted = {sid for sid in wanted if sid in self.held}
             if self.lost or self.wanted:  # new ones, or ones a busy moment left
-                self.on_change()
+                self.changed.set()

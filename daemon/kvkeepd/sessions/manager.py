@@ -15,41 +15,45 @@ import asyncio
 import contextlib
 import logging
 import re
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvkeepd.config.settings import Settings
 from kvkeepd.engine.context import ModelInfo
 from kvkeepd.engine.engine import Engine
 from kvkeepd.engine.grammar import Grammars
-from kvkeepd.engine.job import Chunk
-from kvkeepd.engine.sampling import MAX_SEED, SamplingParams
 from kvkeepd.errors import (
     Busy,
-    ContextFull,
     InvalidRequest,
     KvkeepError,
     NoChatTemplate,
     NotFound,
     SessionElsewhere,
 )
-from kvkeepd.limits import CONTEXT_POLICIES
-from kvkeepd.sessions import census
 from kvkeepd.sessions import ops as opsmod
-from kvkeepd.sessions.chat import ChatMessage, ChatTemplate, Message
+from kvkeepd.sessions.census import Census
+from kvkeepd.sessions.chat import ChatTemplate
 from kvkeepd.sessions.checkpointing import Checkpointing
 from kvkeepd.sessions.expiry import Sweeper
-from kvkeepd.sessions.generation import Conversations, Turn, check_stop
+from kvkeepd.sessions.generation import Conversations
 from kvkeepd.sessions.handover import Handover
-from kvkeepd.sessions.persistence import Persistence, Stores
+from kvkeepd.sessions.leases import Leases
+from kvkeepd.sessions.lifecycle import Lifecycle
+from kvkeepd.sessions.persistence import Persistence
 from kvkeepd.sessions.prefix import PrefixCache
 from kvkeepd.sessions.residency import Residency
-from kvkeepd.sessions.session import Counters, SamplingOverrides, Session
-from kvkeepd.sessions.tenants import Tenant, Tenants, session_salt
+from kvkeepd.sessions.session import Counters, Session
+from kvkeepd.sessions.tenants import Tenant, Tenants
 from kvkeepd.state.manifest import Snapshot
 from kvkeepd.storage.catalog import ListedSession
+from kvkeepd.storage.stores import Stores
+from kvkeepd.values import (
+    Chunk,
+    Message,
+    Tier,
+    Turn,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +69,23 @@ class SessionView:
 
     session: Session
     n_tokens: int
-    tier: str
+    tier: Tier
     n_checkpoints: int
 
 
 class SessionManager:
-    """Owns every session. Built with the started engine, the settings, the checkpoint
-    stores and a clock (tests inject one to drive expiry)."""
+    """Owns every session: the registry, and the composition of the flows that act on them.
+    Built with the started engine, the settings, the checkpoint stores, the model's chat
+    template (None: it has none), the tenants and a clock (tests inject one to drive expiry).
+    It is the flows' SessionHost (sessions/host.py)."""
 
     def __init__(
         self,
         engine: Engine,
         settings: Settings,
         stores: Stores,
+        template: ChatTemplate | None,
+        tenants: Tenants,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if engine.info is None:
@@ -87,66 +95,84 @@ class SessionManager:
         self.settings = settings
         self.stores = stores
         self.durable = stores.durable
+        self.template = template
+        # Who may call, and their quotas (the auth file's; SIGHUP replaces them in place).
+        self.tenants = tenants
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self.ops = opsmod.Ops(on_idle=self._on_idle)
-        self.persistence = Persistence(stores, settings, lambda: self.clock())
-        self.residency = Residency(
-            engine,
-            settings,
-            stores.durable,
-            stores.spill,
-            self.persistence.save_head,
-            volatile=stores.volatile,
-            disk=stores.disk,
+        self.leases = Leases(stores.durable.catalog, settings.lease_seconds, settings.lease_wait)
+        self.persistence = Persistence(stores, settings, lambda: self.clock(), self.leases)
+        self.residency = Residency(engine, settings, stores, self.persistence, tenants)
+        self.prefixes = PrefixCache(
+            settings, self.model, engine, stores, self.residency, live=lambda: self.sessions.values()
         )
-        self.persistence.residency = self.residency
-        self.conversations = Conversations(self)
-        self.checkpoints = Checkpointing(self)
-        self.prefixes = PrefixCache(self)
         self.grammars = Grammars(
             # Reads the vocabulary only: built in a worker thread, beside the engine's steps.
             lambda: asyncio.to_thread(engine.read_vocab, lambda c: c.grammar_tokenizer()),
             self.model.n_vocab,
         )
-        # Who may call, and their quotas; replaced as a whole when the auth file is read again.
-        self.tenants = Tenants.anonymous()
-        self.residency.parked_quota = lambda name: self.tenants.get(name).quota.max_parked_bytes
-        self.template: ChatTemplate | None = None
+        self.conversations = Conversations(
+            self,
+            settings=settings,
+            model=self.model,
+            engine=engine,
+            residency=self.residency,
+            persistence=self.persistence,
+            prefixes=self.prefixes,
+            grammars=self.grammars,
+            tenants=tenants,
+            template=template,
+        )
+        self.checkpoints = Checkpointing(
+            self, settings=settings, model=self.model, residency=self.residency, persistence=self.persistence
+        )
+        self.handover = Handover(
+            self,
+            leases=self.leases,
+            persistence=self.persistence,
+            residency=self.residency,
+            restored=self.restored_session,
+        )
+        self.lifecycle = Lifecycle(
+            self,
+            n_ctx=self.model.n_ctx_seq,
+            tokens=self.conversations.tokens,
+            residency=self.residency,
+            persistence=self.persistence,
+            leases=self.leases,
+        )
+        self.sweeper = Sweeper(self, settings, self.residency, stores, self.lifecycle.close_session)
+        # Persistent sessions of the catalog that were not loaded at start (Census.problems).
+        self.unloaded: set[str] = set()
+        self.census = Census(
+            self.sessions,
+            self.residency,
+            engine,
+            stores,
+            self.ops,
+            lambda: self.conversations.tokens_reused,
+            self.unloaded,
+        )
         self.counters = Counters()
         self.invariant_violations = 0
-        # Persistent sessions of the catalog that were not loaded at start (census.problems).
-        self.unloaded: set[str] = set()
         # A shared catalog: sessions are found in it on demand, one lookup at a time.
         self.shared = self.durable.catalog.shared
-        self.leases = self.persistence.leases
-        self.handover = Handover(self)
-        self.sweeper = Sweeper(self)
 
     async def start(self) -> None:
-        """Finish set-up: the template's BOS/EOS text, and persistent sessions from disk."""
-        if self.model.chat_template:
-            bos, eos = await asyncio.wrap_future(
-                self.engine.call(
-                    lambda e: (
-                        e.ctx.detokenize([self.model.bos_token], True),
-                        e.ctx.detokenize([self.model.eos_token], True),
-                    )
-                )
-            )
-            self.template = ChatTemplate(self.model.chat_template, bos, eos)
+        """Finish set-up: persistent sessions from disk (with a shared catalog, the leases'
+        renewal instead: other daemons' sessions are theirs until asked for)."""
         if self.shared:
-            # Other daemons' sessions are theirs until asked for (find).
             self.handover.start()
             self.publish()
             return
         loaded = await asyncio.to_thread(self.persistence.load_persistent, self.restored_session)
         for session, where in loaded:
-            self.sessions[session.session_id] = session
             self.residency.add(session, where)
+            self.sessions[session.session_id] = session
         known = {s.session_id for s, _ in loaded}
         sessions = await asyncio.to_thread(self.durable.catalog.sessions)
-        self.unloaded = {sid for sid, _, _ in sessions if sid not in known}
+        self.unloaded.update(sid for sid, _, _ in sessions if sid not in known)
         # Sessions that continue from a journal record are the ones with turns since their head.
         replayed = {s.session_id for s, _ in loaded if s.dirty}
         self.persistence.drop_stale_records(replayed, {sid for sid, _, _ in sessions})
@@ -181,7 +207,7 @@ class SessionManager:
 
     async def _save(self, session: Session) -> None:
         async with self.use(session):
-            await self.persistence.save_head(session)
+            await self.residency.save_head(session)
 
     @contextlib.asynccontextmanager
     async def use(self, session: Session) -> AsyncIterator[None]:
@@ -267,106 +293,24 @@ class SessionManager:
         mine = [s for s in self.sessions.values() if s.tenant == tenant.name and not s.closed]
         return sorted(mine, key=lambda s: s.created_at)
 
-    async def create(
-        self,
-        tenant: Tenant,
-        system_prompt: str,
-        sampling: SamplingOverrides,
-        stop: Sequence[str],
-        persistent: bool,
-        cache_salt: bytes = b"",
-        context_policy: str = "",
-    ) -> Session:
-        """A new session; its system prompt is rendered now and evaluated on first use."""
-        policy = context_policy or "error"
-        if policy not in CONTEXT_POLICIES:
-            raise InvalidRequest(
-                f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, not {context_policy[:40]!r}"
-            )
-        seed = sampling.seed if sampling.seed is not None else secrets.randbelow(MAX_SEED + 1)
-        params = replace(sampling, seed=seed).apply(SamplingParams())
-        salt = session_salt(tenant, cache_salt)
-        now = self.clock()
-        session = Session(
-            "s_" + secrets.token_hex(12),
-            persistent,
-            params,
-            check_stop(stop),
-            now,
-            now,
-            tenant=tenant.name,
-            salt=salt,
-            context_policy=policy,
-        )
-        return await self.ops.run(self._create(tenant, session, system_prompt))
-
     def check_quota(self, tenant: Tenant) -> None:
         """Busy when the tenant holds as many sessions as its quota allows."""
         limit = tenant.quota.max_sessions
         if limit and len(self.owned(tenant)) >= limit:
             raise Busy(f"the tenant's quota of {limit} sessions is reached: close one first")
 
-    async def _create(self, tenant: Tenant, session: Session, system_prompt: str) -> Session:
-        self.check_quota(tenant)
-        if system_prompt:
-            tokens = await self.conversations.tokens.system(system_prompt)
-            if len(tokens) >= self.model.n_ctx_seq:
-                raise ContextFull(
-                    f"the system prompt has {len(tokens)} tokens; the session's context holds "
-                    f"{self.model.n_ctx_seq}"
-                )
-            session.state.tokens = tokens
-            session.system_end = len(tokens)
-            session.messages.append(ChatMessage("system", system_prompt, 0))
-        self.residency.add(session)
-        if session.persistent:
-            try:
-                await self.persistence.check_disk()
-                await self.persistence.check_stored(tenant)
-                await self.persistence.save_head(session)
-            except BaseException:
-                await self.residency.forget(session)
-                await self.leases.release(session.session_id)
-                raise
-        self.sessions[session.session_id] = session
-        self.publish()
-        return session
-
-    async def close(self, session_id: str, tenant: Tenant) -> None:
-        """Stop the session's generation if any, forget its head and checkpoints, free its
-        state. All or nothing: the catalog transaction is the commit point."""
-        session = await self.find(session_id, tenant)
-        await self.ops.run(self.close_session(session))
-
-    async def close_session(self, session: Session) -> None:
-        """Close a session already found (`close`, and expiry: see expiry.py)."""
-        if session.job is not None:
-            session.job.cancelled = True
-        async with self.use(session):
-            await self.persistence.delete_session(session)
-            session.closed = True
-            self.sessions.pop(session.session_id, None)
-            await self.residency.forget(session)
-
-    async def rewind(self, session_id: str, tenant: Tenant, n_tokens: int) -> Session:
-        """Keep the first n_tokens tokens of history; the session continues from there."""
-        session = await self.find(session_id, tenant)
-        return await self.ops.run(self._rewind(session, n_tokens))
-
-    async def _rewind(self, session: Session, n_tokens: int) -> Session:
-        async with self.use(session):
-            if not 0 <= n_tokens <= len(session.state.tokens):
-                raise InvalidRequest(f"n_tokens must be in [0, {len(session.state.tokens)}], got {n_tokens}")
-            await self.residency.truncate(session, n_tokens)
-            session.messages = [m for m in session.messages if m.start < n_tokens]
-            self.touch(session)
-            if session.persistent:
-                await self.persistence.save_head(session)
-        return session
-
     def touch(self, session: Session) -> None:
         session.last_used_at = self.clock()
         session.dirty = True
+
+    def register(self, session: Session) -> None:
+        """A session the Residency tracks becomes one the requests find."""
+        self.sessions[session.session_id] = session
+        self.publish()
+
+    def unregister(self, session: Session) -> None:
+        """The session is no longer found (closed, or let go to another daemon)."""
+        self.sessions.pop(session.session_id, None)
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -429,17 +373,17 @@ class SessionManager:
 
     def tenant_counters(self, tenant: Tenant) -> Counters:
         """The counters of one tenant's sessions and requests (GetInfo shows a caller its own)."""
-        return census.tenant_counters(self, tenant)
+        return self.census.tenant_counters(tenant)
 
     def publish(self) -> Counters:
         """Recompute the counters; the metrics thread reads the last value published."""
-        self.counters = census.counters(self)
+        self.counters = self.census.counters()
         return self.counters
 
     async def check_invariant(self, deep: bool = True) -> list[str]:
-        """Everything that should agree and does not (census.problems). Meaningful when no
+        """Everything that should agree and does not (Census.problems). Meaningful when no
         operation runs."""
-        return await census.problems(self, deep)
+        return await self.census.problems(deep)
 
     async def settle(self) -> None:
         """Wait until no operation runs (tests, before an invariant check)."""

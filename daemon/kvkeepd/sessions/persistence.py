@@ -18,61 +18,50 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import BinaryIO
 
 from kvkeepd.config.settings import Settings
 from kvkeepd.errors import Busy, CorruptCheckpoint, KvkeepError, NotFound, SessionElsewhere
 from kvkeepd.sessions.leases import Leases
-from kvkeepd.sessions.residency import HistoryOnly, Placement, Residency, Stored, store_write
+from kvkeepd.sessions.placement import HistoryOnly, Placement, Stored
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
+from kvkeepd.sessions.wholes import StateCache
 from kvkeepd.state import manifest as mf
+from kvkeepd.state.cells import SeqKv
 from kvkeepd.state.manifest import Snapshot
-from kvkeepd.storage.budget import DiskBudget, state_bound
+from kvkeepd.storage import exports
+from kvkeepd.storage.budget import state_bound
 from kvkeepd.storage.catalog import CheckpointRow
 from kvkeepd.storage.checkpoints import CheckpointStore, Loaded
-from kvkeepd.storage.journal import TurnJournal
+from kvkeepd.storage.stores import Stores
+from kvkeepd.storage.writes import store_write
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Stores:
-    """durable: persistent sessions and imports (disk); volatile: ephemeral sessions'
-    checkpoints (RAM); spill: ephemeral sessions' state under memory pressure (disk, wiped
-    at start); disk: the budget durable, spill and journal writes share; journal:
-    persistent sessions' turns since their heads."""
-
-    durable: CheckpointStore
-    volatile: CheckpointStore
-    spill: CheckpointStore
-    disk: DiskBudget
-    journal: TurnJournal
 
 
 class Persistence:
     """Saves and finds checkpoints for the session manager."""
 
-    def __init__(self, stores: Stores, settings: Settings, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, stores: Stores, settings: Settings, clock: Callable[[], float], leases: Leases
+    ) -> None:
         self.stores = stores
         self.durable = stores.durable
         self.volatile = stores.volatile
         self.journal = stores.journal
         self.settings = settings
         self.clock = clock
-        self.residency: Residency | None = None
-        self.leases = Leases(stores.durable.catalog, settings.lease_seconds, settings.lease_wait)
+        self.leases = leases
 
     def store_of(self, session: Session) -> CheckpointStore:
         return self.durable if session.persistent else self.volatile
 
-    async def save_head(self, session: Session) -> tuple[str, Snapshot]:
-        """Autosave a persistent session: its new head manifest, writing only new blocks."""
-        assert self.residency is not None
+    async def save_head(self, session: Session, kv: SeqKv | None) -> tuple[str, Snapshot]:
+        """Autosave a persistent session with its state `kv` (as Residency.state_of has it):
+        its new head manifest, writing only new blocks."""
         if not session.lease:  # a new session: nobody else can hold it
             session.lease = await self.leases.take(session.session_id)
-        kv = await self.residency.state_of(session)
         snap = session.snapshot("", self.settings.block_tokens)
         try:
             row, stored = await store_write(
@@ -107,22 +96,24 @@ class Persistence:
             session.session_id, turn_record(session.head_checkpoint_id, snap, self.durable.key)
         )
 
-    async def checkpoint(self, session: Session, label: str) -> CheckpointRow:
-        """An immutable, labelled checkpoint of the session as it is now."""
-        assert self.residency is not None
-        if session.persistent:
-            await self.check_disk()
-        kv = await self.residency.state_of(session)
+    async def checkpoint(self, session: Session, kv: SeqKv | None, label: str) -> CheckpointRow:
+        """An immutable, labelled checkpoint of the session with its state `kv` (an ephemeral
+        one's in RAM: the caller has made room, `ram_bound`)."""
         snap = session.snapshot(label, self.settings.block_tokens)
-        store = self.store_of(session)
-        if not session.persistent:  # its blocks and manifest stay in RAM
-            bound = state_bound(kv.nbytes if kv is not None else 0, len(snap.tokens), store.n_vocab)
-            await self.residency.reserve_ram(bound, session, "this checkpoint")
         row, _ = await store_write(
-            store.save, snap, kv, kind="explicit", now=self.clock(), boundary=session.boundary
+            self.store_of(session).save,
+            snap,
+            kv,
+            kind="explicit",
+            now=self.clock(),
+            boundary=session.boundary,
         )
-        self.residency.keep_whole(row.checkpoint_id, session, kv)
         return row
+
+    def ram_bound(self, session: Session, kv: SeqKv | None) -> int:
+        """The most RAM an ephemeral session's checkpoint with state `kv` takes."""
+        n_bytes = kv.nbytes if kv is not None else 0
+        return state_bound(n_bytes, len(session.state.tokens), self.volatile.n_vocab)
 
     async def find(self, checkpoint_id: str, tenant: Tenant) -> CheckpointStore:
         """The store that holds the tenant's checkpoint; NotFound if none does (another
@@ -143,12 +134,13 @@ class Persistence:
         tenant: Tenant,
         store: CheckpointStore | None = None,
         snap: Snapshot | None = None,
+        wholes: StateCache | None = None,
     ) -> Loaded:
         """The tenant's checkpoint, read and checked; `store`: where `find` found it, and
-        `snap`: its manifest from that store, if known."""
+        `snap`: its manifest from that store, if known; `wholes`: where an ephemeral
+        checkpoint's whole state may be kept (its blocks are then not read)."""
         store = store or await self.find(checkpoint_id, tenant)
-        assert self.residency is not None
-        whole = self.residency.wholes.get(checkpoint_id) if store is self.volatile else None
+        whole = wholes.get(checkpoint_id) if wholes is not None and store is self.volatile else None
         return await asyncio.to_thread(store.load, checkpoint_id, self.clock(), snap, whole)
 
     async def tenant_checkpoints(self, tenant: Tenant) -> list[CheckpointRow]:
@@ -195,8 +187,6 @@ class Persistence:
             self.journal.forget(session.session_id, erase=True)
             self.leases.forget(session.session_id)
         else:
-            assert self.residency is not None
-            self.residency.wholes.drop_session(session.session_id)
             await asyncio.to_thread(self.volatile.sweep, 0)
 
     async def import_checkpoint(self, spool: BinaryIO, tenant: Tenant) -> CheckpointRow:
@@ -205,7 +195,9 @@ class Persistence:
         await self.check_stored(tenant)
         n_ctx = self.settings.ctx_per_session
         now = self.clock()
-        return await store_write(self.durable.import_file, spool, now, tenant=tenant.name, n_ctx=n_ctx)
+        return await store_write(
+            exports.import_file, self.durable, spool, now, tenant=tenant.name, n_ctx=n_ctx
+        )
 
     def load_persistent(
         self, new_session: Callable[[Snapshot, str], Session]

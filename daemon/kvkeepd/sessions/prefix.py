@@ -23,36 +23,51 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from kvkeepd.config.settings import Settings
+from kvkeepd.engine.context import ModelInfo
+from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import CorruptCheckpoint, StoreReadFailed
-from kvkeepd.sessions.residency import InSlot, Parked
+from kvkeepd.sessions.placement import InSlot, Parked
+from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.session import Session
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import pieces
 from kvkeepd.storage.checkpoints import CheckpointStore
-
-if TYPE_CHECKING:
-    from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.storage.stores import Stores
 
 log = logging.getLogger(__name__)
 
 
 class PrefixCache:
-    """Finds and builds cached prefixes for a SessionManager."""
+    """Finds and builds cached prefixes for the generation flows."""
 
-    def __init__(self, manager: SessionManager) -> None:
-        self.m = manager
+    def __init__(
+        self,
+        settings: Settings,
+        model: ModelInfo,
+        engine: Engine,
+        stores: Stores,
+        residency: Residency,
+        live: Callable[[], Iterable[Session]],
+    ) -> None:
+        """`live`: the sessions whose state may be a source (the registered ones)."""
+        self.settings = settings
+        self.model = model
+        self.engine = engine
+        self.stores = stores
+        self.residency = residency
+        self.live = live
 
     async def find(self, session: Session, history: list[int]) -> kvstate.SeqKv | None:
         """The state of the longest cached prefix of `history` that is longer than what the
         session holds (full blocks, the last token left out), or None."""
-        m = self.m
-        if not m.settings.prefix_cache or m.model.layout is None or session.imported:
+        if not self.settings.prefix_cache or self.model.layout is None or session.imported:
             return None
-        block = m.settings.block_tokens
+        block = self.settings.block_tokens
         limit = (len(history) - 1) // block * block
         have = session.state.n_kv
         if limit <= have:
@@ -60,7 +75,7 @@ class PrefixCache:
         live_n, live = self._live(session, history, limit)
         salt = session.salt.hex()
         best_n, best_store = 0, None
-        for store in (m.stores.durable, m.stores.volatile):
+        for store in (self.stores.durable, self.stores.volatile):
             try:
                 n = await asyncio.to_thread(store.longest_prefix, history, limit, block, salt)
             except StoreReadFailed as e:  # a remote store down: the prefix is evaluated
@@ -79,9 +94,9 @@ class PrefixCache:
     def boundary_for(self, session: Session) -> int:
         """Where a generation should keep its sliding-window and recurrent sections for the
         cache: the system prompt's last block boundary, once (0: nowhere)."""
-        layout = self.m.model.layout
-        block = self.m.settings.block_tokens
-        if not self.m.settings.prefix_cache or layout is None or not layout.partial:
+        layout = self.model.layout
+        block = self.settings.block_tokens
+        if not self.settings.prefix_cache or layout is None or not layout.partial:
             return 0
         if session.boundary is not None or session.system_end < block:
             return 0
@@ -92,11 +107,11 @@ class PrefixCache:
 
         Where the state has sliding windows or a recurrent part, only a source's boundary
         snapshot can be cut to: the prefix is that boundary, if history reaches it."""
-        block = self.m.settings.block_tokens
-        cut_anywhere = not self.m.model.layout or not self.m.model.layout.partial
+        block = self.settings.block_tokens
+        cut_anywhere = not self.model.layout or not self.model.layout.partial
         want = np.asarray(history[:limit], dtype=np.int64)
         best, source = 0, None
-        for other in self.m.sessions.values():
+        for other in self.live():
             if other is session or other.closed or other.busy or other.imported or other.salt != session.salt:
                 continue
             n = min(other.state.n_kv, limit)
@@ -125,11 +140,11 @@ class PrefixCache:
         """
         if source.closed or source.busy:
             return None
-        where = self.m.residency.where(source)
+        where = self.residency.where(source)
         boundary = source.boundary
         if isinstance(where, InSlot):
             slot, state = where.slot, source.state
-            kv = await asyncio.wrap_future(self.m.engine.call(lambda e: e.export(slot, state)))
+            kv = await asyncio.wrap_future(self.engine.call(lambda e: e.export(slot, state)))
         elif isinstance(where, Parked):
             kv = where.kv
         else:
@@ -143,7 +158,7 @@ class PrefixCache:
     async def _from_store(
         self, store: CheckpointStore, history: list[int], n: int, salt: str
     ) -> kvstate.SeqKv | None:
-        block = self.m.settings.block_tokens
+        block = self.settings.block_tokens
         try:
             return await asyncio.to_thread(store.prefix_state, history, n, block, salt)
         except (CorruptCheckpoint, StoreReadFailed) as e:

@@ -19,91 +19,55 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
 
 from kvkeepd.config.settings import Settings
 from kvkeepd.engine.engine import Engine
-from kvkeepd.errors import Busy, CorruptCheckpoint, KvkeepError, StoreWriteFailed
+from kvkeepd.errors import Busy, CorruptCheckpoint, KvkeepError
 from kvkeepd.sessions import ops
 from kvkeepd.sessions.lineage import Lineage
+from kvkeepd.sessions.persistence import Persistence
+from kvkeepd.sessions.placement import TIERS, HistoryOnly, InSlot, Parked, Placement, Stored
 from kvkeepd.sessions.session import Session, TenantUsage
+from kvkeepd.sessions.tenants import Tenants
 from kvkeepd.sessions.wholes import StateCache
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import pieces
-from kvkeepd.state.layout import StateFormatError, StateLayout
 from kvkeepd.state.manifest import Snapshot
-from kvkeepd.storage.budget import DiskBudget, state_bound
-from kvkeepd.storage.checkpoints import CheckpointStore
+from kvkeepd.storage.budget import state_bound
+from kvkeepd.storage.stores import Stores
+from kvkeepd.storage.writes import store_write
+from kvkeepd.values import Tier
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class InSlot:
-    slot: int
-
-
-@dataclass(frozen=True)
-class Parked:
-    kv: kvstate.SeqKv
-
-
-@dataclass(frozen=True)
-class Stored:
-    store: CheckpointStore
-    checkpoint_id: str
-    snapshot: Snapshot
-
-
-@dataclass(frozen=True)
-class HistoryOnly:
-    reason: str = ""
-
-
-Placement = InSlot | Parked | Stored | HistoryOnly
-
-TIERS = {InSlot: "hot", Parked: "warm", Stored: "cold", HistoryOnly: "cold"}
-
-# Saves a persistent session's head; returns its checkpoint id and manifest.
-SaveHead = Callable[[Session], Awaitable[tuple[str, Snapshot]]]
-
-
 class Residency:
     """The slot table and every session's placement."""
 
     def __init__(
-        self,
-        engine: Engine,
-        settings: Settings,
-        durable: CheckpointStore,
-        spill: CheckpointStore,
-        save_head: SaveHead,
-        *,
-        volatile: CheckpointStore | None = None,
-        disk: DiskBudget | None = None,
+        self, engine: Engine, settings: Settings, stores: Stores, persistence: Persistence, tenants: Tenants
     ) -> None:
         self.engine = engine
         self.settings = settings
-        self.durable = durable
-        self.spill_store = spill
-        self.save_head = save_head
+        self.durable = stores.durable
+        self.spill_store = stores.spill
         # Ephemeral sessions' checkpoints: in RAM, so under --ram-cache too.
-        self.volatile = volatile
-        self.disk = disk
+        self.volatile = stores.volatile
+        self.disk = stores.disk
+        self.persistence = persistence
+        # Their RAM quotas (SIGHUP may change them).
+        self.tenants = tenants
         self._where: dict[str, tuple[Session, Placement]] = {}
         self._slots: list[Session | None] = [None] * settings.slots
         self._slot_freed = asyncio.Event()
-        # A tenant's RAM quota in bytes (0: none); the manager knows the tenants.
-        self.parked_quota: Callable[[str], int] = lambda _tenant: 0
         # Which checkpoints each session's cells still are (rewind_to).
         self.lineage = Lineage()
         # Ephemeral checkpoints' whole states, in the RAM budget's free room.
@@ -120,7 +84,7 @@ class Residency:
     def where(self, session: Session) -> Placement:
         return self._where[session.session_id][1]
 
-    def tier(self, session: Session) -> str:
+    def tier(self, session: Session) -> Tier:
         return TIERS[type(self.where(session))]
 
     @property
@@ -143,9 +107,7 @@ class Residency:
         sessions' checkpoints (blocks and manifests) and the spill area's manifests. The
         whole states of `wholes` fill what is left, and give way to these."""
         total = self.parked_bytes() + self.spill_store.catalog.manifest_bytes
-        if self.volatile is not None:
-            total += self.volatile.store.total_bytes() + self.volatile.catalog.manifest_bytes
-        return total
+        return total + self.volatile.store.total_bytes() + self.volatile.catalog.manifest_bytes
 
     # ---- placing new sessions -------------------------------------------------------------------
 
@@ -236,7 +198,7 @@ class Residency:
         to_disk = False
         if kv is not None and not await self.make_room(kv.nbytes, session):
             bound = state_bound(kv.nbytes, len(snap.tokens), self.durable.n_vocab)
-            if self.disk is not None and not await asyncio.to_thread(self.disk.fits, bound):
+            if not await asyncio.to_thread(self.disk.fits, bound):
                 raise Busy(
                     "neither the RAM cache nor the disk budget has room for this state: close "
                     "sessions or delete checkpoints"
@@ -264,9 +226,13 @@ class Residency:
         # Allocated here, on the event loop's thread, where it is also freed after its load:
         # glibc then reuses one arena's freed blob instead of keeping one per worker thread.
         into = np.empty(pieces.blob_size(where.kv), dtype=np.uint8)
-        kv = await asyncio.to_thread(_assembled, where.kv, layout, into)
+        kv = await asyncio.to_thread(pieces.assembled, where.kv, layout, into)
         if kv is not None and self.where(session) is where:  # (the caller holds its lock)
             self._set(session, Parked(kv))
+
+    async def save_head(self, session: Session) -> tuple[str, Snapshot]:
+        """Save a persistent session's head with its state as it is now (Persistence.save_head)."""
+        return await self.persistence.save_head(session, await self.state_of(session))
 
     async def state_of(self, session: Session) -> kvstate.SeqKv | None:
         """The session's state as it is now (exported from its slot if hot), for a save."""
@@ -392,7 +358,7 @@ class Residency:
         """Spill parked state to disk, least recently used first, while over the RAM budget;
         and a tenant's, while over its own quota (never another tenant's for it)."""
         for tenant in {s.tenant for s, _ in self._where.values()}:
-            limit = self.parked_quota(tenant)
+            limit = self.tenants.get(tenant).quota.max_parked_bytes
             if limit:
                 while self.parked_bytes(tenant) > limit:
                     if not await self._spill_one(keep, tenant):
@@ -454,7 +420,7 @@ class Residency:
         session.snapshots = []
         try:
             if session.persistent:
-                checkpoint_id, stored = await self.save_head(session)
+                checkpoint_id, stored = await self.persistence.save_head(session, where.kv)
                 ref = Stored(self.durable, checkpoint_id, stored)
             else:
                 snap = session.snapshot("", self.settings.block_tokens)
@@ -508,30 +474,9 @@ class Residency:
 
     # ---- checks --------------------------------------------------------------------------------
 
-    def problems(self) -> list[str]:
-        """Where the slot table and the placements disagree (empty when they agree)."""
-        out = []
-        for i, owner in enumerate(self._slots):
-            if owner is not None and self._where.get(owner.session_id, (owner, None))[1] != InSlot(i):
-                out.append(f"slot {i} is held by {owner.session_id}, which is not placed there")
-        for sid, (session, where) in self._where.items():
-            state = session.state
-            if state.n_kv > len(state.tokens):
-                out.append(f"{sid}: state covers {state.n_kv} of {len(state.tokens)} tokens")
-            match where:
-                case InSlot(slot):
-                    if self._slots[slot] is not session:
-                        out.append(f"{sid} is placed in slot {slot}, which another holds")
-                case Parked(kv):
-                    if kv.n != state.n_kv:
-                        out.append(f"{sid}: parked state covers {kv.n} tokens, the session {state.n_kv}")
-                case Stored(_, _, snap):
-                    if snap.n_kv != state.n_kv:
-                        out.append(f"{sid}: stored state covers {snap.n_kv} tokens, the session {state.n_kv}")
-                case HistoryOnly():
-                    if state.n_kv:
-                        out.append(f"{sid} is history-only but claims {state.n_kv} tokens of state")
-        return out
+    def table(self) -> tuple[list[Session | None], list[tuple[str, Session, Placement]]]:
+        """The slot table and every placement, as they are now (for Census.problems)."""
+        return list(self._slots), [(sid, s, where) for sid, (s, where) in self._where.items()]
 
     def slot_owners(self) -> list[int | None]:
         """Per slot, its owner's state length or None: what the engine's check compares."""
@@ -539,24 +484,3 @@ class Residency:
 
     async def _engine(self, fn: Callable[[Engine], T]) -> T:
         return await asyncio.wrap_future(self.engine.call(fn))
-
-
-def _assembled(kv: kvstate.SeqKv, layout: StateLayout, into: np.ndarray) -> kvstate.SeqKv | None:
-    """kv as one blob (written into `into`), parsed again: its sections are views of the
-    blob, not of blocks."""
-    blob = pieces.assemble(kv, into=into)
-    try:
-        whole = kvstate.parse(blob, layout)
-    except StateFormatError:
-        log.exception("an assembled state does not parse back")
-        return None
-    return whole if whole.raw is not None and whole.n == kv.n else None
-
-
-async def store_write(fn: Callable[..., T], *args: object, **kwargs: object) -> T:
-    """A store write in a worker thread; a failing disk is RESOURCE_EXHAUSTED."""
-    try:
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    except (OSError, sqlite3.Error) as e:
-        log.error("the state store failed: %s", e)
-        raise StoreWriteFailed("the state store is failing (disk full?); nothing was saved") from None

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
-from kvkeepd.engine.grammar import Constraint
 from kvkeepd.engine.job import Job, SeqState
-from kvkeepd.engine.sampling import SamplingParams
-from kvkeepd.sessions.chat import ChatMessage
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state.manifest import Snapshot
+from kvkeepd.values import ChatMessage, Constraint, ContextPolicy, SamplingParams
 
 # Recurrent snapshots a session keeps (models with a recurrent state): the newest turns' starts.
 MAX_SNAPSHOTS = 2
@@ -44,8 +42,8 @@ class Session:
     head_checkpoint_id: str = ""
     # The fencing token of this daemon's lease on it (persistent sessions; 0: none yet).
     lease: int = 0
-    # What a chat turn that does not fit does (CONTEXT_POLICIES), and what truncating cost.
-    context_policy: str = "error"
+    # What a chat turn that does not fit does, and what truncating cost.
+    context_policy: ContextPolicy = "error"
     truncations: int = 0
     dropped_tokens: int = 0
     # Structured output cut short (max_tokens, a stop string...): the next request without a
@@ -134,22 +132,6 @@ class Session:
         self.dropped_tokens = snap.dropped_tokens
         self.snapshots = []
         self.boundary = None
-
-
-@dataclass(frozen=True)
-class SamplingOverrides:
-    """Optional per-request or per-session values; None keeps the current one."""
-
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    penalty_last_n: int | None = None
-    seed: int | None = None
-
-    def apply(self, base: SamplingParams) -> SamplingParams:
-        return base.merged(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 @dataclass

@@ -130,6 +130,15 @@ class Tenants:
             raise Unauthenticated("the token is not valid")
         return self._tenants[found]
 
+    def replace_with(self, other: Tenants) -> None:
+        """Take the tenants of an auth file read again (SIGHUP), in place: whoever holds
+        this object (the doors, the Residency's quotas) sees them from now on."""
+        self._tenants, self._by_digest, self.default_quota = (
+            other._tenants,
+            other._by_digest,
+            other.default_quota,
+        )
+
     def get(self, name: str) -> Tenant:
         """A tenant by name (sessions loaded at start name theirs); unknown names keep the
         default quota, so that a tenant removed from the auth file keeps its data."""

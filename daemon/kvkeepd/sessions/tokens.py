@@ -9,28 +9,32 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
-from kvkeepd.engine.context import LlamaContext
+from kvkeepd.engine.context import LlamaContext, ModelInfo
+from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import InvalidRequest
-from kvkeepd.sessions.chat import Message, Segment, text_of
-
-if TYPE_CHECKING:
-    from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.sessions.chat import ChatTemplate, Segment, text_of
+from kvkeepd.values import Message
 
 T = TypeVar("T")
 
 
 class Tokenizer:
-    """Tokenizes for a SessionManager's generations with its model and chat template."""
+    """Tokenizes for the generation flows with the model's vocabulary and chat template."""
 
-    def __init__(self, manager: SessionManager) -> None:
-        self.manager = manager
+    def __init__(
+        self, engine: Engine, model: ModelInfo, prompt_limit: int, template: ChatTemplate | None
+    ) -> None:
+        self.engine = engine
+        self.model = model
+        self.prompt_limit = prompt_limit
+        self.template = template
 
     async def system(self, system_prompt: str) -> list[int]:
         """A session's system prompt as the model's template renders it (or as plain text)."""
         self.check_bytes(system_prompt, "system prompt")
-        template = self.manager.template
+        template = self.template
         if template is not None:
             segments = template.render([Message("system", system_prompt)], False)
             return await self.segments(segments, first=True)
@@ -38,12 +42,12 @@ class Tokenizer:
 
     async def tokenize(self, text: str, *, first: bool, parse_special: bool) -> list[int]:
         """Text, with the model's BOS before it when `first` and the model adds one."""
-        add = first and self.manager.model.add_bos
+        add = first and self.model.add_bos
         return await self.vocab(lambda c: c.tokenize(text, add_special=add, parse_special=parse_special))
 
     async def segments(self, segments: Sequence[Segment], *, first: bool) -> list[int]:
         """Template text with control tokens parsed; message content never."""
-        model = self.manager.model
+        model = self.model
 
         def run(c: LlamaContext) -> list[int]:
             bos_text = c.detokenize([model.bos_token], True)
@@ -58,13 +62,13 @@ class Tokenizer:
     def check_bytes(self, text: str, what: str) -> None:
         """InvalidRequest, before any tokenizing, for text too long to be within the prompt
         limit whatever its tokens (each takes at most `max_token_bytes` of it)."""
-        limit = self.manager.settings.prompt_limit * self.manager.model.max_token_bytes
+        limit = self.prompt_limit * self.model.max_token_bytes
         if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
             raise InvalidRequest(
                 f"the {what} is longer than {limit} bytes: more tokens than the prompt limit of "
-                f"{self.manager.settings.prompt_limit}"
+                f"{self.prompt_limit}"
             )
 
     async def vocab(self, fn: Callable[[LlamaContext], T]) -> T:
         """`fn` on the vocabulary, in a worker thread beside the engine's steps."""
-        return await asyncio.to_thread(self.manager.engine.read_vocab, fn)
+        return await asyncio.to_thread(self.engine.read_vocab, fn)

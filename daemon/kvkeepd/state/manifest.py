@@ -18,11 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from kvkeepd.engine.grammar import KINDS, Constraint, GrammarSpec
-from kvkeepd.engine.sampling import Logits, SamplingParams
+from kvkeepd import values
 from kvkeepd.errors import CorruptCheckpoint, IncompatibleCheckpoint
 from kvkeepd.limits import (
-    CONTEXT_POLICIES,
     MAX_BLOCK_TOKENS,
     MAX_GRAMMAR_CHARS,
     MAX_LABEL,
@@ -32,7 +30,16 @@ from kvkeepd.limits import (
     MAX_STOP_STRINGS,
     MIN_BLOCK_TOKENS,
 )
-from kvkeepd.sessions.chat import ChatMessage
+from kvkeepd.values import (
+    CONTEXT_POLICIES,
+    KINDS,
+    ChatMessage,
+    Constraint,
+    ContextPolicy,
+    GrammarSpec,
+    Logits,
+    SamplingParams,
+)
 
 MAGIC = b"KVKPMAN1"
 FORMAT = 1
@@ -77,7 +84,7 @@ class Snapshot:
     # Tokens of the system prompt, what a chat turn that does not fit does, and what
     # truncating has dropped so far (absent in manifests older than context policies).
     system_end: int = 0
-    context_policy: str = "error"
+    context_policy: ContextPolicy = "error"
     truncations: int = 0
     dropped_tokens: int = 0
     format: int = FORMAT
@@ -307,7 +314,7 @@ def _snapshot(
     )
 
 
-def _context(meta: dict[str, Any], n_tokens: int) -> tuple[int, str, int, int]:
+def _context(meta: dict[str, Any], n_tokens: int) -> tuple[int, ContextPolicy, int, int]:
     """The system prompt's end, the context policy and the truncation counts (defaults in
     manifests older than context policies)."""
     system_end = meta.get("system_end", 0)
@@ -318,6 +325,7 @@ def _context(meta: dict[str, Any], n_tokens: int) -> tuple[int, str, int, int]:
         raise CorruptCheckpoint("the checkpoint's system prompt end is outside its history")
     if policy not in CONTEXT_POLICIES:
         raise CorruptCheckpoint("the checkpoint's context policy is unknown")
+    policy = values.context_policy(policy)
     if any(type(n) is not int or not 0 <= n < 1 << 62 for n in (truncations, dropped)):
         raise CorruptCheckpoint("the checkpoint's truncation counts are malformed")
     return system_end, policy, truncations, dropped

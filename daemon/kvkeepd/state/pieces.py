@@ -8,13 +8,16 @@ them. Nothing here calls llama.cpp.
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from kvkeepd.state.cells import CELL_META, Bytes, KvCells, RecurrentCells, Section, SeqKv, covered
+from kvkeepd.state.cells import CELL_META, Bytes, KvCells, RecurrentCells, Section, SeqKv, covered, parse
 from kvkeepd.state.layout import SEQ_MAGIC, KvLayout, RecurrentLayout, StateFormatError, StateLayout
+
+log = logging.getLogger(__name__)
 
 # ---- pieces ---------------------------------------------------------------------------------
 
@@ -322,3 +325,15 @@ def _write_rec(blob: memoryview, at: int, s: RecurrentCells) -> int:
             at += row
             used += row
     return at
+
+
+def assembled(kv: SeqKv, layout: StateLayout, into: np.ndarray) -> SeqKv | None:
+    """kv as one blob (written into `into`), parsed again: its sections are views of the
+    blob, not of blocks. None (logged) if it does not parse back whole."""
+    blob = assemble(kv, into=into)
+    try:
+        whole = parse(blob, layout)
+    except StateFormatError:
+        log.exception("an assembled state does not parse back")
+        return None
+    return whole if whole.raw is not None and whole.n == kv.n else None

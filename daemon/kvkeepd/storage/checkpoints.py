@@ -5,7 +5,7 @@ commits the manifest. A load checks everything before llama.cpp can see it: the 
 MAC and fields, the model fingerprint and KV layout, that the block keys follow from the
 tokens, and each block's checksum and size. Methods block (file I/O, hashing); the
 session manager runs them in worker threads.
-Exports and imports are exports.py's.
+Exports and imports are storage/exports.py's: a client of this store.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import BinaryIO
 
 from kvkeepd.errors import (
     CorruptCheckpoint,
@@ -35,8 +34,8 @@ from kvkeepd.state import layout as kvlayout
 from kvkeepd.state import manifest as mf
 from kvkeepd.state import pieces
 from kvkeepd.state.manifest import Snapshot
-from kvkeepd.storage import exports
-from kvkeepd.storage.blocks import BlockStore
+from kvkeepd.state.plan import Piece, Plan, plan
+from kvkeepd.storage.blocks.base import BlockStore
 from kvkeepd.storage.budget import DiskBudget
 from kvkeepd.storage.catalog import Catalog, CheckpointRow
 
@@ -54,16 +53,6 @@ class Loaded:
     snapshot: Snapshot
     kv: kvstate.SeqKv | None
     reprefill: bool
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """One stored piece of a state: its key, positions, and the payload size it must have."""
-
-    key: str
-    start: int
-    end: int
-    size: int
 
 
 class CheckpointStore:
@@ -130,13 +119,13 @@ class CheckpointStore:
         write is conditioned on (Catalog.add_checkpoint)."""
         n_kv = kv.n if kv is not None else 0
         full, window, rec = self.plan(snap.tokens, n_kv, snap.block_tokens, snap.salt)
-        extra: list[tuple[_Piece, Callable[[], bytes]]] = []
+        extra: list[tuple[Piece, Callable[[], bytes]]] = []
         if boundary is not None and kv is not None and 0 < boundary[0] <= len(snap.tokens):
             at, partial = boundary
             _, window_at, rec_at = self.plan(snap.tokens, at, snap.block_tokens, snap.salt)
             boundary_kv = kvstate.SeqKv(kv.layout, at, partial)
             extra = list(self._payloads(boundary_kv, [], window_at, rec_at))
-        unique: dict[str, tuple[_Piece, Callable[[], bytes]]] = {}
+        unique: dict[str, tuple[Piece, Callable[[], bytes]]] = {}
         for piece, payload in [*self._payloads(kv, full, window, rec), *extra]:
             unique.setdefault(piece.key, (piece, payload))
         snap = replace(
@@ -210,8 +199,8 @@ class CheckpointStore:
             ) from None
 
     def _payloads(
-        self, kv: kvstate.SeqKv | None, full: list[_Piece], window: list[_Piece], rec: _Piece | None
-    ) -> Iterator[tuple[_Piece, Callable[[], bytes]]]:
+        self, kv: kvstate.SeqKv | None, full: list[Piece], window: list[Piece], rec: Piece | None
+    ) -> Iterator[tuple[Piece, Callable[[], bytes]]]:
         """Each piece with a function that cuts its payload from `kv` (only called for
         pieces the store lacks)."""
         if kv is None:
@@ -224,40 +213,11 @@ class CheckpointStore:
             for p in window if section.layout.window else full:
                 yield p, functools.partial(pieces.cut, section, p.start, p.end)
 
-    def plan(
-        self, tokens: list[int], n: int, block_tokens: int, salt: str
-    ) -> tuple[list[_Piece], list[_Piece], _Piece | None]:
-        """The pieces that hold the state after tokens[:n]: full-attention blocks,
-        sliding-window pieces, the recurrent state."""
-        lay = self.layout
-        if lay is None or n == 0:
+    def plan(self, tokens: list[int], n: int, block_tokens: int, salt: str) -> Plan:
+        """The pieces that hold the state after tokens[:n] in this store (see plan.plan)."""
+        if self.layout is None:
             return [], [], None
-        keys = blk.chain(
-            tokens[:n],
-            fingerprint=self.fingerprint,
-            layout=self.layout_desc or "",
-            block_tokens=block_tokens,
-            salt=bytes.fromhex(salt),
-        )
-        full: list[_Piece] = []
-        if lay.full is not None:
-            cell = lay.full.cell_bytes
-            for i, key in enumerate(keys):
-                a, b = i * block_tokens, min((i + 1) * block_tokens, n)
-                full.append(_Piece(key, a, b, (b - a) * cell))
-        window: list[_Piece] = []
-        if lay.windowed is not None:
-            cell = lay.windowed.cell_bytes
-            a = lay.windowed.first(n)
-            while a < n:
-                i = a // block_tokens
-                b = min((i + 1) * block_tokens, n)
-                window.append(_Piece(blk.derived(keys[i], "win", a - i * block_tokens), a, b, (b - a) * cell))
-                a = b
-        rec = None
-        if lay.recurrent is not None:
-            rec = _Piece(blk.derived(keys[-1], "rec"), n - 1, n, lay.recurrent.nbytes)
-        return full, window, rec
+        return plan(self.layout, self.fingerprint, self.layout_desc or "", tokens, n, block_tokens, salt)
 
     # ---- load ----------------------------------------------------------------------------
 
@@ -332,9 +292,9 @@ class CheckpointStore:
     def _read(
         self,
         n: int,
-        full: list[_Piece],
-        window: list[_Piece],
-        rec: _Piece | None,
+        full: list[Piece],
+        window: list[Piece],
+        rec: Piece | None,
         read: Callable[[str], bytes],
     ) -> kvstate.SeqKv:
         """The state after n positions from its pieces, each read once and checked."""
@@ -348,7 +308,7 @@ class CheckpointStore:
             frames = self.store.get_many([p.key for p in wanted])
             read = frames.__getitem__  # an absent piece is the KeyError `get` gives
 
-        def payload(p: _Piece) -> bytes | memoryview:
+        def payload(p: Piece) -> bytes | memoryview:
             return self.read_block(p.key, p.size, read, ours=ours)[1]
 
         if ours and self.store.in_process:
@@ -461,19 +421,3 @@ class CheckpointStore:
             for key in orphans:
                 self.store.delete(key)
         return len(orphans)
-
-    # ---- export and import (the format is exports.py's) ----------------------------------
-
-    def export(self, checkpoint_id: str) -> Iterator[bytes]:
-        """The checkpoint as a self-contained stream of chunks of at most 1 MiB."""
-        return exports.export(self, checkpoint_id)
-
-    def import_(
-        self, chunks: Iterable[bytes], limit: int, now: float, *, tenant: str, n_ctx: int
-    ) -> CheckpointRow:
-        """Import an exported stream given as chunks: see exports.import_chunks."""
-        return exports.import_chunks(self, chunks, limit, now, tenant=tenant, n_ctx=n_ctx)
-
-    def import_file(self, spool: BinaryIO, now: float, *, tenant: str, n_ctx: int) -> CheckpointRow:
-        """Import an exported stream held in a file: see exports.import_file."""
-        return exports.import_file(self, spool, now, tenant=tenant, n_ctx=n_ctx)

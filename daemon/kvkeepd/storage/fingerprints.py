@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from kvkeepd.storage.statedir import read_private, write_private
+from kvkeepd.files import read_private, write_private
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Protocol
 
 from kvkeepd.errors import Busy, StoreWriteFailed
+from kvkeepd.files import FILE_MODE, fsync_dir, open_private
 from kvkeepd.storage.budget import DiskBudget
-from kvkeepd.storage.statedir import FILE_MODE, fsync_dir, open_private
 
 log = logging.getLogger(__name__)
 

@@ -28,13 +28,12 @@ from starlette.types import Receive, Scope, Send
 from kvkeepd.api.http.bodies import Reply, domain_error, error, sse
 from kvkeepd.api.http.keep import SessionKeep
 from kvkeepd.api.http.schema import NEW_SESSION, ChatCompletionRequest, CompletionRequest, GenerationBody
-from kvkeepd.engine.job import Chunk
 from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound, Unavailable
 from kvkeepd.limits import MAX_CONCURRENT_RPCS
-from kvkeepd.sessions.chat import Message
 from kvkeepd.sessions.manager import SessionManager
-from kvkeepd.sessions.session import SamplingOverrides, Session
+from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
+from kvkeepd.values import Chunk, Message, SamplingOverrides
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +208,9 @@ class OpenAiDoor:
         if not rest:
             raise InvalidRequest("the conversation has no message after its system prompt")
         await self.keep.make_room(tenant)
-        session = await self.manager.create(tenant, system, SamplingOverrides(), (), persistent=persistent)
+        session = await self.manager.lifecycle.create(
+            tenant, system, SamplingOverrides(), (), persistent=persistent
+        )
         return session, rest
 
     # ---- legacy completions ------------------------------------------------------------------
@@ -224,7 +225,7 @@ class OpenAiDoor:
             if not prompt and not token_ids:
                 raise InvalidRequest("the prompt is empty")
             await self.keep.make_room(tenant)
-            session = await self.manager.create(
+            session = await self.manager.lifecycle.create(
                 tenant, "", SamplingOverrides(), (), persistent=req.persistent
             )
             if req.session_id is None:
@@ -258,7 +259,7 @@ class OpenAiDoor:
 
         async def close() -> None:
             with contextlib.suppress(KvkeepError):
-                await self.manager.close(session.session_id, tenant)
+                await self.manager.lifecycle.close(session.session_id, tenant)
 
         return close
 

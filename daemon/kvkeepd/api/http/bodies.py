@@ -7,8 +7,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvkeepd.engine.job import Chunk, GeneratedToken, Usage
 from kvkeepd.errors import KvkeepError
+from kvkeepd.values import Chunk, GeneratedToken, Usage
 
 # The engine's finish reasons as OpenAI names them.
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length", "cancelled": "stop"}

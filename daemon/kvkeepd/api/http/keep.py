@@ -17,10 +17,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvkeepd.errors import KvkeepError
-from kvkeepd.sessions.chat import Message
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
+from kvkeepd.values import Message
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class SessionKeep:
 
     async def _close_now(self, session: Session, tenant: Tenant) -> None:
         try:
-            await self.manager.close(session.session_id, tenant)
+            await self.manager.lifecycle.close(session.session_id, tenant)
         except KvkeepError as e:
             log.debug("a kept session was not closed: %s", e)
 

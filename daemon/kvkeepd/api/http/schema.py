@@ -13,12 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvkeepd.engine.sampling import SamplingParams
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.limits import MAX_LOGPROBS
-from kvkeepd.sessions.chat import Message
-from kvkeepd.sessions.generation import Turn, check_stop
-from kvkeepd.sessions.session import SamplingOverrides
+from kvkeepd.values import Message, SamplingOverrides, SamplingParams, Turn, check_stop
 
 # The extension value of `session_id` that starts a new session for the caller.
 NEW_SESSION = "new"
@@ -98,7 +95,7 @@ class GenerationBody(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def sampling(self) -> SamplingOverrides:
-        return SamplingOverrides(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+        return SamplingOverrides.of(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
 
     def checked(self, turn: Turn) -> Turn:
         """The turn, its sampling values and stop strings checked now: before a session is

@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvkeepd.errors import StoreReadFailed
-from kvkeepd.storage.blocks import check_key
-from kvkeepd.storage.statedir import FILE_MODE, StateDirError, fsync_dir, private_subdir, refusal
+from kvkeepd.files import FILE_MODE, StateDirError, fsync_dir, private_subdir, refusal
+from kvkeepd.storage.blocks.base import check_key
 
 log = logging.getLogger(__name__)
 

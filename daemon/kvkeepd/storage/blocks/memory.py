@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from kvkeepd.storage.blocks import check_key
+from kvkeepd.storage.blocks.base import check_key
 
 
 class MemoryBlockStore:

@@ -23,7 +23,8 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvkeepd.errors import StoreReadFailed, StoreUnreachable, StoreWriteFailed
-from kvkeepd.storage.blocks import check_key, redacted
+from kvkeepd.storage.blocks.base import check_key
+from kvkeepd.urls import redacted
 
 log = logging.getLogger(__name__)
 

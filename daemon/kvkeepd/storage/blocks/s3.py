@@ -24,7 +24,7 @@ import botocore.exceptions
 from botocore.config import Config
 
 from kvkeepd.errors import StoreReadFailed, StoreUnreachable
-from kvkeepd.storage.blocks import KEY, check_key
+from kvkeepd.storage.blocks.base import KEY, check_key
 
 log = logging.getLogger(__name__)
 

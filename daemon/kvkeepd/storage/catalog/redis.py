@@ -47,11 +47,10 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kvkeepd.config.settings import catalog_url
 from kvkeepd.errors import CatalogUnavailable, SessionElsewhere, StoreReadFailed
-from kvkeepd.storage.blocks import redacted
 from kvkeepd.storage.catalog import CheckpointRow, Lease, ListedSession, SessionRow
 from kvkeepd.storage.catalog import redis_scripts as scripts
+from kvkeepd.urls import catalog_url, redacted
 
 log = logging.getLogger(__name__)
 

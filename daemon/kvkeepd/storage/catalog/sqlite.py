@@ -19,8 +19,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from kvkeepd.errors import StoreReadFailed
+from kvkeepd.files import check_entry, private_file
 from kvkeepd.storage.catalog import CheckpointRow, Lease, ListedSession, SessionRow
-from kvkeepd.storage.statedir import check_entry, private_file
 
 log = logging.getLogger(__name__)
 

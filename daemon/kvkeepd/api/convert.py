@@ -1,0 +1,142 @@
+"""Protobuf messages <-> the daemon's values, for the gRPC servicer (service.py): the one place
+the proto's enums, roles and finish reasons meet the daemon's names. The client's
+`kvkeep._convert` is the mirror image."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvkeep.v1 import kvkeep_pb2 as pb
+from kvkeepd.errors import InvalidRequest
+from kvkeepd.sessions.manager import SessionView
+from kvkeepd.storage.catalog import CheckpointRow, ListedSession
+from kvkeepd.values import (
+    SAMPLING_FIELDS,
+    ChatMessage,
+    Chunk,
+    FinishReason,
+    Message,
+    SamplingOverrides,
+    SamplingParams,
+    Tier,
+    Turn,
+)
+
+FINISH: dict[FinishReason, pb.FinishReason.ValueType] = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "eos": pb.FINISH_REASON_EOS,
+    "stop": pb.FINISH_REASON_STOP,
+    "context_full": pb.FINISH_REASON_CONTEXT_FULL,
+    "cancelled": pb.FINISH_REASON_CANCELLED,
+}
+RESIDENCY: dict[Tier, pb.Residency.ValueType] = {
+    "hot": pb.RESIDENCY_HOT,
+    "warm": pb.RESIDENCY_WARM,
+    "cold": pb.RESIDENCY_COLD,
+}
+ROLES = {"system": pb.ROLE_SYSTEM, "user": pb.ROLE_USER, "assistant": pb.ROLE_ASSISTANT}
+
+
+def overrides_from_pb(p: pb.SamplingParams) -> SamplingOverrides:
+    return SamplingOverrides.of(
+        **{name: getattr(p, name) if p.HasField(name) else None for name in SAMPLING_FIELDS}  # type: ignore[arg-type]
+    )
+
+
+def turn_from_pb(r: pb.GenerateRequest | pb.ChatRequest) -> Turn:
+    return Turn(
+        max_tokens=r.max_tokens if r.HasField("max_tokens") else None,
+        sampling=overrides_from_pb(r.sampling),
+        stop=list(r.stop),
+        logprobs=r.logprobs,
+        grammar=r.grammar,
+        json_schema=r.json_schema,
+    )
+
+
+def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
+
+
+def message_from_pb(m: pb.Message) -> Message:
+    role = next((name for name, value in ROLES.items() if value == m.role), None)
+    if role is None:
+        raise InvalidRequest("every message needs a role: system, user or assistant")
+    return Message(role, m.content)
+
+
+def message_to_pb(m: ChatMessage) -> pb.Message:
+    return pb.Message(role=ROLES[m.role], content=m.content)
+
+
+def session_to_pb(v: SessionView, n_ctx: int) -> pb.SessionInfo:
+    s = v.session
+    return pb.SessionInfo(
+        session_id=s.session_id,
+        persistent=s.persistent,
+        n_tokens=v.n_tokens,
+        n_ctx=n_ctx,
+        sampling=params_to_pb(s.params),
+        stop=list(s.stop),
+        messages=[message_to_pb(m) for m in s.messages],
+        residency=RESIDENCY[v.tier],
+        created_at=s.created_at,
+        last_used_at=s.last_used_at,
+        n_checkpoints=v.n_checkpoints,
+        head_checkpoint_id=s.head_checkpoint_id,
+        context_policy=s.context_policy,
+        truncations=s.truncations,
+        dropped_tokens=s.dropped_tokens,
+    )
+
+
+def listed_to_pb(r: ListedSession, n_ctx: int) -> pb.SessionInfo:
+    """A persistent session no one holds here, as the catalog has it: what its head's row
+    says (its sampling, stop strings and messages are in the head's manifest, which GetSession
+    reads as it takes the session over)."""
+    return pb.SessionInfo(
+        session_id=r.session_id,
+        persistent=True,
+        n_tokens=r.n_tokens,
+        n_ctx=n_ctx,
+        residency=pb.RESIDENCY_COLD,
+        created_at=r.created_at,
+        last_used_at=r.last_used_at,
+        n_checkpoints=r.n_checkpoints,
+        head_checkpoint_id=r.head,
+    )
+
+
+def checkpoint_to_pb(r: CheckpointRow) -> pb.CheckpointInfo:
+    return pb.CheckpointInfo(
+        checkpoint_id=r.checkpoint_id,
+        session_id=r.session_id,
+        label=r.label,
+        n_tokens=r.n_tokens,
+        bytes_written=r.bytes_written,
+        bytes_referenced=r.bytes_referenced,
+        created_at=r.created_at,
+    )
+
+
+def chunk_to_pb(c: Chunk) -> pb.GenerationChunk:
+    out = pb.GenerationChunk(text=c.text, token_ids=list(c.token_ids))
+    for g in c.logprobs:
+        item = out.logprobs.add()
+        item.sampled.CopyFrom(
+            pb.TokenLogprob(token_id=g.sampled.token_id, text=g.sampled.text, logprob=g.sampled.logprob)
+        )
+        item.top.extend(pb.TokenLogprob(token_id=t.token_id, text=t.text, logprob=t.logprob) for t in g.top)
+    if c.finish_reason is not None:
+        out.finish_reason = FINISH[c.finish_reason]
+    if c.usage is not None:
+        out.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=c.usage.prompt_tokens,
+                generated_tokens=c.usage.generated_tokens,
+                reused_tokens=c.usage.reused_tokens,
+                evaluated_tokens=c.usage.evaluated_tokens,
+                dropped_tokens=c.usage.dropped_tokens,
+            )
+        )
+    return out
