@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from collections.abc import Iterable, Mapping, Sequence
@@ -68,28 +69,19 @@ def sampling_to_pb(p: SamplingParams | None) -> pb.SamplingParams | None:
     if p is None:
         return None
     # protobuf leaves a field unset when its keyword argument is None.
-    return pb.SamplingParams(
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        min_p=p.min_p,
-        repeat_penalty=p.repeat_penalty,
-        penalty_last_n=p.penalty_last_n,
-        seed=p.seed,
-    )
+    return pb.SamplingParams(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
 
 
 def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
     """The parameters set in ``m``; unset fields become None."""
-    return SamplingParams(
-        temperature=_f32(m.temperature) if m.HasField("temperature") else None,
-        top_k=m.top_k if m.HasField("top_k") else None,
-        top_p=_f32(m.top_p) if m.HasField("top_p") else None,
-        min_p=_f32(m.min_p) if m.HasField("min_p") else None,
-        repeat_penalty=_f32(m.repeat_penalty) if m.HasField("repeat_penalty") else None,
-        penalty_last_n=m.penalty_last_n if m.HasField("penalty_last_n") else None,
-        seed=m.seed if m.HasField("seed") else None,
-    )
+
+    def value(name: str) -> float | int | None:
+        if not m.HasField(name):  # type: ignore[arg-type]
+            return None
+        v: float | int = getattr(m, name)
+        return _f32(v) if isinstance(v, float) else v
+
+    return SamplingParams(**{f.name: value(f.name) for f in dataclasses.fields(SamplingParams)})  # type: ignore[arg-type]
 
 
 def message_to_pb(msg: Message) -> pb.Message:
