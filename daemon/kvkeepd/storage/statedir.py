@@ -170,7 +170,9 @@ def _check_mark(path: Path) -> None:
             f"the state directory {path} is of another format ({found[:40]!r} in {MARK}): "
             "start with another --state-dir"
         )
-    if any(os.path.lexists(path / name) for name in ("store.key", "catalog.db", "journal", "blocks")):
+    # (A store.key alone is no state: an operator puts a shared store's key there before
+    # the first start.)
+    if any(os.path.lexists(path / name) for name in ("catalog.db", "journal", "blocks")):
         raise StateDirError(
             f"the state directory {path} was written by an earlier version (kvstash), whose state "
             "kvkeep does not read: move it away, or start with another --state-dir"
