@@ -44,7 +44,8 @@ class Spec:
     file: bool = False
     # The name of flag, variable and file key, when not the field's (`model` for model_path).
     key: str = ""
-    # How --help shows a default computed at start (the CPU count, a path).
+    # How --help shows a default computed at start (the CPU count, a path), or what an
+    # empty default means (sqlite in the state directory, off).
     shown: str = ""
     # A URL that may carry a password: --print-config shows it as `***`.
     url: bool = False

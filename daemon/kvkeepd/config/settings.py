@@ -100,6 +100,7 @@ class Settings:
             "redis://[:PASSWORD@]HOST:PORT/DB?prefix=NAME for a Redis or Valkey server that several "
             "daemons share (keys begin with the prefix, default kvkeep).",
             url=True,
+            shown="sqlite in the state directory",
         ),
     )
     lease_seconds: float = field(
@@ -164,7 +165,8 @@ class Settings:
             "Where the start-up exactness probe's results are kept, by llama.cpp build, model file, "
             "context settings, CPU and devices (a daemon started again on the same ones skips the "
             "probe): empty for probes.json in the state directory, a file several daemons may "
-            "share, or 'none' to probe at every start."
+            "share, or 'none' to probe at every start.",
+            shown="probes.json in the state directory",
         ),
     )
     max_prompt_tokens: int = field(
@@ -184,7 +186,14 @@ class Settings:
         default=64,
         metadata=spec("Tokens per KV block of a checkpoint.", low=MIN_BLOCK_TOKENS, high=MAX_BLOCK_TOKENS),
     )
-    codec: str = field(default="lz4", metadata=spec("Compression of KV blocks on disk.", choices=CODECS))
+    codec: str = field(
+        default="lz4",
+        metadata=spec(
+            "Compression of KV blocks on disk (zstd: byte-shuffled); a block its codec shrinks by "
+            "less than 5% is stored raw.",
+            choices=CODECS,
+        ),
+    )
     head_interval: int = field(
         default=256,
         metadata=spec(
@@ -198,8 +207,9 @@ class Settings:
     disk_budget: int = field(
         default=10 << 30,
         metadata=spec(
-            "Bytes of blocks kept on disk (with a remote --store: its blocks as the catalog records "
-            "them, plus the local spill area and catalog); unreferenced blocks beyond it are dropped.",
+            "Bytes kept on disk: blocks, the spill area, the catalog and the turn journal (with a "
+            "remote --store: its blocks as the catalog records them); unreferenced blocks are dropped "
+            "to make room, then writes are refused.",
             low=0,
             unit="bytes",
         ),
@@ -216,7 +226,11 @@ class Settings:
     )
     s3_endpoint: str = field(
         default="",
-        metadata=spec("URL of the S3-compatible server for an s3:// store (empty: AWS's own).", url=True),
+        metadata=spec(
+            "URL of the S3-compatible server for an s3:// store (empty: AWS's own).",
+            url=True,
+            shown="AWS's own",
+        ),
     )
     store_timeout: float = field(
         default=5.0,
@@ -234,7 +248,9 @@ class Settings:
     ram_cache: int = field(
         default=2 << 30,
         metadata=spec(
-            "Bytes of parked KV kept in RAM; beyond it, least recently used sessions spill to disk.",
+            "Bytes of RAM for parked KV, recurrent snapshots and ephemeral sessions' checkpoints (whose "
+            "whole states fill what those leave free); beyond it, least recently used sessions spill "
+            "to disk.",
             low=0,
             unit="bytes",
         ),
@@ -255,7 +271,8 @@ class Settings:
         metadata=spec("Seconds between passes of the expiry and budget sweeper.", low=0.05, high=3600),
     )
     metrics_address: str = field(
-        default="", metadata=spec("host:port to serve Prometheus metrics on (/metrics); empty: off.")
+        default="",
+        metadata=spec("host:port to serve Prometheus metrics on (/metrics); empty: off.", shown="off"),
     )
     http_address: str = field(
         default="",
@@ -263,6 +280,7 @@ class Settings:
             "host:port to also serve the OpenAI-compatible HTTP API on (/v1/chat/completions, "
             "/v1/completions, /v1/models; needs kvkeep[http]); empty: off.",
             key="http",
+            shown="off",
         ),
     )
     http_read_timeout: float = field(
@@ -331,7 +349,7 @@ class Settings:
 
     @property
     def exact(self) -> bool:
-        """Whether the engine runs in the bit-exact mode (see DESIGN: exact vs compact)."""
+        """Whether the engine runs in the bit-exact mode (docs/modes.md: exact and compact)."""
         return self.kv_type == "f16" and not self.kv_unified and not self.flash_attn
 
     def validate(self) -> Settings:

@@ -4,7 +4,7 @@ A persistent session's turn is acknowledged once its record is durable: an appen
 file, then `fdatasync`. The KV blocks of the turn are not written then; they are a cache
 that a later head save writes (every `--head-interval` tokens, on a spill, at shutdown),
 and after a crash the session continues from its head, evaluating again only the tokens
-the journal holds beyond it (exact: see the README's design notes).
+the journal holds beyond it (exact: see docs/design/durability.md and docs/design/exactness.md).
 
 Group commit: appends made in one pass of the event loop go to the committer thread
 together, and whatever queues up while it writes and syncs goes in its next write, so

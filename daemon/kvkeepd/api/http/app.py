@@ -3,7 +3,7 @@
 Handlers translate, as the gRPC servicer does: an OpenAI body in, a call to the
 SessionManager's flows, an OpenAI body (or a stream of server-sent events) out. Callers are
 resolved by the same `Tenants.resolve` as gRPC callers; errors are OpenAI-style JSON bodies
-whose HTTP status follows the README's error table. A streamed response starts once its
+whose HTTP status follows the error table (docs/errors.md). A streamed response starts once its
 first chunk exists, so errors before it (a full queue, a full context) get their status.
 """
 

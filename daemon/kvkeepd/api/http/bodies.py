@@ -13,7 +13,7 @@ from kvkeepd.values import Chunk, GeneratedToken, Usage
 # The engine's finish reasons as OpenAI names them.
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length", "cancelled": "stop"}
 
-# Each error class's HTTP status and OpenAI error type (README: Errors).
+# Each error class's HTTP status and OpenAI error type (docs/errors.md).
 STATUS = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
     "OUT_OF_RANGE": (400, "context_length_exceeded"),
