@@ -1,4 +1,4 @@
 """Settings: declared once, read from flags, the environment and a TOML file.
 
-May import: the cross-cutting leaves (errors, limits, files) and storage.urls only.
+May import: the cross-cutting leaves (errors, limits, files) and urls only.
 """
