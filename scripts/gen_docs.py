@@ -76,6 +76,8 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "block-tokens",
             "codec",
             "store",
+            "store-key",
+            "store-key-file",
             "s3-endpoint",
             "store-timeout",
             "store-retries",

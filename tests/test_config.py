@@ -192,3 +192,35 @@ def test_settings_built_in_code_are_checked_as_the_command_line_is(tmp_path: Pat
         with pytest.raises(config.ConfigError) as e:
             bad.validate()
         assert str(e.value).startswith(words)
+
+
+def test_the_store_key_is_a_secret_from_the_environment_or_a_file(tmp_path: Path) -> None:
+    from kvkeepd.storage.storekey import store_key
+
+    key = "ab" * 32
+    values, origins = printed(env={"KVKEEP_STORE_KEY": key})
+    assert values["store-key"] == "***" and origins["store-key"] == "environment KVKEEP_STORE_KEY"
+    short = kvkeep_serve("--print-config", env={"KVKEEP_STORE_KEY": "ab" * 31})
+    assert short.returncode == 2 and "64 hexadecimal digits" in short.stderr and "ab" * 31 not in short.stderr
+    file = tmp_path / "key"
+    file.write_bytes(os.urandom(32))
+    both = kvkeep_serve("--print-config", "--store-key-file", str(file), env={"KVKEEP_STORE_KEY": key})
+    assert both.returncode == 2 and "exclude each other" in both.stderr
+
+    # Given by the settings, the key is never written to the state directory; one there
+    # that differs is refused, since the directory's manifests are signed with it.
+    state = tmp_path / "state"
+    state.mkdir()
+    given = store_key(state, text=key)
+    assert given.key == bytes.fromhex(key) and not (state / "store.key").exists()
+    assert key not in repr(given) and given.fingerprint in repr(given)
+    assert store_key(state, file=file).key == file.read_bytes()
+    other = tmp_path / "other"
+    other.mkdir()
+    own = store_key(other)  # none given: the state directory's, made now
+    assert own.origin.endswith("store.key") and store_key(other).key == own.key
+    with pytest.raises(OSError, match="holds another store key"):
+        store_key(tmp_path / "other", text=key)
+    (tmp_path / "bad").write_text("not a key")
+    with pytest.raises(OSError, match="is not a store key"):
+        store_key(state, file=tmp_path / "bad")

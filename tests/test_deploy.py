@@ -96,6 +96,22 @@ def test_the_unit_is_hardened() -> None:
     assert set(families.split()) == {"AF_INET", "AF_INET6", "AF_UNIX"}
 
 
+def test_the_unit_shows_how_a_shared_store_key_is_handed_over(tmp_path: Path) -> None:
+    # The credential lines are commented out (a single daemon needs none): as they would be
+    # uncommented, they name a setting that reads the key from a file.
+    commented = ("#LoadCredential=", "#Environment=")
+    lines = [line[1:] for line in UNIT.read_text().splitlines() if line.startswith(commented)]
+    credential = next(line for line in lines if line.startswith("LoadCredential="))
+    name, _, source = credential.removeprefix("LoadCredential=").partition(":")
+    assignments = [a for line in lines if line.startswith("Environment=") for a in shlex.split(line[12:])]
+    env = dict(a.split("=", 1) for a in assignments)
+    assert env == {"KVKEEP_STORE_KEY_FILE": f"%d/{name}"} and source.startswith("/etc/")
+    key = tmp_path / name
+    key.write_text("0f" * 32 + "\n")
+    environ = {"KVKEEP_STORE_KEY_FILE": str(key), "KVKEEP_MODEL": str(model_path())}
+    assert resolution.resolve({}, environ).settings.store_key_file == key
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verifies_the_unit(tmp_path: Path) -> None:
     # verify checks that ExecStart's program exists: point it at this checkout's kvkeep.

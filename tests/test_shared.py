@@ -9,8 +9,8 @@ until it is back, and nothing acknowledged is lost.
 from __future__ import annotations
 
 import os
+import re
 import secrets
-import shutil
 import signal
 import threading
 import time
@@ -47,8 +47,9 @@ def shared_pair(
     *b_args: str,
     both: Sequence[str] = (),
 ) -> tuple[DaemonProcess, DaemonProcess]:
-    """Two daemons on one Redis catalog (a prefix of their own) and store, B given A's store
-    key (and `b_args`), both given `both`."""
+    """Two daemons on one Redis catalog (a prefix of their own) and store, with the same store
+    key (A's from a file, B's from the environment, as a deployment hands a secret over; B
+    also given `b_args`), both given `both`."""
     catalog = f"{redis_url}?prefix=shared-{secrets.token_hex(6)}"
     args = (
         "--catalog",
@@ -61,12 +62,12 @@ def shared_pair(
         "4",
         *both,
     )
-    a = spawn_daemon(*args)
-    b_state = tmp_path / "state-b"
-    b_state.mkdir(mode=0o700)
-    shutil.copy(a.state_dir / "store.key", b_state / "store.key")
-    (b_state / "store.key").chmod(0o600)
-    b = spawn_daemon(*args, *b_args, state_dir=b_state)
+    key = secrets.token_hex(32)
+    key_file = tmp_path / "deployment.key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    a = spawn_daemon(*args, "--store-key-file", str(key_file))
+    b = spawn_daemon(*args, *b_args, env={"KVKEEP_STORE_KEY": key})
     return a, b
 
 
@@ -74,6 +75,11 @@ def test_a_session_continues_exactly_on_another_daemon(
     spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_server: str
 ) -> None:
     a, b = shared_pair(spawn_daemon, tmp_path, redis_server)
+    # One key, given as a secret is: neither start writes it or logs it, both name it alike.
+    key = (tmp_path / "deployment.key").read_text().strip()
+    fingerprints = {re.search(r"store key ([0-9a-f]{16}) \(from ", d.log())[1] for d in (a, b)}  # type: ignore[index]
+    assert len(fingerprints) == 1 and all(key not in d.log() for d in (a, b))
+    assert not (a.state_dir / "store.key").exists() and not (b.state_dir / "store.key").exists()
     with kvkeep.Client(a.address, timeout=60) as ca, kvkeep.Client(b.address, timeout=60) as cb:
         s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING, cache_salt=SALT)
         s.chat("When do you open?", max_tokens=12)

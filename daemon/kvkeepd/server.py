@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
-import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -27,7 +25,6 @@ from kvkeepd.api.wire import SERVICE
 from kvkeepd.config.settings import Settings
 from kvkeepd.engine.context import ContextConfig, ModelInfo
 from kvkeepd.engine.engine import Engine
-from kvkeepd.files import fsync_dir
 from kvkeepd.heap import keep_freed_memory
 from kvkeepd.limits import MAX_CONCURRENT_RPCS, MAX_STREAMS_PER_CONNECTION
 from kvkeepd.sessions.chat import ChatTemplate
@@ -44,6 +41,7 @@ from kvkeepd.storage.checkpoints import CheckpointStore
 from kvkeepd.storage.fingerprints import fingerprint
 from kvkeepd.storage.journal import FileJournal, TurnJournal
 from kvkeepd.storage.statedir import StateDir
+from kvkeepd.storage.storekey import key_id, store_key
 from kvkeepd.storage.stores import Stores
 
 if TYPE_CHECKING:
@@ -83,41 +81,23 @@ def probe_cache(settings: Settings) -> Path | None:
     return Path(settings.probe_cache) if settings.probe_cache else settings.state_dir / "probes.json"
 
 
-def store_key(state_dir: Path) -> bytes:
-    """The store's HMAC key: 32 random bytes in `store.key`, made once, readable by owner only.
-    Daemons that share a store share this file."""
-    path = state_dir / "store.key"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        key = path.read_bytes()
-        if len(key) != 32:
-            raise OSError(f"{path} is not a 32-byte key") from None
-        return key
-    key = secrets.token_bytes(32)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(state_dir)
-    return key
-
-
 def durable_catalog(settings: Settings, state: StateDir, key: bytes) -> Catalog:
     """sqlite in the state directory, or the shared Redis catalog `--catalog` names (redis-py
-    imported only then). Daemons sharing a catalog must share the store key (`store.key`):
+    imported only then). Daemons sharing a catalog must share the store key (storekey.py):
     one whose key differs stops here, where it would otherwise refuse every manifest."""
     if not settings.catalog:
         return SqliteCatalog(state.path / "catalog.db")
     from kvkeepd.storage.catalog.redis import RedisCatalog
 
     catalog = RedisCatalog(settings.catalog)
-    key_id = hashlib.blake2b(b"kvkeep store key id", key=key, digest_size=16).hexdigest()
-    if catalog.store_key_id(key_id) != key_id:
+    ours = key_id(key)
+    found = catalog.store_key_id(ours)
+    if found != ours:
         catalog.close()
         raise OSError(
-            f"the catalog {catalog.where} holds manifests signed with another store key: copy "
-            f"store.key from a daemon of that deployment into {state.path}"
+            f"the catalog {catalog.where} holds manifests signed with another store key "
+            f"(fingerprint {found[:16]}, this daemon's is {ours[:16]}): give this daemon the "
+            "deployment's key (--store-key-file, KVKEEP_STORE_KEY, or store.key in its state directory)"
         )
     return catalog
 
@@ -127,7 +107,9 @@ def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: 
     there too or in the remote store `--store` names; volatile: both in RAM; spill: blocks
     under the state dir, wiped now, with its catalog in RAM (nothing of it outlives us); the
     turn journal under the state dir, read back now (torn tail dropped)."""
-    key = store_key(state.path)
+    given = store_key(state.path, text=settings.store_key, file=settings.store_key_file)
+    log.info("store key %s (from %s)", given.fingerprint, given.origin)
+    key = given.key
 
     def make(catalog: Catalog, blocks: BlockStore) -> CheckpointStore:
         return CheckpointStore(

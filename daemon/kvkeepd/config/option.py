@@ -49,6 +49,8 @@ class Spec:
     shown: str = ""
     # A URL that may carry a password: --print-config shows it as `***`.
     url: bool = False
+    # A secret: --print-config shows `***` for it, whatever it is.
+    secret: bool = False
 
 
 def spec(help: str, **bounds: Any) -> dict[str, Spec]:
@@ -159,6 +161,8 @@ class Option:
         """A value as TOML writes it (a URL's password as `***`)."""
         if self.spec.url and isinstance(value, str):
             value = redacted(value)
+        if self.spec.secret and value:
+            value = "***"
         if isinstance(value, bool):
             return "true" if value else "false"
         if isinstance(value, int | float):

@@ -224,6 +224,26 @@ class Settings:
             url=True,
         ),
     )
+    store_key: str = field(
+        default="",
+        repr=False,
+        metadata=spec(
+            "The store key (the HMAC key of manifests, which daemons sharing a catalog and store "
+            "share) as 64 hexadecimal digits; give it in the environment, not as a flag (a command "
+            "line is visible to other users). Empty: --store-key-file, else store.key in the state "
+            "directory (made at the first start).",
+            secret=True,
+            shown="none",
+        ),
+    )
+    store_key_file: Path | None = field(
+        default=None,
+        metadata=spec(
+            "A file holding the store key (32 bytes, or 64 hexadecimal digits): a mounted secret, "
+            "or systemd's $CREDENTIALS_DIRECTORY/store.key.",
+            file=True,
+        ),
+    )
     s3_endpoint: str = field(
         default="",
         metadata=spec(
@@ -395,6 +415,10 @@ class Settings:
             )
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ConfigError("tls-client-ca", "needs tls-cert and tls-key")
+        if self.store_key and self.store_key_file is not None:
+            raise ConfigError("store-key", "store-key and store-key-file exclude each other")
+        if self.store_key and not re.fullmatch(r"\s*[0-9a-fA-F]{64}\s*", self.store_key):
+            raise ConfigError("store-key", "must be 64 hexadecimal digits (e.g. from `openssl rand -hex 32`)")
         self.quota()  # raises on a malformed value
         if self.catalog:
             try:
