@@ -25,6 +25,9 @@ compared with, and reported as a ratio: this machine is shared and noisy.
     scripts/bench store        restore + first token of a 2,000-token persistent session from
                                local disk, Redis and S3 (servers on loopback) vs re-prefill,
                                and the session moving between two daemons sharing a catalog
+    scripts/bench shared-turns one-token persistent turns on a daemon of its own (sqlite,
+                               the journal file) vs one sharing a Redis catalog and store
+                               (the journal on the catalog's server), taken in turns
 
 --charts DIR (before the benchmark's name) also draws PNG charts into DIR (matplotlib, in
 kvkeep[dev]): checkpoint.png (restore vs re-prefill by context length; checkpoint runs
@@ -1286,6 +1289,66 @@ def bench_store(args: argparse.Namespace) -> None:
     table(rows)
 
 
+def bench_shared_turns(args: argparse.Namespace) -> None:
+    """A persistent session of about --tokens tokens on each of two daemons, one with its own
+    catalog and store, one sharing a Redis catalog and store (appendfsync always): one-token
+    turns, interleaved. Each turn is acknowledged once durable: an fdatasync of the journal
+    file, or a script on the catalog's server (which fsyncs its log before answering); both
+    write a head by the same --head-interval rule."""
+    work = Path(tempfile.mkdtemp(prefix="kvkeep-bench-servers-"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from servers import RedisServer
+
+    redis = RedisServer(work / "redis").start()
+    common = ("--slots", "2", "--ctx-per-session", "4096", "--threads", str(args.threads))
+    shared_flags = ("--catalog", f"{redis.url}?prefix=bench", "--store", redis.url)
+    greedy = SamplingParams(temperature=0.0)
+    try:
+        with connected(*common) as (local, _), connected(*common, *shared_flags) as (shared, _):
+            sessions: dict[str, kvkeep.Session] = {}
+            for name, client in (("local", local), ("shared", shared)):
+                s = client.create_session(sampling=greedy, persistent=True)
+                per_story = s.complete(STORY, max_tokens=1).usage.prompt_tokens
+                s.complete(STORY * max(1, args.tokens // max(per_story, 1) - 1), max_tokens=1)
+                sessions[name] = s
+            token = sessions["local"].complete(" and", max_tokens=1).token_ids[0]
+            for s in sessions.values():  # warm: hot, a first turn done
+                one_token_turn(s, token)
+            turns: dict[str, list[float]] = {name: [] for name in sessions}
+            for _ in range(args.turns):
+                for name, s in sessions.items():
+                    turns[name].append(one_token_turn(s, token))
+            n = sessions["local"].info().n_tokens
+    finally:
+        redis.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    local_ms = statistics.median(turns["local"]) * 1e3
+    shared_ms = statistics.median(turns["shared"]) * 1e3
+    p95 = {name: sorted(t)[int(0.95 * (len(t) - 1))] * 1e3 for name, t in turns.items()}
+    table(
+        [
+            (
+                f"persistent one-token turn ({n}-token session, {args.threads} threads)",
+                "median",
+                "p95",
+                "ratio",
+            ),
+            (
+                "own catalog and store (journal file, fdatasync)",
+                f"{local_ms:.1f} ms",
+                f"{p95['local']:.1f} ms",
+                "1x",
+            ),
+            (
+                "shared Redis catalog and store (journal on the server)",
+                f"{shared_ms:.1f} ms",
+                f"{p95['shared']:.1f} ms",
+                f"{shared_ms / local_ms:.2f}x (target <= 1.2x)",
+            ),
+        ]
+    )
+
+
 def main() -> None:
     import bench_peer  # imports this module's helpers as `bench`
 
@@ -1338,6 +1401,9 @@ def main() -> None:
     st = sub.add_parser("store")
     st.add_argument("--tokens", type=int, default=2000)
     st.add_argument("--repeat", type=int, default=5)
+    sh = sub.add_parser("shared-turns")
+    sh.add_argument("--tokens", type=int, default=1900)
+    sh.add_argument("--turns", type=int, default=60)
     args = parser.parse_args()
     benches = {
         "generate": bench_generate,
@@ -1351,6 +1417,7 @@ def main() -> None:
         "peer": bench_peer.run,
         "turns": bench_turns,
         "store": bench_store,
+        "shared-turns": bench_shared_turns,
     }
     benches[args.what](args)
 

@@ -107,7 +107,7 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "Several daemons",
         "Daemons that share a catalog (and a block store) serve one population of persistent "
         "sessions: see [deploying.md](deploying.md#several-daemons-sharing-a-catalog).",
-        ("catalog", "lease-seconds", "lease-wait"),
+        ("catalog", "daemon-name", "lease-seconds", "lease-wait"),
     ),
     (
         "Logging, shutdown and debugging",

@@ -227,6 +227,45 @@ def test_a_lease_has_one_holder_and_a_lapsed_holder_is_fenced(redis_server: str)
     assert b.session(s) is None
 
 
+def test_turn_records_are_fenced_grouped_listed_and_covered_by_the_next_head(redis_server: str) -> None:
+    import asyncio
+
+    from kvkeepd.storage.shared_journal import SharedJournal
+
+    prefix = "test-" + secrets.token_hex(6)
+    a, b = redis_catalog(redis_server, prefix), redis_catalog(redis_server, prefix)
+    sessions = [sid() for _ in range(8)]
+    tokens = {}
+    for s in sessions:
+        tokens[s] = a.take_lease(s, "daemon-a#1", TTL_MS * 10).token
+        a.add_checkpoint(row(s, kind="head", tenant="t"), b"m", [], now=1.0, head_of=s, fence=tokens[s])
+    journal = SharedJournal(a, clock=lambda: 5.0)  # type: ignore[arg-type]
+
+    async def turns() -> None:
+        # Appends made together go in one script: one round trip, one fsync on the server.
+        await asyncio.gather(
+            *(journal.append(s, s.encode(), fence=tokens[s], n_tokens=200) for s in sessions)
+        )
+        with pytest.raises(SessionElsewhere):  # another token writes nothing
+            await journal.append(sessions[0], b"stale", fence=tokens[sessions[0]] + 1)
+        with pytest.raises(SessionElsewhere):  # nor does a session the catalog does not have
+            await journal.append(sid(), b"gone", fence=0)
+
+    asyncio.run(turns())
+    assert (journal.records, journal.syncs) == (8, 3)
+    assert all(b.turn(s) == s.encode() for s in sessions)  # what another daemon reads
+    listed = {r.session_id: r for r in b.tenant_sessions("t", 10)}
+    assert {(r.n_tokens, r.last_used_at, r.holder) for r in listed.values()} == {(200, 5.0, "daemon-a")}
+    # A head covers the record: it goes in the same script as the head moves.
+    first = sessions[0]
+    a.add_checkpoint(
+        row(first, kind="head", tenant="t"), b"m2", [], now=6.0, head_of=first, fence=tokens[first]
+    )
+    assert b.turn(first) is None and b.turn(sessions[1]) == sessions[1].encode()
+    a.delete_session(sessions[1], fence=tokens[sessions[1]])  # and a close deletes it
+    assert b.turn(sessions[1]) is None
+
+
 def test_an_unreachable_server_is_unavailable_until_it_is_back(
     start_redis: Callable[[], RedisServer],
 ) -> None:

@@ -19,10 +19,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from daemons import DaemonProcess, wait_until
 from servers import RedisServer, free_port
 
 import kvkeep
+from kvkeep.cli import main as cli_main
 
 LEASE_SECONDS = 1.5
 # Room to spare for a loaded 2-core machine: the lease lapses, then one renewal period.
@@ -66,8 +68,8 @@ def shared_pair(
     key_file = tmp_path / "deployment.key"
     key_file.write_text(key + "\n")
     key_file.chmod(0o600)
-    a = spawn_daemon(*args, "--store-key-file", str(key_file))
-    b = spawn_daemon(*args, *b_args, env={"KVKEEP_STORE_KEY": key})
+    a = spawn_daemon(*args, "--daemon-name", "daemon-a", "--store-key-file", str(key_file))
+    b = spawn_daemon(*args, "--daemon-name", "daemon-b", *b_args, env={"KVKEEP_STORE_KEY": key})
     return a, b
 
 
@@ -112,6 +114,43 @@ def test_a_session_continues_exactly_on_another_daemon(
         back.close()
         with pytest.raises(kvkeep.NotFoundError):
             cb.session(s.session_id)
+
+
+def test_turns_are_records_on_the_catalog_server_and_another_daemon_continues_them_after_a_kill(
+    spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_server: str
+) -> None:
+    a, b = shared_pair(spawn_daemon, tmp_path, redis_server)
+    with kvkeep.Client(a.address, timeout=60) as ca, kvkeep.Client(b.address, timeout=60) as cb:
+        s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING)
+        head = s.info().head_checkpoint_id
+        for question in ("When do you open?", "And on Sundays?", "Do you sell rye?"):
+            s.chat(question, max_tokens=8)
+        acknowledged = s.info()
+        # Short turns are journal records on the catalog's server: no head was written.
+        assert acknowledged.head_checkpoint_id == head
+        expected = s.fork(persistent=True).chat("And cakes?", max_tokens=12)  # what A would say
+        listed = {i.session_id: i for i in cb.list_sessions()}[s.session_id]
+        assert listed.holder == "daemon-a" and listed.n_tokens == acknowledged.n_tokens
+        assert listed.residency == "cold" and listed.last_used_at >= acknowledged.last_used_at - 1
+
+        a.kill()
+        # B takes the session over once A's lease lapses (the client waits out the hints),
+        # from its head and the record: every acknowledged turn, then the same next tokens.
+        moved = cb.session(s.session_id)
+        assert moved.info().n_tokens == acknowledged.n_tokens
+        assert [m.content for m in moved.info().messages] == [m.content for m in acknowledged.messages]
+        got = moved.chat("And cakes?", max_tokens=12)
+        assert got.token_ids == expected.token_ids
+        assert got.usage is not None and expected.usage is not None
+        # The turns past the head were evaluated again, not read from the store.
+        assert got.usage.evaluated_tokens > expected.usage.evaluated_tokens
+        assert {i.session_id: i for i in cb.list_sessions()}[s.session_id].holder == "daemon-b"
+        listing = CliRunner().invoke(cli_main, ["--address", b.address, "session", "list"])
+        assert listing.exit_code == 0 and "HELD BY" in listing.output
+        assert any(
+            s.session_id in line and line.rstrip().endswith("daemon-b")
+            for line in listing.output.splitlines()
+        )
 
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789abc"

@@ -205,6 +205,7 @@ def session_info_to_pb(s: SessionInfo) -> pb.SessionInfo:
         context_policy=s.context_policy,
         truncations=s.truncations,
         dropped_tokens=s.dropped_tokens,
+        holder=s.holder,
     )
 
 
@@ -226,6 +227,7 @@ def session_info_from_pb(m: pb.SessionInfo) -> SessionInfo:
         context_policy=m.context_policy or "error",
         truncations=m.truncations,
         dropped_tokens=m.dropped_tokens,
+        holder=m.holder,
     )
 
 

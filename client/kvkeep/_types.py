@@ -118,6 +118,9 @@ class SessionInfo:
     """Turns that dropped earlier turns to fit."""
     dropped_tokens: int = 0
     """Tokens those turns dropped, in all."""
+    holder: str = ""
+    """With daemons sharing a catalog: the daemon that holds the session (its name), or
+    ``""`` while none does."""
 
 
 @dataclass(frozen=True, slots=True)

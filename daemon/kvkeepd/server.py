@@ -102,11 +102,25 @@ def durable_catalog(settings: Settings, state: StateDir, key: bytes) -> Catalog:
     return catalog
 
 
-def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: str) -> Stores:
+def turn_journal(catalog: Catalog, state: StateDir, clock: Callable[[], float]) -> TurnJournal:
+    """The turn journal: a file under the state dir, read back now (torn tail dropped), or,
+    with a shared catalog, the records on its server (another daemon continues from them)."""
+    if not catalog.shared:
+        return FileJournal(state.path / "journal")
+    from kvkeepd.storage.catalog.redis import RedisCatalog
+    from kvkeepd.storage.shared_journal import SharedJournal
+
+    assert isinstance(catalog, RedisCatalog)
+    return SharedJournal(catalog, clock)
+
+
+def checkpoint_stores(
+    settings: Settings, state: StateDir, info: ModelInfo, fp: str, clock: Callable[[], float] = time.time
+) -> Stores:
     """durable: the catalog under the state dir (or the shared one `--catalog` names), blocks
     there too or in the remote store `--store` names; volatile: both in RAM; spill: blocks
     under the state dir, wiped now, with its catalog in RAM (nothing of it outlives us); the
-    turn journal under the state dir, read back now (torn tail dropped)."""
+    turn journal (`turn_journal`)."""
     given = store_key(state.path, text=settings.store_key, file=settings.store_key_file)
     log.info("store key %s (from %s)", given.fingerprint, given.origin)
     key = given.key
@@ -137,13 +151,15 @@ def checkpoint_stores(settings: Settings, state: StateDir, info: ModelInfo, fp: 
     state.wipe_spill()
     # Ephemeral sessions' catalogs stay local and in RAM whatever the durable one is.
     spill = make(SqliteCatalog(":memory:"), LocalBlockStore(state.spill))
-    journal = FileJournal(state.path / "journal")
+    journal = turn_journal(catalog, state, clock)
     disk = DiskBudget(
         settings.disk_budget,
         (durable.store.total_bytes, spill.store.total_bytes, durable.catalog.file_bytes, journal.file_bytes),
         lambda target: durable.sweep(target, used=disk.used),
     )
-    durable.budget = spill.budget = journal.budget = disk
+    durable.budget = spill.budget = disk
+    if isinstance(journal, FileJournal):
+        journal.budget = disk
     volatile = make(SqliteCatalog(":memory:"), MemoryBlockStore())
     return Stores(durable=durable, volatile=volatile, spill=spill, disk=disk, journal=journal)
 
@@ -274,7 +290,7 @@ class Daemon:
             fp = await asyncio.to_thread(fingerprint, settings.model_path, state.path)
             log.info("loading %s", settings.model_path)
             info = await asyncio.to_thread(self.engine.start)
-            stores = await asyncio.to_thread(checkpoint_stores, settings, state, info, fp)
+            stores = await asyncio.to_thread(checkpoint_stores, settings, state, info, fp, self.clock)
             self._journal = stores.journal
             orphans = await asyncio.to_thread(stores.durable.remove_orphans)
             if orphans:

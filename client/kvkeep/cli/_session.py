@@ -57,13 +57,16 @@ def session_create(
 @session_group.command("list")
 @click.pass_obj
 def session_list(state: State) -> None:
-    """List the daemon's sessions."""
+    """List your sessions: the daemon's, and with daemons sharing a catalog, the persistent
+    ones of every daemon (HELD BY: which daemon holds each, `-` while none does)."""
     sessions = state.client().list_sessions()
     if state.as_json:
         echo_json(sessions)
         return
+    shared = any(s.holder for s in sessions)
+    headers = ("SESSION", "RESIDENCY", "TOKENS", "CHECKPOINTS", "PERSISTENT", "LAST USED")
     table(
-        ("SESSION", "RESIDENCY", "TOKENS", "CHECKPOINTS", "PERSISTENT", "LAST USED"),
+        headers + (("HELD BY",) if shared else ()),
         [
             (
                 s.session_id,
@@ -73,6 +76,7 @@ def session_list(state: State) -> None:
                 "yes" if s.persistent else "no",
                 format_time(s.last_used_at),
             )
+            + ((s.holder or "-",) if shared else ())
             for s in sessions
         ],
     )

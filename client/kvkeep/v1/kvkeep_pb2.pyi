@@ -330,6 +330,7 @@ class SessionInfo(_message.Message):
     CONTEXT_POLICY_FIELD_NUMBER: _builtins.int
     TRUNCATIONS_FIELD_NUMBER: _builtins.int
     DROPPED_TOKENS_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     persistent: _builtins.bool
     n_tokens: _builtins.int
@@ -346,6 +347,10 @@ class SessionInfo(_message.Message):
     """turns whose request dropped earlier turns to fit"""
     dropped_tokens: _builtins.int
     """tokens dropped by them, in all"""
+    holder: _builtins.str
+    """With daemons sharing a catalog: the daemon holding the session (its --daemon-name), or ""
+    while none does (its next call's daemon takes it over).
+    """
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
     @_builtins.property
@@ -370,10 +375,11 @@ class SessionInfo(_message.Message):
         context_policy: _builtins.str = ...,
         truncations: _builtins.int = ...,
         dropped_tokens: _builtins.int = ...,
+        holder: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_policy", b"context_policy", "created_at", b"created_at", "dropped_tokens", b"dropped_tokens", "head_checkpoint_id", b"head_checkpoint_id", "last_used_at", b"last_used_at", "messages", b"messages", "n_checkpoints", b"n_checkpoints", "n_ctx", b"n_ctx", "n_tokens", b"n_tokens", "persistent", b"persistent", "residency", b"residency", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop", "truncations", b"truncations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_policy", b"context_policy", "created_at", b"created_at", "dropped_tokens", b"dropped_tokens", "head_checkpoint_id", b"head_checkpoint_id", "holder", b"holder", "last_used_at", b"last_used_at", "messages", b"messages", "n_checkpoints", b"n_checkpoints", "n_ctx", b"n_ctx", "n_tokens", b"n_tokens", "persistent", b"persistent", "residency", b"residency", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop", "truncations", b"truncations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -87,6 +87,7 @@ def session_to_pb(v: SessionView, n_ctx: int) -> pb.SessionInfo:
         context_policy=s.context_policy,
         truncations=s.truncations,
         dropped_tokens=s.dropped_tokens,
+        holder=v.holder,
     )
 
 
@@ -104,6 +105,7 @@ def listed_to_pb(r: ListedSession, n_ctx: int) -> pb.SessionInfo:
         last_used_at=r.last_used_at,
         n_checkpoints=r.n_checkpoints,
         head_checkpoint_id=r.head,
+        holder=r.holder,
     )
 
 

@@ -64,7 +64,8 @@ class ManagerCollector:
         )
         yield CounterMetricFamily(
             "kvkeep_journal_syncs",
-            "fdatasync calls of the turn journal (shared by turns that end together).",
+            "fdatasync calls of the turn journal, or its round trips to a shared catalog's server "
+            "(shared by turns that end together).",
             value=c.journal_syncs,
         )
         tokens = CounterMetricFamily("kvkeep_tokens", "Tokens by what happened to them.", labels=["kind"])

@@ -112,6 +112,14 @@ class Settings:
             high=600,
         ),
     )
+    daemon_name: str = field(
+        default="",
+        metadata=spec(
+            "With a shared catalog: this daemon's name as listings show it (which daemon holds "
+            "each session); empty: host name/process id.",
+            shown="host name/process id",
+        ),
+    )
     lease_wait: float = field(
         default=5.0,
         metadata=spec(
@@ -385,6 +393,8 @@ class Settings:
             )
         if not self.address:
             raise ConfigError("address", "must not be empty")
+        if len(self.daemon_name) > 64 or not re.fullmatch(r"[!-~]*", self.daemon_name):
+            raise ConfigError("daemon-name", "must be at most 64 visible ASCII characters, no spaces")
         if self.batch_size < self.slots:
             raise ConfigError("batch-size", f"must be at least slots ({self.slots}), got {self.batch_size}")
         if self.max_prompt_tokens > self.ctx_per_session:

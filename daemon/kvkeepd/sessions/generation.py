@@ -334,9 +334,6 @@ class Conversations:
         that many tokens, so the head's cost is small beside theirs."""
         persistence = self.persistence
         due = len(session.state.tokens) - session.head_n_kv >= self.settings.head_interval
-        # The journal is this machine's file: on a shared catalog another daemon continues
-        # the session from its head alone, so every turn saves one.
-        due = due or persistence.durable.catalog.shared
         try:
             if due or truncated:
                 await self.residency.save_head(session)

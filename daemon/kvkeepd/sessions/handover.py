@@ -92,8 +92,10 @@ class Handover:
                 row = await asyncio.to_thread(self.durable.catalog.session, session_id)
                 if row is None or row.head is None:
                     raise NotFound(f"no session {session_id}")
+                # And the turns its last holder made durable since that head.
+                record = await asyncio.to_thread(self.persistence.journal.record, session_id)
                 session, where = await asyncio.to_thread(
-                    self.persistence.session_at, session_id, row.head, self.restored
+                    self.persistence.session_at, session_id, row.head, self.restored, record
                 )
             except BaseException:
                 await self.leases.release(session_id)
@@ -155,8 +157,9 @@ class Handover:
 
     async def _lease_again(self, session: Session) -> bool:
         """A lapsed lease that no other daemon made use of (an outage of the catalog, a pause
-        nobody noticed): taken again, the session stays here. True if it does: the head is
-        still this daemon's last one, as of the new lease."""
+        nobody noticed): taken again, the session stays here. True if it does: nobody took
+        the lease between (the new token follows this daemon's: each grant raises it by one)
+        and the head is still this daemon's last one."""
         catalog = self.durable.catalog
         session_id = session.session_id
         try:
@@ -165,6 +168,9 @@ class Handover:
                 return False  # another daemon moved it on
             token = await self.leases.take(session_id, wait=False)
             if not token:
+                return False
+            if token != session.lease + 1:  # another daemon held it meanwhile (its turns: records)
+                await self.leases.release(session_id)
                 return False
             row = await asyncio.to_thread(catalog.session, session_id)
             if row is None or row.head != session.head_checkpoint_id:

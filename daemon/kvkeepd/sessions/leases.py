@@ -3,12 +3,12 @@
 A daemon takes a session's lease in the catalog before it reads the session's head or
 writes a new one, renews the leases it holds in the background, and lets one go when it
 closes the session, hands it over or shuts down. Each grant carries a fencing token, larger
-than any before it for that session; every head write is conditioned on it (in the catalog's
-script), so a daemon that lost its lease (paused past its expiry, cut off from the server)
-never writes that head again: its write is refused and it drops the session.
+than any before it for that session; every head write and turn record is conditioned on it
+(in the catalog's script), so a daemon that lost its lease (paused past its expiry, cut off
+from the server) never writes that session again: its write is refused and it drops it.
 
 A daemon asked for a session another one holds marks it wanted; the holder, at its next
-renewal, lets an idle session go (its head is saved at every turn), so the asker gets it
+renewal, lets an idle session go (saving its head first), so the asker gets it
 within a renewal period. A busy one is kept, and the asker answers UNAVAILABLE with a retry
 hint after `lease_wait`. With the sqlite catalog every lease is granted at once (the state
 directory's lock already makes this daemon the only writer).
@@ -35,13 +35,15 @@ POLL_SECONDS = 0.1
 class Leases:
     """The leases this daemon holds in one catalog."""
 
-    def __init__(self, catalog: Catalog, lease_seconds: float, wait_seconds: float) -> None:
+    def __init__(self, catalog: Catalog, lease_seconds: float, wait_seconds: float, name: str = "") -> None:
+        """`name`: how listings name this daemon (default: host name/process id)."""
         self.catalog = catalog
         self.shared = catalog.shared
         self.ttl_ms = max(1, int(lease_seconds * 1000))
         self.wait_seconds = wait_seconds
+        self.name = name or f"{socket.gethostname()}/{os.getpid()}"
         # Unique per process: a restarted daemon is another holder (its old leases lapse).
-        self.holder = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
+        self.holder = f"{self.name}#{secrets.token_hex(4)}"
         self.held: dict[str, int] = {}
         # Sessions whose lease this daemon no longer has, or that another daemon asks for;
         # the session manager drops or hands them over (`changed` tells it to look).

@@ -71,6 +71,7 @@ class SessionView:
     n_tokens: int
     tier: Tier
     n_checkpoints: int
+    holder: str = ""  # with a shared catalog: this daemon's name
 
 
 class SessionManager:
@@ -101,7 +102,9 @@ class SessionManager:
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self.ops = opsmod.Ops(on_idle=self._on_idle)
-        self.leases = Leases(stores.durable.catalog, settings.lease_seconds, settings.lease_wait)
+        self.leases = Leases(
+            stores.durable.catalog, settings.lease_seconds, settings.lease_wait, settings.daemon_name
+        )
         self.persistence = Persistence(stores, settings, lambda: self.clock(), self.leases)
         self.residency = Residency(engine, settings, stores, self.persistence, tenants)
         self.prefixes = PrefixCache(
@@ -271,8 +274,9 @@ class SessionManager:
             return out
 
         n = await asyncio.to_thread(counts)
+        holder = self.leases.name if self.shared else ""
         return [
-            SessionView(s, len(s.state.tokens), self.residency.tier(s), n.get(s.session_id, 0))
+            SessionView(s, len(s.state.tokens), self.residency.tier(s), n.get(s.session_id, 0), holder)
             for s in sessions
             if s.session_id in self.sessions
         ]

@@ -92,9 +92,14 @@ class Persistence:
         snap.n_kv = 0
         snap.fingerprint = self.durable.fingerprint
         snap.saved_at = self.clock()
-        await self.journal.append(
-            session.session_id, turn_record(session.head_checkpoint_id, snap, self.durable.key)
-        )
+        body = turn_record(session.head_checkpoint_id, snap, self.durable.key)
+        try:
+            await self.journal.append(
+                session.session_id, body, fence=session.lease, n_tokens=len(session.state.tokens)
+            )
+        except SessionElsewhere:
+            self.leases.fenced(session.session_id)
+            raise
 
     async def checkpoint(self, session: Session, kv: SeqKv | None, label: str) -> CheckpointRow:
         """An immutable, labelled checkpoint of the session with its state `kv` (an ephemeral

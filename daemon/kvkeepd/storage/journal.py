@@ -18,8 +18,8 @@ that is torn or fails its checksum (what a kill during a write leaves at the tai
 file is cut there, so later appends never follow garbage. The file is kept short: once
 every record is covered by a head (`forget`) it is truncated, and when the records no
 longer needed outweigh the live ones it is rewritten with the live ones only. Its bytes
-count against the disk budget. `TurnJournal` is the interface a shared backend would
-implement; `FileJournal` is the local file.
+count against the disk budget. `TurnJournal` is the interface; `FileJournal` is the local
+file, `SharedJournal` (shared_journal.py) the catalog server's, for daemons sharing a catalog.
 """
 
 from __future__ import annotations
@@ -60,10 +60,16 @@ class TurnJournal(Protocol):
         """The newest intact record body of each key found at start."""
         ...
 
-    async def append(self, key: str, body: bytes) -> None:
+    async def append(self, key: str, body: bytes, *, fence: int = 0, n_tokens: int = 0) -> None:
         """Make `body` the key's record, durably; returns once it is. StoreWriteFailed if
         the write or the sync fails (the record is then not kept), Busy if the disk
-        budget has no room."""
+        budget has no room. `fence`: the session's lease token, `n_tokens`: its length
+        (what a shared journal checks and lists)."""
+        ...
+
+    def record(self, key: str) -> bytes | None:
+        """The key's newest record as the journal holds it now, for a daemon taking the
+        session over (blocking); a local journal's are read at start (`recovered`)."""
         ...
 
     def forget(self, key: str, *, erase: bool = False) -> None:
@@ -175,7 +181,11 @@ class FileJournal:
         with self._lock:
             return self._size
 
-    async def append(self, key: str, body: bytes) -> None:
+    def record(self, key: str) -> bytes | None:
+        """None: sessions of a local journal are all loaded at start, with `recovered`."""
+        return None
+
+    async def append(self, key: str, body: bytes, *, fence: int = 0, n_tokens: int = 0) -> None:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
 

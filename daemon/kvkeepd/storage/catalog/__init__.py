@@ -39,10 +39,11 @@ class ListedSession:
 
     session_id: str
     created_at: float  # when its first head was saved (as the session was created)
-    last_used_at: float  # when its head was saved
+    last_used_at: float  # when its head or its newest turn record was saved
     head: str
-    n_tokens: int  # the head's
+    n_tokens: int  # its newest turn record's, else its head's
     n_checkpoints: int  # explicit ones
+    holder: str = ""  # the daemon holding its lease ("" if none does)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ catalog needs one server (or a primary), not a cluster:
     P:block-refs         hash: block key -> checkpoints referencing it
     P:block-used         zset: block key by last use
     P:block-bytes        counter: bytes of the blocks in P:blocks
+    P:turn:SID           hash: the session's newest turn record (body), its n_tokens and
+                         time; deleted when a head covers it (shared_journal.py)
     P:lease:SID          string "HOLDER|TOKEN" with an expiry
     P:fence:SID          counter: the session's newest fencing token
     P:want:SID           set while another daemon asks for a leased session
@@ -106,6 +108,7 @@ class RedisCatalog:
         self._release = self._db.register_script(scripts.RELEASE)
         self._expire = self._db.register_script(scripts.EXPIRE)
         self._list = self._db.register_script(scripts.LIST)
+        self._append_turns = self._db.register_script(scripts.APPEND_TURNS)
         self._manifest_bytes = 0
         self._call(self._db.ping)  # a server that cannot be reached stops the daemon's start
         # A catalog written before the session indexes existed gets them, once.
@@ -246,7 +249,7 @@ class RedisCatalog:
     def tenant_sessions(self, tenant: str, limit: int) -> list[ListedSession]:
         found = self._call(self._list, args=[self.prefix, tenant, str(limit)])
         rows = [[_str(v) for v in f] for f in found]
-        return [ListedSession(r[0], float(r[1]), float(r[2]), r[3], int(r[4]), int(r[5])) for r in rows]
+        return [ListedSession(r[0], float(r[1]), float(r[2]), r[3], int(r[4]), int(r[5]), r[6]) for r in rows]
 
     def expire_sessions(self, idle_before: float, limit: int) -> list[str]:
         found = self._call(self._expire, args=[self.prefix, repr(idle_before), str(limit)])
@@ -258,6 +261,31 @@ class RedisCatalog:
             return {}
         values = self._call(self._db.hmget, self._k("explicit"), ids)
         return {sid: int(v) for sid, v in zip(ids, values, strict=True) if v is not None and int(v)}
+
+    # ---- turn records (the shared journal) -------------------------------------------------
+
+    def append_turns(self, records: Sequence[tuple[str, int, int, bytes]], now: float) -> list[bool]:
+        """Make each (session id, fence, n_tokens, body) its session's turn record, in one
+        script (one round trip; the server's append-only log makes it durable before it
+        answers); per record whether it was kept (not: fenced, or the session is gone)."""
+        args: list[Any] = [self.prefix, repr(now)]
+        for session_id, fence, n_tokens, body in records:
+            args += [session_id, str(fence), str(n_tokens), body]
+        return [bool(int(kept)) for kept in self._call(self._append_turns, args=args)]
+
+    def turn(self, session_id: str) -> bytes | None:
+        """The session's newest turn record since its head, or None."""
+        found = self._call(self._db.hget, self._k("turn", session_id), "body")
+        return found if isinstance(found, bytes) or found is None else found.encode()
+
+    def durability(self) -> dict[str, str]:
+        """The server's persistence settings (appendonly, appendfsync), as far as it tells
+        ({} if CONFIG is refused, as managed servers may)."""
+        try:
+            found = self._db.config_get("append*")
+        except redis.RedisError:
+            return {}
+        return {_str(k): _str(v) for k, v in found.items()}
 
     # ---- blocks --------------------------------------------------------------------------
 

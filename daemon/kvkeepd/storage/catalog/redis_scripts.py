@@ -34,7 +34,7 @@ end
 local function forget_session(P, sid)
   local tenant = redis.call('HGET', P .. ':session:' .. sid, 'tenant') or ''
   for _, cid in ipairs(redis.call('SMEMBERS', P .. ':ckpts:' .. sid)) do delete_ckpt(P, cid) end
-  redis.call('DEL', P .. ':session:' .. sid, P .. ':ckpts:' .. sid)
+  redis.call('DEL', P .. ':session:' .. sid, P .. ':ckpts:' .. sid, P .. ':turn:' .. sid)
   redis.call('DEL', P .. ':lease:' .. sid, P .. ':want:' .. sid)
   redis.call('ZREM', P .. ':sessions', sid)
   redis.call('ZREM', P .. ':sessions-used', sid)
@@ -84,6 +84,7 @@ if head_of ~= '' then
     redis.call('ZADD', P .. ':sessions', created_at, head_of)
   end
   redis.call('HSET', s, 'head', cid)
+  redis.call('DEL', P .. ':turn:' .. head_of)  -- the head covers the turns recorded since the last
   redis.call('ZADD', P .. ':sessions-used', now, head_of)
   redis.call('ZADD', P .. ':tenant-sessions:' .. (redis.call('HGET', s, 'tenant') or ''), now, head_of)
   if old ~= '' then delete_ckpt(P, old) end
@@ -140,22 +141,54 @@ return out
 )
 
 # ARGV: prefix, tenant, limit. The tenant's `limit` most recently used sessions with a head:
-# for each, id, created_at, last use (the head's save), head, its n_tokens, explicit checkpoints.
+# for each, id, created_at, last use (its head's save or its newest turn record), head, its
+# n_tokens (the newest record's, else the head's), explicit checkpoints, and the daemon that
+# holds its lease ('' if none does).
 LIST = """
 local P, tenant, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local out = {}
-for _, sid in ipairs(redis.call('ZREVRANGE', P .. ':tenant-sessions:' .. tenant, 0, limit - 1)) do
+local found = redis.call('ZREVRANGE', P .. ':tenant-sessions:' .. tenant, 0, limit - 1, 'WITHSCORES')
+for i = 1, #found, 2 do
+  local sid, used = found[i], found[i + 1]
   local s = redis.call('HMGET', P .. ':session:' .. sid, 'created_at', 'head', 'tenant')
   if s[1] and s[2] and s[3] == tenant then
     local h = redis.call('HMGET', P .. ':ckpt:' .. s[2], 'n_tokens', 'created_at')
     if h[1] then
       local n = redis.call('HGET', P .. ':explicit', sid) or '0'
-      table.insert(out, {sid, s[1], h[2], s[2], h[1], n})
+      local tokens = redis.call('HGET', P .. ':turn:' .. sid, 'n_tokens') or h[1]
+      local lease = redis.call('GET', P .. ':lease:' .. sid) or ''
+      local holder = string.match(lease, '^(.*)#[^#|]*|%d+$') or ''
+      table.insert(out, {sid, s[1], used, s[2], tokens, n, holder})
     end
   end
 end
 return out
 """
+
+# ARGV: prefix, now, then per record: session id, fence, n_tokens, body. Makes each body its
+# session's turn record (replacing the one before), if the session exists and its fencing
+# token is still the writer's; the session counts as used now. Returns per record 1 (kept)
+# or 0 (fenced, or the session is gone: nothing written).
+APPEND_TURNS = (
+    _DELETE
+    + """
+local P, now = ARGV[1], ARGV[2]
+local out = {}
+for i = 3, #ARGV, 4 do
+  local sid, fence, n_tokens, body = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local s = P .. ':session:' .. sid
+  if fenced(P, sid, fence) or redis.call('EXISTS', s) == 0 then
+    table.insert(out, 0)
+  else
+    redis.call('HSET', P .. ':turn:' .. sid, 'body', body, 'n_tokens', n_tokens, 'at', now)
+    redis.call('ZADD', P .. ':sessions-used', now, sid)
+    redis.call('ZADD', P .. ':tenant-sessions:' .. (redis.call('HGET', s, 'tenant') or ''), now, sid)
+    table.insert(out, 1)
+  end
+end
+return out
+"""
+)
 
 # ARGV: prefix. Indexes the sessions a catalog written before the indexes existed holds
 # (by last use, overall and per tenant), once.
