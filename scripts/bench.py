@@ -343,7 +343,7 @@ def raw_decode_rates(counts: list[int], steps: int, threads: int) -> dict[int, f
     """Tokens/s of llama_decode with batches of N tokens, one per sequence (exact mode)."""
     import llama_cpp as L
 
-    from kvkeepd.engine.context import route_llama_log
+    from kvkeepd.engine.backend import route_llama_log
 
     route_llama_log()  # llama.cpp's chatter to logging (warnings and up)
     L.llama_backend_init()

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RULES = {
     # module prefix -> files (relative to the package) allowed to import it
-    "llama_cpp": {"daemon/kvkeepd/engine/context.py"},
+    "llama_cpp": {"daemon/kvkeepd/engine/context.py", "daemon/kvkeepd/engine/backend.py"},
     "grpc": {"daemon/kvkeepd/api/service.py", "daemon/kvkeepd/server.py"},
     "grpc_health": {"daemon/kvkeepd/server.py"},
     "grpc_reflection": {"daemon/kvkeepd/server.py"},

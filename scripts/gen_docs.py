@@ -34,11 +34,13 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "Model and engine",
         "Which model, and how llama.cpp evaluates it. `--kv-type q8_0`/`q4_0`, `--kv-unified` and "
         "`--flash-attn` run the engine in compact mode, not bit-exact: see [modes.md](modes.md); "
-        "the probe that `--probe-cache` keeps is in [design/exactness.md](design/exactness.md).",
+        "the probe that `--probe-cache` keeps is in [design/exactness.md](design/exactness.md); "
+        "GPUs (`--gpu-layers`, `--gpu-kv-budget`) in [gpu.md](gpu.md).",
         (
             "model",
             "threads",
             "gpu-layers",
+            "gpu-kv-budget",
             "batch-size",
             "kv-type",
             "kv-unified",

@@ -173,3 +173,21 @@ class Info:
     checkpoints_carry_state: bool
     """False: checkpoints keep only the token history, evaluated again on restore."""
     state_note: str
+    backend: str = ""
+    """What runs the model: the build's GPU backend (``"CUDA"``, ``"Metal"``...), else ``"CPU"``."""
+    device: str = ""
+    """The device(s) that run it, as ``NAME: DESCRIPTION``."""
+    device_memory_total: int = 0
+    device_memory_free: int = 0
+    """Bytes free on those devices once the model and the KV cache were allocated."""
+    gpu_layers: int = 0
+    """Layers asked to be offloaded to the GPU (-1: all)."""
+    docks: int = 0
+    """KV streams beside the slots that keep idle sessions in device memory (--gpu-kv-budget)."""
+    sessions_docked: int = 0
+    kv_stream_bytes: int = 0
+    """Bytes of KV that one slot or dock holds."""
+    pinned_transfers: bool = False
+    """Host states reach the device through pinned (page-locked) memory."""
+    mode_note: str = ""
+    """Why the mode is not exact: the start-up probe's finding, or the settings; empty when exact."""

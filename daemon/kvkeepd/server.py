@@ -71,6 +71,7 @@ def engine_config(settings: Settings) -> ContextConfig:
         kv_unified=settings.kv_unified,
         flash_attn=settings.flash_attn,
         probe_cache=probe_cache(settings),
+        kv_budget=settings.gpu_kv_budget,
     )
 
 

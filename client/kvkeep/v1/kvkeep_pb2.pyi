@@ -472,6 +472,16 @@ class GetInfoResponse(_message.Message):
     MEMORY_TYPE_FIELD_NUMBER: _builtins.int
     CHECKPOINTS_CARRY_STATE_FIELD_NUMBER: _builtins.int
     STATE_NOTE_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    DEVICE_MEMORY_TOTAL_FIELD_NUMBER: _builtins.int
+    DEVICE_MEMORY_FREE_FIELD_NUMBER: _builtins.int
+    GPU_LAYERS_FIELD_NUMBER: _builtins.int
+    DOCKS_FIELD_NUMBER: _builtins.int
+    SESSIONS_DOCKED_FIELD_NUMBER: _builtins.int
+    KV_STREAM_BYTES_FIELD_NUMBER: _builtins.int
+    PINNED_TRANSFERS_FIELD_NUMBER: _builtins.int
+    MODE_NOTE_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     model_path: _builtins.str
     model_fingerprint: _builtins.str
@@ -508,6 +518,28 @@ class GetInfoResponse(_message.Message):
     """
     state_note: _builtins.str
     """why not, when they do not"""
+    backend: _builtins.str
+    """What runs the model: the GPU backend of the llama.cpp build ("CUDA", "Metal"...) where it
+    has one, else "CPU"; the device(s) by description, their memory when the model and the KV
+    were allocated, and the layers asked to be offloaded (-1: all).
+    """
+    device: _builtins.str
+    device_memory_total: _builtins.int
+    device_memory_free: _builtins.int
+    gpu_layers: _builtins.int
+    docks: _builtins.int
+    """Docks: KV streams beside the slots that keep idle sessions' KV in device memory
+    (--gpu-kv-budget); docked: the sessions in them now (counted among the warm ones).
+    """
+    sessions_docked: _builtins.int
+    kv_stream_bytes: _builtins.int
+    """Bytes of KV one slot or dock holds (ctx_per_session tokens)."""
+    pinned_transfers: _builtins.bool
+    """Host states go to the device through pinned (page-locked) memory."""
+    mode_note: _builtins.str
+    """Why the mode is not exact: what the start-up probe found, or that the settings ask for
+    the compact mode ("" when exact). Exact mode is never assumed: the probe decides.
+    """
     def __init__(
         self,
         *,
@@ -538,10 +570,20 @@ class GetInfoResponse(_message.Message):
         memory_type: _builtins.str = ...,
         checkpoints_carry_state: _builtins.bool = ...,
         state_note: _builtins.str = ...,
+        backend: _builtins.str = ...,
+        device: _builtins.str = ...,
+        device_memory_total: _builtins.int = ...,
+        device_memory_free: _builtins.int = ...,
+        gpu_layers: _builtins.int = ...,
+        docks: _builtins.int = ...,
+        sessions_docked: _builtins.int = ...,
+        kv_stream_bytes: _builtins.int = ...,
+        pinned_transfers: _builtins.bool = ...,
+        mode_note: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "block_tokens", b"block_tokens", "checkpoints_carry_state", b"checkpoints_carry_state", "ctx_per_session", b"ctx_per_session", "has_chat_template", b"has_chat_template", "kv_type", b"kv_type", "max_prompt_tokens", b"max_prompt_tokens", "memory_type", b"memory_type", "mode", b"mode", "model_description", b"model_description", "model_fingerprint", b"model_fingerprint", "model_path", b"model_path", "n_ctx_train", b"n_ctx_train", "n_vocab", b"n_vocab", "sessions", b"sessions", "sessions_cold", b"sessions_cold", "sessions_hot", b"sessions_hot", "sessions_warm", b"sessions_warm", "slots", b"slots", "slots_in_use", b"slots_in_use", "state_note", b"state_note", "swap_in_seconds_total", b"swap_in_seconds_total", "swap_ins", b"swap_ins", "tokens_evaluated", b"tokens_evaluated", "tokens_generated", b"tokens_generated", "tokens_reused", b"tokens_reused", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "backend", b"backend", "block_tokens", b"block_tokens", "checkpoints_carry_state", b"checkpoints_carry_state", "ctx_per_session", b"ctx_per_session", "device", b"device", "device_memory_free", b"device_memory_free", "device_memory_total", b"device_memory_total", "docks", b"docks", "gpu_layers", b"gpu_layers", "has_chat_template", b"has_chat_template", "kv_stream_bytes", b"kv_stream_bytes", "kv_type", b"kv_type", "max_prompt_tokens", b"max_prompt_tokens", "memory_type", b"memory_type", "mode", b"mode", "mode_note", b"mode_note", "model_description", b"model_description", "model_fingerprint", b"model_fingerprint", "model_path", b"model_path", "n_ctx_train", b"n_ctx_train", "n_vocab", b"n_vocab", "pinned_transfers", b"pinned_transfers", "sessions", b"sessions", "sessions_cold", b"sessions_cold", "sessions_docked", b"sessions_docked", "sessions_hot", b"sessions_hot", "sessions_warm", b"sessions_warm", "slots", b"slots", "slots_in_use", b"slots_in_use", "state_note", b"state_note", "swap_in_seconds_total", b"swap_in_seconds_total", "swap_ins", b"swap_ins", "tokens_evaluated", b"tokens_evaluated", "tokens_generated", b"tokens_generated", "tokens_reused", b"tokens_reused", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

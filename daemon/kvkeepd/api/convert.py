@@ -5,8 +5,11 @@ the proto's enums, roles and finish reasons meet the daemon's names. The client'
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 from kvkeep.v1 import kvkeep_pb2 as pb
+from kvkeepd.engine.backend import GPU_KINDS, Device
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.sessions.manager import SessionView
 from kvkeepd.storage.catalog import CheckpointRow, ListedSession
@@ -142,3 +145,14 @@ def chunk_to_pb(c: Chunk) -> pb.GenerationChunk:
             )
         )
     return out
+
+
+def device_fields(devices: Sequence[Device]) -> dict[str, Any]:
+    """GetInfo's backend and device fields: the GPUs where the build has any, else the CPU."""
+    shown = [d for d in devices if d.kind in GPU_KINDS] or [d for d in devices if d.kind == "cpu"]
+    return {
+        "backend": shown[0].backend if shown else "",
+        "device": ", ".join(f"{d.name}: {d.description}" for d in shown),
+        "device_memory_total": sum(d.memory_total for d in shown),
+        "device_memory_free": sum(d.memory_free for d in shown),
+    }

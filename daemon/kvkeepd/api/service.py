@@ -18,6 +18,7 @@ from kvkeepd import __version__
 from kvkeepd.api.convert import (
     checkpoint_to_pb,
     chunk_to_pb,
+    device_fields,
     listed_to_pb,
     message_from_pb,
     overrides_from_pb,
@@ -176,6 +177,13 @@ class KvKeepService:
             memory_type=m.model.memory,
             checkpoints_carry_state=m.model.layout is not None,
             state_note=m.model.layout_note,
+            mode_note=m.model.exact_note,
+            gpu_layers=m.settings.gpu_layers,
+            docks=m.engine.streams.docks,
+            sessions_docked=c.docked,
+            kv_stream_bytes=m.engine.streams.stream_bytes,
+            pinned_transfers=m.engine.pinned,
+            **device_fields(m.engine.devices),
         )
 
     @unary

@@ -149,7 +149,25 @@ class Settings:
         metadata=spec("CPU threads for evaluation.", low=1, high=512, shown="CPU count"),
     )
     gpu_layers: int = field(
-        default=0, metadata=spec("Layers to offload to the GPU (-1: all).", low=-1, high=10_000)
+        default=-1,
+        metadata=spec(
+            "Layers to offload to the GPU (-1: all). A CPU build of llama.cpp runs every layer on "
+            "the CPU and refuses a count.",
+            low=-1,
+            high=10_000,
+        ),
+    )
+    gpu_kv_budget: int = field(
+        default=0,
+        metadata=spec(
+            "Device memory for the KV cache (0: one KV stream per slot). The context gets as many "
+            "streams of ctx-per-session tokens as fit (at most 256): --slots decode, one is kept "
+            "empty, and the rest are docks that keep idle sessions' KV in device memory, moved to "
+            "and from a slot by a device-to-device copy, before RAM parking. On a CPU build the "
+            "device is the CPU: the budget is RAM, outside --ram-cache.",
+            low=0,
+            unit="bytes",
+        ),
     )
     kv_type: str = field(
         default="f16",

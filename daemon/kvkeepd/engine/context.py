@@ -7,7 +7,8 @@ which slot holds it (the start-up probe checks it). Flash attention (`--flash-at
 always with quantized K/V) or one shared KV buffer is the "compact" mode: faster or smaller,
 with logits that depend on the batch's shape. `swa_full` keeps every position of a
 sliding-window cache in its own cell (nothing is overwritten), which is what makes the cell
-layout of an uninterrupted run and of an import the same (see state/cells.py).
+layout of an uninterrupted run and of an import the same (see state/cells.py). The context
+has a KV stream per slot, and with a KV budget docks beside them (see streams.py).
 """
 
 from __future__ import annotations
@@ -19,21 +20,19 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import llama_cpp as llama
 import llguidance
 import numpy as np
-from llama_cpp import _ggml as llama_ggml
 from llguidance.llamacpp import lltokenizer_from_vocab
 
+from kvkeepd.engine import backend, streams
 from kvkeepd.errors import InvalidRequest, KvkeepError
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import layout as kvlayout
 from kvkeepd.values import Logits
 
 log = logging.getLogger(__name__)
-llama_log = logging.getLogger("kvkeepd.llama_cpp")
 
 KV_TYPE_IDS = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0, "q4_0": llama.GGML_TYPE_Q4_0}
 _PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the recurrent part of a hybrid's state
@@ -56,6 +55,8 @@ class ContextConfig:
     flash_attn: bool = False
     # Where the exactness probe's results are kept (probes.py); None: probe at every start.
     probe_cache: Path | None = None
+    # Bytes of KV the context may take (--gpu-kv-budget; 0: one stream per slot, no docks).
+    kv_budget: int = 0
 
     @property
     def flash_attention(self) -> bool:
@@ -95,6 +96,8 @@ class ModelInfo:
     # The longest text of one token, in bytes: a prompt of more than prompt_limit times this
     # many bytes has too many tokens, whatever they are (checked before tokenizing).
     max_token_bytes: int = 1
+    # Why the mode is not exact: the start-up probe's finding, or the settings ("": exact).
+    exact_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -112,11 +115,13 @@ class LlamaContext:
 
     def __init__(self, cfg: ContextConfig) -> None:
         self.cfg = cfg
-        route_llama_log()
+        backend.route_llama_log()
         if cfg.exact:
             # Read once by ggml at its first tiled matmul (see below): set before any.
             os.environ["GGML_CPU_TILED_MM"] = "0"
         llama.llama_backend_init()
+        self.devices = backend.devices()
+        backend.check_offload(cfg.gpu_layers, self.devices)
         mparams = llama.llama_model_default_params()
         mparams.n_gpu_layers = 2**31 - 1 if cfg.gpu_layers < 0 else cfg.gpu_layers
         if cfg.exact:
@@ -129,11 +134,23 @@ class LlamaContext:
         self._model = llama.llama_model_load_from_file(str(cfg.model_path).encode(), mparams)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load the model {cfg.model_path}")
+        model = self._model
+        try:
+            self.streams = streams.plan(
+                cfg.slots,
+                cfg.ctx_per_session * streams.row_bytes(self._shape(), cfg.kv_type),
+                cfg.kv_budget,
+                unified=cfg.kv_unified,
+                recurrent=bool(llama.llama_model_is_recurrent(model) or llama.llama_model_is_hybrid(model)),
+            )
+        except KvkeepError:
+            llama.llama_model_free(self._model)
+            raise
         cparams = llama.llama_context_default_params()
-        cparams.n_ctx = cfg.slots * cfg.ctx_per_session
+        cparams.n_ctx = self.streams.total * cfg.ctx_per_session
         cparams.n_batch = cfg.batch_size
         cparams.n_ubatch = cfg.batch_size
-        cparams.n_seq_max = cfg.slots
+        cparams.n_seq_max = self.streams.total
         cparams.n_threads = cfg.threads
         cparams.n_threads_batch = cfg.threads
         cparams.kv_unified = cfg.kv_unified
@@ -154,11 +171,16 @@ class LlamaContext:
         self._batch = llama.llama_batch_init(cfg.batch_size, 0, 1)
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._eog: dict[int, bool] = {}
+        # Streams with a whole-stream copy pending (see move): llama.cpp makes it at the
+        # start of the next decode.
+        self._pending: set[int] = set()
         self.n_vocab = int(llama.llama_vocab_n_tokens(self._vocab))
         n_ctx_seq = int(llama.llama_n_ctx_seq(self._ctx))
         if n_ctx_seq < cfg.ctx_per_session:
             self.close()
             raise RuntimeError(f"llama.cpp gave {n_ctx_seq} cells per session, not {cfg.ctx_per_session}")
+        # Measured again now that the weights and the KV take their memory.
+        self.devices = backend.devices()
 
     def close(self) -> None:
         if self._batch is not None:
@@ -201,6 +223,24 @@ class LlamaContext:
             max_token_bytes=max(1, *(len(self.piece(t, True)) for t in range(self.n_vocab))),
         )
 
+    def _shape(self) -> streams.ModelShape:
+        """The model's K/V shape; head sizes from the GGUF's key/value lengths where given."""
+        model = self._model
+        arch = self._meta("general.architecture")
+        n_head = max(int(llama.llama_model_n_head(model)), 1)
+        head = int(llama.llama_model_n_embd(model)) // n_head
+
+        def length(key: str) -> int:
+            value = self._meta(f"{arch}.attention.{key}")
+            return int(value) if value.isdigit() else head
+
+        return streams.ModelShape(
+            n_layer=int(llama.llama_model_n_layer(model)),
+            n_head_kv=int(llama.llama_model_n_head_kv(model)),
+            head_k=length("key_length"),
+            head_v=length("value_length"),
+        )
+
     def _meta(self, key: str) -> str:
         buf = ctypes.create_string_buffer(256)
         n = llama.llama_model_meta_val_str(self._model, key.encode(), buf, 256)
@@ -232,30 +272,6 @@ class LlamaContext:
         finally:
             self.clear(0)
         return layout, "checkpoints carry the model's computed state"
-
-    @staticmethod
-    def build_facts() -> dict[str, Any]:
-        """What the loaded llama.cpp says of itself: version, library files, the CPU
-        features it was built for, and ggml's devices (name and description)."""
-        lib = Path(llama.__file__).parent / "lib"
-        files = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(lib.glob("*"))]
-        ggml = llama_ggml.libggml
-        count, get = ggml.ggml_backend_dev_count, ggml.ggml_backend_dev_get
-        name, desc = ggml.ggml_backend_dev_name, ggml.ggml_backend_dev_description
-        count.restype, count.argtypes = ctypes.c_size_t, []
-        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-        for fn in (name, desc):
-            fn.restype, fn.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
-        devices = []
-        for i in range(count()):
-            dev = get(i)
-            devices.append([(fn(dev) or b"").decode("utf-8", "replace") for fn in (name, desc)])
-        return {
-            "version": llama.__version__,
-            "libraries": files,
-            "system": llama.llama_print_system_info().decode("utf-8", "replace"),
-            "devices": devices,
-        }
 
     # ---- tokens -----------------------------------------------------------------------------
 
@@ -323,6 +339,7 @@ class LlamaContext:
         rc = llama.llama_decode(self._ctx, batch)
         if rc != 0:
             raise KvkeepError(f"llama_decode failed with {rc} for a batch of {len(items)} tokens")
+        self._pending.clear()  # a decode makes the pending copies first
         n_out = sum(1 for item in items if item.logits)
         if not n_out:
             return []
@@ -337,6 +354,26 @@ class LlamaContext:
         """Empty every slot and zero the memory's buffers, which maps their pages: the first
         state loaded into a slot then costs what later ones do."""
         llama.llama_memory_clear(self._mem, True)
+
+    def move(self, src: int, dst: int) -> None:
+        """Move a sequence's cells from stream `src` to the empty stream `dst`: its metadata
+        now, the whole stream's data by a copy in the KV's own memory (device to device on a
+        GPU) that llama.cpp makes at the start of the next decode (see _flush)."""
+        if self.streams.scratch is None:
+            raise KvkeepError("internal: streams move only where there are docks")
+        llama.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        llama.llama_memory_seq_rm(self._mem, src, -1, -1)
+        self._pending.update((src, dst))
+
+    def _flush(self, seq: int) -> None:
+        """Make the pending copies before `seq`'s data is read or written from the host (a
+        copy made later would read or overwrite it): one token decoded in the scratch stream,
+        which llama.cpp starts by making them."""
+        scratch = self.streams.scratch
+        if seq not in self._pending or scratch is None:
+            return
+        self.decode([BatchItem(scratch, int(llama.llama_vocab_bos(self._vocab)), 0, False)])
+        self.clear(scratch)
 
     def clear(self, slot: int) -> None:
         """Forget every cell of a slot."""
@@ -355,6 +392,7 @@ class LlamaContext:
 
     def state_bytes(self, slot: int, *, partial: bool = False) -> memoryview:
         """A slot's sequence state as llama.cpp writes it (partial: the recurrent part only)."""
+        self._flush(slot)
         flags = _PARTIAL if partial else 0
         size = int(llama.llama_state_seq_get_size_ext(self._ctx, slot, flags))
         # np.empty, not a ctypes array: those are zero-filled, and llama.cpp overwrites it all.
@@ -367,6 +405,7 @@ class LlamaContext:
 
     def set_state(self, slot: int, blob: bytes | bytearray | memoryview, *, partial: bool = False) -> bool:
         """Load a checked blob into a slot; True when llama.cpp took all of it."""
+        self._flush(slot)
         try:
             buf = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
         except TypeError:  # a read-only buffer
@@ -374,35 +413,3 @@ class LlamaContext:
         flags = _PARTIAL if partial else 0
         read = int(llama.llama_state_seq_set_data_ext(self._ctx, buf, len(blob), slot, flags))
         return read == len(blob)
-
-
-_log_callback: Any = None
-
-
-def route_llama_log() -> None:
-    """Send llama.cpp's C log to Python logging (it prints a lot to stderr otherwise).
-
-    llama.cpp's own INFO is chatty model-loading detail, so it lands at DEBUG here.
-    """
-    global _log_callback
-    if _log_callback is not None:
-        return
-    # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continue the previous line.
-    levels = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
-    pending: list[str] = []
-    last_level = [logging.DEBUG]
-
-    def on_log(level: int, text: bytes | None, _user: Any) -> None:
-        if text is None:
-            return
-        if level != 5:
-            last_level[0] = levels.get(level, logging.DEBUG)
-        pending.append(text.decode("utf-8", "replace"))
-        if pending[-1].endswith("\n"):
-            message = "".join(pending).rstrip()
-            pending.clear()
-            if message:
-                llama_log.log(last_level[0], "%s", message)
-
-    _log_callback = llama.llama_log_callback(on_log)
-    llama.llama_log_set(_log_callback, ctypes.c_void_p(0))

@@ -22,9 +22,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvkeepd.engine import probes, steps
+from kvkeepd.engine import backend, probes, steps
 from kvkeepd.engine.context import BatchItem, ContextConfig, LlamaContext, ModelInfo
 from kvkeepd.engine.job import Job, Outbox, SeqState
+from kvkeepd.engine.streams import StreamPlan
 from kvkeepd.errors import ContextFull, CorruptCheckpoint, InvalidRequest, KvkeepError, Unavailable
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import layout as kvlayout
@@ -72,9 +73,18 @@ class Engine:
         # context is not freed while one runs.
         self._readers = 0
         self._readers_done = threading.Condition()
-        # Where states are assembled for llama.cpp, which copies them in at once: reused, so
-        # a load writes to memory already mapped instead of faulting in tens of MB.
-        self._scratch = np.empty(0, dtype=np.uint8)
+        # Where states are assembled for llama.cpp, which copies them in at once (pinned
+        # memory where there is a GPU); made once the devices are known.
+        self._scratch = backend.Scratch(gpu=False)
+        # What the context was given: its devices (memory measured once it was made) and
+        # its KV streams.
+        self.devices: list[backend.Device] = []
+        self.streams = StreamPlan(config.slots)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether host states are assembled in pinned memory (a GPU build, with a layout)."""
+        return self._scratch.pinned
 
     @property
     def ctx(self) -> LlamaContext:
@@ -136,7 +146,10 @@ class Engine:
         try:
             self._ctx = LlamaContext(self.config)
             info = self._ctx.info()
-            info = dataclasses.replace(info, exact=probes.exact(self._ctx))
+            note = probes.exact(self._ctx)
+            info = dataclasses.replace(info, exact=note is None, exact_note=note or "")
+            self.devices, self.streams = self._ctx.devices, self._ctx.streams
+            self._scratch = backend.Scratch(gpu=bool(backend.gpus(self.devices)))
         except BaseException as e:  # report to start(), which re-raises
             if self._ctx is not None:
                 self._ctx.close()
@@ -149,8 +162,7 @@ class Engine:
             # Mapped now, not by the first restore after a start: a state of one full slot,
             # up to a limit (np.zeros would leave the pages unmapped until written).
             bound = min(pieces.blob_bound(info.layout, self.config.ctx_per_session), _PREMAPPED)
-            self._scratch = np.empty(bound, np.uint8)
-            self._scratch.fill(0)
+            self._scratch.take(bound).fill(0)
             # As much again, freed at once: glibc keeps it (heap.keep_freed_memory), so the
             # first export and block reads after a start find memory mapped, as later ones do.
             np.empty(bound, np.uint8).fill(0)
@@ -164,6 +176,7 @@ class Engine:
                 ctx, self._ctx = self._ctx, None
             assert ctx is not None
             ctx.close()
+            self._scratch.free()
 
     def _loop(self) -> None:
         while True:
@@ -238,16 +251,30 @@ class Engine:
             raise KvkeepError("internal: KV of another layout")
         into = None
         if kv.raw is None:
-            size = pieces.blob_size(kv)
-            if self._scratch.size < size:
-                self._scratch = np.empty(size, dtype=np.uint8)
-            into = self._scratch[:size]
+            into = self._scratch.take(pieces.blob_size(kv))
         if not ctx.set_state(slot, pieces.assemble(kv, into=into)):
             ctx.clear(slot)
             state.logits = None
             raise CorruptCheckpoint("llama.cpp did not take the session's state")
         state.n_kv = n
         state.window_from = kv.window_from
+
+    def dock(self, slot: int, place: int) -> None:
+        """Move a slot's session to dock `place` (streams.py): cells in place, its SeqState
+        still true (the same cells, the same logits). On failure both are emptied."""
+        self._move(slot, self.streams.dock_id(place))
+
+    def undock(self, place: int, slot: int) -> None:
+        """Move dock `place`'s session into the empty slot (as dock does)."""
+        self._move(self.streams.dock_id(place), slot)
+
+    def _move(self, src: int, dst: int) -> None:
+        try:
+            self.ctx.move(src, dst)
+        except BaseException:
+            self.ctx.clear(src)
+            self.ctx.clear(dst)
+            raise
 
     def unload(self, slot: int, state: SeqState, keep: bool) -> kvstate.SeqKv | None:
         """Empty the slot; with keep, return its state first (None if it cannot be kept)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kvkeepd.engine import backend
 from kvkeepd.engine.context import BatchItem, LlamaContext
 from kvkeepd.files import write_private
 from kvkeepd.values import Logits
@@ -43,15 +44,16 @@ MAX_ENTRIES = 64
 _ENV_PREFIXES = ("GGML_", "LLAMA_", "CUDA_", "HIP_", "ROCR_", "OMP_", "VK_", "METAL_", "MTL_")
 
 
-def exact(ctx: LlamaContext) -> bool:
-    """Whether the context, configured for the exact mode, is exact on this machine: the
-    probe found no batch dependence (a finding is logged)."""
+def exact(ctx: LlamaContext) -> str | None:
+    """None where the context, configured for the exact mode, is exact on this machine (the
+    probe found no batch dependence); else why not: the probe's finding (logged), or that
+    the settings ask for the compact mode. Never assumed, on a GPU either: the probe decides."""
     if not ctx.cfg.exact:
-        return False
-    found = finding(ctx, ctx.build_facts())
+        return "the settings ask for the compact mode"
+    found = finding(ctx, backend.build_facts())
     if found is not None:
         log.warning("a token's logits depend on how it was batched: %s", found)
-    return found is None
+    return found
 
 
 def finding(ctx: LlamaContext, build: dict[str, Any]) -> str | None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 
 from kvkeepd.engine.engine import Engine
 from kvkeepd.sessions.ops import Ops
-from kvkeepd.sessions.placement import HistoryOnly, InSlot, Parked, Placement, Stored
+from kvkeepd.sessions.placement import Docked, HistoryOnly, InSlot, Parked, Placement, Stored
 from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.session import Counters, Session
 from kvkeepd.sessions.tenants import Tenant
@@ -48,8 +48,10 @@ class Census:
             self.residency.tier(s) for s in self.sessions.values() if s.tenant == tenant.name and not s.closed
         ]
         usage = self.residency.usage[tenant.name]
+        docked = sum(1 for s in self.residency.docks.owners() if s is not None and s.tenant == tenant.name)
         return Counters(
             sessions=len(tiers),
+            docked=docked,
             hot=tiers.count("hot"),
             warm=tiers.count("warm"),
             cold=tiers.count("cold"),
@@ -67,6 +69,7 @@ class Census:
         tiers = [residency.tier(s) for s in self.sessions.values() if not s.closed]
         return Counters(
             sessions=len(tiers),
+            docked=sum(1 for s in residency.docks.owners() if s is not None),
             hot=tiers.count("hot"),
             warm=tiers.count("warm"),
             cold=tiers.count("cold"),
@@ -105,14 +108,17 @@ class Census:
 
 
 def placement_problems(
-    slots: list[Session | None], placements: list[tuple[str, Session, Placement]]
+    slots: list[Session | None], docks: list[Session | None], placements: list[tuple[str, Session, Placement]]
 ) -> list[str]:
-    """Where the slot table and the placements disagree (empty when they agree)."""
+    """Where the slot and dock tables and the placements disagree (empty when they agree)."""
     out = []
     where_of = {sid: where for sid, _, where in placements}
     for i, owner in enumerate(slots):
         if owner is not None and where_of.get(owner.session_id) != InSlot(i):
             out.append(f"slot {i} is held by {owner.session_id}, which is not placed there")
+    for i, owner in enumerate(docks):
+        if owner is not None and where_of.get(owner.session_id) != Docked(i):
+            out.append(f"dock {i} is held by {owner.session_id}, which is not placed there")
     for sid, session, where in placements:
         state = session.state
         if state.n_kv > len(state.tokens):
@@ -121,6 +127,9 @@ def placement_problems(
             case InSlot(slot):
                 if slots[slot] is not session:
                     out.append(f"{sid} is placed in slot {slot}, which another holds")
+            case Docked(place):
+                if docks[place] is not session:
+                    out.append(f"{sid} is placed in dock {place}, which another holds")
             case Parked(kv):
                 if kv.n != state.n_kv:
                     out.append(f"{sid}: parked state covers {kv.n} tokens, the session {state.n_kv}")

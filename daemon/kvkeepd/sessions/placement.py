@@ -2,6 +2,8 @@
 Residency (sessions/residency.py) alone writes.
 
 - `InSlot`: in an engine slot (hot);
+- `Docked`: in a dock, a KV stream beside the slots (device memory on a GPU), after eviction
+  (warm; engine/streams.py);
 - `Parked`: parsed and checked, in RAM (warm), after eviction, a restore or a fork;
 - `Stored`: in a checkpoint store (cold): a persistent session's head after a restart or a
   spill, or an ephemeral session's spill (a disk area wiped at every start);
@@ -24,6 +26,11 @@ class InSlot:
 
 
 @dataclass(frozen=True)
+class Docked:
+    place: int
+
+
+@dataclass(frozen=True)
 class Parked:
     kv: kvstate.SeqKv
 
@@ -40,6 +47,6 @@ class HistoryOnly:
     reason: str = ""
 
 
-Placement = InSlot | Parked | Stored | HistoryOnly
+Placement = InSlot | Docked | Parked | Stored | HistoryOnly
 
-TIERS: dict[type, Tier] = {InSlot: "hot", Parked: "warm", Stored: "cold", HistoryOnly: "cold"}
+TIERS: dict[type, Tier] = {InSlot: "hot", Docked: "warm", Parked: "warm", Stored: "cold", HistoryOnly: "cold"}

@@ -31,7 +31,7 @@ from kvkeepd.config.settings import Settings
 from kvkeepd.engine.context import ModelInfo
 from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import CorruptCheckpoint, StoreReadFailed
-from kvkeepd.sessions.placement import InSlot, Parked
+from kvkeepd.sessions.placement import Parked
 from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.session import Session
 from kvkeepd.state import cells as kvstate
@@ -142,9 +142,10 @@ class PrefixCache:
             return None
         where = self.residency.where(source)
         boundary = source.boundary
-        if isinstance(where, InSlot):
-            slot, state = where.slot, source.state
-            kv = await asyncio.wrap_future(self.engine.call(lambda e: e.export(slot, state)))
+        seq = self.residency.stream(source)  # its slot or dock
+        if seq is not None:
+            state = source.state
+            kv = await asyncio.wrap_future(self.engine.call(lambda e: e.export(seq, state)))
         elif isinstance(where, Parked):
             kv = where.kv
         else:

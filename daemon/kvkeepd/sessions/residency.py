@@ -3,6 +3,8 @@
 A session's state is in exactly one place, one `Placement` value:
 
 - `InSlot`: in an engine slot (hot);
+- `Docked`: in a dock, a KV stream beside the slots (device memory on a GPU), after eviction,
+  which a device-to-device copy moves back into a slot (warm; engine/streams.py);
 - `Parked`: parsed and checked, in RAM (warm), after eviction, a restore or a fork;
 - `Stored`: in a checkpoint store (cold): a persistent session's head after a restart or a
   spill, or an ephemeral session's spill (a disk area wiped at every start);
@@ -30,9 +32,10 @@ from kvkeepd.config.settings import Settings
 from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import Busy, CorruptCheckpoint, KvkeepError
 from kvkeepd.sessions import ops
+from kvkeepd.sessions.docks import Docks
 from kvkeepd.sessions.lineage import Lineage
 from kvkeepd.sessions.persistence import Persistence
-from kvkeepd.sessions.placement import TIERS, HistoryOnly, InSlot, Parked, Placement, Stored
+from kvkeepd.sessions.placement import TIERS, Docked, HistoryOnly, InSlot, Parked, Placement, Stored
 from kvkeepd.sessions.session import Session, TenantUsage
 from kvkeepd.sessions.tenants import Tenants
 from kvkeepd.sessions.wholes import StateCache
@@ -68,6 +71,8 @@ class Residency:
         self._where: dict[str, tuple[Session, Placement]] = {}
         self._slots: list[Session | None] = [None] * settings.slots
         self._slot_freed = asyncio.Event()
+        # Where evicted sessions go before RAM, where the engine has docks.
+        self.docks = Docks(engine.streams.docks)
         # Which checkpoints each session's cells still are (rewind_to).
         self.lineage = Lineage()
         # Ephemeral checkpoints' whole states, in the RAM budget's free room.
@@ -86,6 +91,15 @@ class Residency:
 
     def tier(self, session: Session) -> Tier:
         return TIERS[type(self.where(session))]
+
+    def stream(self, session: Session) -> int | None:
+        """The engine sequence that holds the session's cells (its slot or dock), or None."""
+        match self.where(session):
+            case InSlot(slot):
+                return slot
+            case Docked(place):
+                return self.engine.streams.dock_id(place)
+        return None
 
     @property
     def slots_in_use(self) -> int:
@@ -139,13 +153,21 @@ class Residency:
         self._slots[slot] = session  # reserved while its state is read and loaded
         started = time.perf_counter()
         kv: kvstate.SeqKv | None = None
+        docked = False
         try:
             where = self.where(session)
-            if isinstance(where, Stored):
-                kv = await self._read_stored(session)
-            elif isinstance(where, Parked):
-                kv = where.kv
-            await self._engine(lambda e: e.load(slot, state, kv))
+            if isinstance(where, Docked):
+                place, docked = where.place, True
+                try:
+                    await self._engine(lambda e: e.undock(place, slot))
+                finally:
+                    self.docks.vacate(place)
+            else:
+                if isinstance(where, Stored):
+                    kv = await self._read_stored(session)
+                elif isinstance(where, Parked):
+                    kv = where.kv
+                await self._engine(lambda e: e.load(slot, state, kv))
         except BaseException as e:
             self._slots[slot] = None
             self._slot_freed.set()
@@ -154,7 +176,7 @@ class Residency:
             raise
         await self._drop_spill(session)  # a spilled state is the slot's now
         self._set(session, InSlot(slot))
-        if kv is not None:
+        if kv is not None or docked:
             took = time.perf_counter() - started
             self.swap_ins += 1
             self.swap_in_seconds += took
@@ -164,25 +186,68 @@ class Residency:
         return slot
 
     async def release(self, session: Session, *, park: bool = True) -> None:
-        """Take the session out of its slot; with park, its state moves to RAM (room made
-        first), or straight to disk when the RAM budget cannot take it."""
-        where = self._where.get(session.session_id, (session, None))[1]
-        if not isinstance(where, InSlot):
-            return
-        slot = where.slot
+        """Take the session out of its slot; with park, its state moves to a dock where the
+        engine has one free (or frees one: its least recently used session goes to RAM), else
+        to RAM (room made first), or straight to disk when the RAM budget cannot take it.
+        Without park, a docked session's dock is emptied too."""
+        match self._where.get(session.session_id, (session, None))[1]:
+            case InSlot(slot):
+                if park and await self._dock(session, slot):
+                    return
+                await self._unload(session, slot, park, lambda: self._vacate(slot))
+            case Docked(place) if not park:
+                seq = self.engine.streams.dock_id(place)
+                await self._unload(session, seq, False, lambda: self.docks.vacate(place))
+
+    def _vacate(self, slot: int) -> None:
+        self._slots[slot] = None
+        self._slot_freed.set()
+
+    async def _unload(self, session: Session, seq: int, park: bool, vacate: Callable[[], None]) -> None:
+        """Empty the engine sequence (a slot or a dock) that holds the session's cells; with
+        park, its state moves to RAM, or to disk when the RAM budget cannot take it."""
         layout = self.engine.layout
         keep = park and layout is not None
         state = session.state
         room = keep and layout is not None and await self.make_room(layout.max_bytes(state.n_kv), session)
         kv: kvstate.SeqKv | None = None
         try:
-            kv = await self._engine(lambda e: e.unload(slot, state, keep))
-        finally:  # the slot is free whatever happened (the engine clears it in any case)
-            self._slots[slot] = None
-            self._slot_freed.set()
+            kv = await self._engine(lambda e: e.unload(seq, state, keep))
+        finally:  # the sequence is free whatever happened (the engine clears it in any case)
+            vacate()
             self._set(session, Parked(kv) if kv is not None else HistoryOnly())
         if kv is not None and not room:
             await self._spill(session)
+
+    async def _dock(self, session: Session, slot: int) -> bool:
+        """Move the slot's session to a dock, freeing one if all are taken; False (nothing
+        changed) where there are none, or none can be freed without waiting."""
+        if not len(self.docks) or self.engine.layout is None or not session.state.n_kv:
+            return False
+        place = self.docks.free_place()
+        if place is None:
+            victim = self.docks.victim(keep=session)
+            if victim is None:
+                return False
+            async with victim.lock:  # idle: taking it does not wait
+                where = self.where(victim)
+                if not victim.closed and isinstance(where, Docked):
+                    seq = self.engine.streams.dock_id(where.place)
+                    await self._unload(victim, seq, True, lambda: self.docks.vacate(where.place))
+            place = self.docks.free_place()
+            if place is None:
+                return False
+        to = place
+        moved = False
+        try:
+            await self._engine(lambda e: e.dock(slot, to))
+            moved = True
+        finally:  # a failed move left both streams empty (Engine.dock)
+            self._vacate(slot)
+            if moved:
+                self.docks.hold(to, session)
+            self._set(session, Docked(to) if moved else HistoryOnly("its move to a dock failed"))
+        return True
 
     async def forget(self, session: Session) -> None:
         """Free whatever the session's state holds (a slot, RAM, a spill) and stop tracking it."""
@@ -240,11 +305,11 @@ class Residency:
         if isinstance(where, Stored):
             return await self._read_stored(session)  # read for a save; it stays where it is
         state = session.state
-        if isinstance(where, InSlot):
+        seq = self.stream(session)
+        if seq is not None:
             if self.engine.layout is None or not state.n_kv:
                 return None
-            slot = where.slot
-            return await self._engine(lambda e: e.export(slot, state))
+            return await self._engine(lambda e: e.export(seq, state))
         return where.kv if isinstance(where, Parked) else None
 
     # ---- rollbacks that keep the cells ------------------------------------------------------
@@ -265,7 +330,7 @@ class Residency:
         n = snap.n_kv
         if (
             not self.lineage.holds(session, checkpoint_id, n)
-            or not isinstance(where, InSlot | Parked)
+            or not isinstance(where, InSlot | Docked | Parked)
             or layout is None
             or layout.recurrent is not None
             or snap.kv_layout is None
@@ -276,14 +341,14 @@ class Residency:
         ):
             return False
         window_from, epoch = state.window_from, state.epoch
-        if isinstance(where, InSlot):
-            slot = where.slot
+        seq = self.stream(session)
+        if seq is not None:
             try:
-                await self._engine(lambda e: e.cut(slot, state, n))
+                await self._engine(lambda e: e.cut(seq, state, n))
             except KvkeepError:
                 log.exception("session %s: a rollback in place failed; loading instead", session.session_id)
                 return False
-        else:
+        elif isinstance(where, Parked):
             kv = pieces.head(where.kv, n)
             if kv is None:  # the parked window does not hold [first(n), n)
                 return False
@@ -303,9 +368,9 @@ class Residency:
         if isinstance(self.where(session), Stored):
             await self._warm(session)
         where = self.where(session)
-        if isinstance(where, InSlot):
-            slot = where.slot
-            await self._engine(lambda e: e.truncate(slot, state, n_tokens, snapshots))
+        seq = self.stream(session)
+        if seq is not None:
+            await self._engine(lambda e: e.truncate(seq, state, n_tokens, snapshots))
             return
         del state.tokens[n_tokens:]
         if not isinstance(where, Parked) or state.n_kv < n_tokens:
@@ -474,13 +539,18 @@ class Residency:
 
     # ---- checks --------------------------------------------------------------------------------
 
-    def table(self) -> tuple[list[Session | None], list[tuple[str, Session, Placement]]]:
-        """The slot table and every placement, as they are now (for Census.problems)."""
-        return list(self._slots), [(sid, s, where) for sid, (s, where) in self._where.items()]
+    def table(
+        self,
+    ) -> tuple[list[Session | None], list[Session | None], list[tuple[str, Session, Placement]]]:
+        """The slot and dock tables and every placement, as they are now (for Census.problems)."""
+        placements = [(sid, s, where) for sid, (s, where) in self._where.items()]
+        return list(self._slots), self.docks.owners(), placements
 
     def slot_owners(self) -> list[int | None]:
-        """Per slot, its owner's state length or None: what the engine's check compares."""
-        return [s.state.n_kv if s is not None else None for s in self._slots]
+        """Per engine sequence (slots, docks, the scratch), its owner's state length or None:
+        what the engine's check compares."""
+        owners = [*self._slots, *self.docks.owners()] + [None] * (self.engine.streams.scratch is not None)
+        return [s.state.n_kv if s is not None else None for s in owners]
 
     async def _engine(self, fn: Callable[[Engine], T]) -> T:
         return await asyncio.wrap_future(self.engine.call(fn))

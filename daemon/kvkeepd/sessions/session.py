@@ -154,6 +154,8 @@ class Counters:
     warm: int = 0
     cold: int = 0
     slots_in_use: int = 0
+    # Warm sessions whose KV waits in a dock (device memory on a GPU), not in RAM.
+    docked: int = 0
     tokens_evaluated: int = 0
     tokens_generated: int = 0
     tokens_reused: int = 0
