@@ -97,7 +97,8 @@ def spawn_daemon(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cal
     """A factory of subprocess daemons: ``spawn_daemon("--slots", "2", start=True)``.
 
     Extra arguments go after the defaults, so they override them. ``state_dir`` lets two
-    daemons (or one, spawned again) share a state directory. Every process is stopped at the
+    daemons (or one, spawned again) share a state directory; ``tls_ca``: the CA of a daemon
+    serving TLS. Every process is stopped at the
     end of the test, and its log is attached to the report if the test fails.
     """
     procs: list[DaemonProcess] = []
@@ -108,6 +109,7 @@ def spawn_daemon(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cal
         state_dir: Path | None = None,
         env: dict[str, str] | None = None,
         start: bool = True,
+        tls_ca: Path | None = None,
     ) -> DaemonProcess:
         n = next(_counter)
         proc = DaemonProcess(
@@ -115,6 +117,7 @@ def spawn_daemon(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cal
             log_path=tmp_path / f"daemon{n}.log",
             args=args,
             env=env,
+            tls_ca=tls_ca,
         )
         procs.append(proc)
         if start:

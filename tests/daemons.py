@@ -87,9 +87,16 @@ def wait_until(predicate: Callable[[], T | None], timeout: float, what: str, int
         time.sleep(interval)
 
 
-def health_status(address: str, service: str = "", timeout: float = 2.0) -> int | None:
-    """The daemon's gRPC health status for ``service``, or None if it does not answer."""
-    with grpc.insecure_channel(address) as channel:
+def health_status(
+    address: str, service: str = "", timeout: float = 2.0, ca: Path | None = None
+) -> int | None:
+    """The daemon's gRPC health status for ``service``, or None if it does not answer; over
+    TLS when ``ca`` (the CA of its certificate) is given."""
+    if ca is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(ca.read_bytes()))
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -184,6 +191,8 @@ class DaemonProcess:
     log_path: Path
     args: Sequence[str] = ()
     env: dict[str, str] | None = None
+    # The CA of its TLS certificate, when it serves TLS (its health is asked over TLS).
+    tls_ca: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
     port: int = 0
     starts: int = 0
@@ -239,7 +248,11 @@ class DaemonProcess:
                 env={**os.environ, **(self.env or {})},
             )
         self.port = wait_until(self._read_ready_file, timeout, "the daemon's ready file")
-        wait_until(lambda: health_status(self.address) == SERVING, timeout, "health to report SERVING")
+        wait_until(
+            lambda: health_status(self.address, ca=self.tls_ca) == SERVING,
+            timeout,
+            "health to report SERVING",
+        )
         return self
 
     def _read_ready_file(self) -> int | None:

@@ -277,6 +277,14 @@ class FakeDaemon(pb_grpc.KvKeepServicer):
         # Calls about session "moving" that are refused, as another daemon's, before it is here.
         self.elsewhere = 0
         self.refused = 0
+        # Calls about session "flaky" (and CreateSession) that fail as a lost connection does.
+        self.cut = 0
+        self.cuts = 0
+
+    def _cut(self, context: grpc.ServicerContext) -> None:
+        if self.cuts < self.cut:
+            self.cuts += 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "upstream connection reset")
 
     def _held_elsewhere(self, context: grpc.ServicerContext) -> None:
         if self.refused < self.elsewhere:
@@ -286,6 +294,9 @@ class FakeDaemon(pb_grpc.KvKeepServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "session moving is held by another daemon")
 
     def _session(self, session_id: str, context: grpc.ServicerContext) -> pb.SessionInfo:
+        if session_id == "flaky":
+            self._cut(context)
+            return pb.SessionInfo(session_id="flaky", n_tokens=3, n_ctx=256, residency=pb.RESIDENCY_HOT)
         if session_id == "moving":
             self._held_elsewhere(context)
             return pb.SessionInfo(session_id="moving", n_tokens=3, n_ctx=256, residency=pb.RESIDENCY_COLD)
@@ -297,6 +308,7 @@ class FakeDaemon(pb_grpc.KvKeepServicer):
         return pb.GetInfoResponse(mode="exact", has_chat_template=True)
 
     def CreateSession(self, request: Any, context: Any) -> pb.CreateSessionResponse:
+        self._cut(context)
         return pb.CreateSessionResponse(session=self._session("s1", context))
 
     def GetSession(self, request: Any, context: Any) -> pb.GetSessionResponse:
@@ -312,6 +324,10 @@ class FakeDaemon(pb_grpc.KvKeepServicer):
             if request.message == "late":  # refused after a chunk: the client must not send it again
                 yield pb.ChatResponse(chunk=pb.GenerationChunk(text="partial"))
             self._held_elsewhere(context)
+        if request.session_id == "flaky":
+            if request.message == "late":  # cut after a chunk: the client must not send it again
+                yield pb.ChatResponse(chunk=pb.GenerationChunk(text="partial"))
+            self._cut(context)
         if request.message == "overflow":
             yield pb.ChatResponse(chunk=pb.GenerationChunk(text="partial"))
             context.abort(grpc.StatusCode.OUT_OF_RANGE, "the context is full")
@@ -400,9 +416,86 @@ def test_a_call_about_a_session_held_elsewhere_is_sent_again_after_each_hint(
     daemon.refused = 0
     for wait in (0, 0.01):  # no wait, or less than the hint: raised at the first refusal
         with pytest.raises(kvkeep.SessionElsewhereError) as refused:
-            run(elsewhere_wait=wait)
+            run(retry=kvkeep.Retry(wait=wait))
         assert refused.value.retry_after == 0.02 and daemon.refused == 1
         daemon.refused = 0
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_after_a_lost_connection_reads_and_unanswered_turns_are_sent_again_creations_never(
+    fake: tuple[FakeDaemon, str], asynchronous: bool
+) -> None:
+    daemon, address = fake
+
+    async def calls(client: kvkeep.AsyncClient) -> None:
+        daemon.cut, daemon.cuts = 1, 0
+        with pytest.raises(kvkeep.UnavailableError):  # nothing answered yet: it may not be there
+            await client.session("flaky")
+        await client.info()
+        daemon.cut, daemon.cuts = 2, 0
+        assert (await (await client.session("flaky")).info()).n_tokens == 3
+        flaky = kvkeep.AsyncSession(client, "flaky")
+        daemon.cut, daemon.cuts = 2, 0
+        assert (await flaky.chat("hi")).text == "echo: hi" and daemon.cuts == 2
+        daemon.cut, daemon.cuts = 1, 0
+        with pytest.raises(kvkeep.UnavailableError):  # it had answered: never twice
+            await flaky.chat("late")
+        daemon.cut, daemon.cuts = 1, 0
+        with pytest.raises(kvkeep.UnavailableError):  # its outcome is unknown: never twice
+            await client.create_session()
+        assert daemon.cuts == 1
+
+    def blocking(client: kvkeep.Client) -> None:
+        daemon.cut, daemon.cuts = 1, 0
+        with pytest.raises(kvkeep.UnavailableError):  # nothing answered yet: it may not be there
+            client.session("flaky")
+        client.info()
+        daemon.cut, daemon.cuts = 2, 0
+        assert client.session("flaky").info().n_tokens == 3
+        flaky = kvkeep.Session(client, "flaky")
+        daemon.cut, daemon.cuts = 2, 0
+        assert flaky.chat("hi").text == "echo: hi" and daemon.cuts == 2
+        daemon.cut, daemon.cuts = 1, 0
+        with pytest.raises(kvkeep.UnavailableError):
+            flaky.chat("late")
+        daemon.cut, daemon.cuts = 1, 0
+        with pytest.raises(kvkeep.UnavailableError):
+            client.create_session()
+        assert daemon.cuts == 1
+
+    if asynchronous:
+
+        async def main() -> None:
+            async with kvkeep.AsyncClient(address, timeout=5) as client:
+                await calls(client)
+
+        asyncio.run(main())
+    else:
+        with kvkeep.Client(address, timeout=5) as client:
+            blocking(client)
+    daemon.cut, daemon.cuts = 1, 0
+    with kvkeep.Client(address, timeout=5, retry=None) as client:
+        client.info()
+        with pytest.raises(kvkeep.UnavailableError):
+            client.session("flaky")  # retry=None: raised at once
+
+
+def test_a_retry_pauses_by_a_bounded_backoff_and_at_least_the_hint() -> None:
+    from kvkeep._retry import Attempts
+
+    lost = kvkeep.UnavailableError("connection reset")
+    attempts = Attempts(kvkeep.Retry(wait=60, first=0.1, most=0.4), resend=True)
+    pauses = [attempts.pause(lost) for _ in range(6)]
+    bounds = [0.1, 0.2, 0.4, 0.4, 0.4, 0.4]
+    assert all(p is not None and b / 2 <= p <= b for p, b in zip(pauses, bounds, strict=True)), pauses
+    elsewhere = kvkeep.SessionElsewhereError("held elsewhere")
+    elsewhere.retry_after = 1.5
+    assert attempts.pause(elsewhere) == 1.5  # the hint, when longer than the backoff
+    assert Attempts(kvkeep.Retry(), resend=False).pause(lost) is None  # not a read: raised
+    assert Attempts(kvkeep.Retry(wait=0.01), resend=True).pause(elsewhere) is None  # past its wait
+    assert Attempts(kvkeep.Retry(), resend=True).pause(kvkeep.CatalogUnavailableError("x")) is None
+    with pytest.raises(ValueError):
+        kvkeep.Retry(first=0)
 
 
 def test_a_stream_refused_after_its_first_chunk_is_not_sent_again(fake: tuple[FakeDaemon, str]) -> None:

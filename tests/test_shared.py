@@ -251,8 +251,8 @@ def test_a_paused_daemon_is_fenced_and_a_killed_ones_sessions_go_on_elsewhere(
     # One pair for both faults (daemons are slow to start); B waits for no lease. The clients
     # raise SessionElsewhereError at once, so that the test sees it.
     a, b = shared_pair(spawn_daemon, tmp_path, redis_server, "--lease-wait", "0")
-    ca = kvkeep.Client(a.address, timeout=120, elsewhere_wait=0)
-    cb = kvkeep.Client(b.address, timeout=60, elsewhere_wait=0)
+    ca = kvkeep.Client(a.address, timeout=120, retry=None)
+    cb = kvkeep.Client(b.address, timeout=60, retry=None)
     with ca, cb:
         # Paused mid-generation past its lease: B takes over from the last acknowledged turn.
         s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING)

@@ -30,6 +30,7 @@ from kvkeep._errors import (
     StoreWriteError,
     UnavailableError,
 )
+from kvkeep._retry import Retry
 from kvkeep._types import (
     CheckpointInfo,
     Chunk,
@@ -72,6 +73,7 @@ __all__ = [
     "Message",
     "NoChatTemplateError",
     "NotFoundError",
+    "Retry",
     "SamplingParams",
     "Session",
     "SessionElsewhereError",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, BinaryIO, TypeVar
@@ -17,9 +16,10 @@ import grpc
 from kvkeep import _operations as ops
 from kvkeep._connection import Tls, aio_channel, auth_metadata, call_metadata, resolve_address
 from kvkeep._convert import join_chunks
-from kvkeep._errors import ELSEWHERE_WAIT, elsewhere_pause, from_rpc_error
+from kvkeep._errors import from_rpc_error
 from kvkeep._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
 from kvkeep._operations import described_by
+from kvkeep._retry import DEFAULT_RETRY, Attempts, Retry
 from kvkeep._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo
 from kvkeep.v1 import kvkeep_pb2 as pb
 from kvkeep.v1 import kvkeep_pb2_grpc as pb_grpc
@@ -56,11 +56,14 @@ class AsyncClient:
         timeout: float | None = None,
         token: str | None = None,
         tls: Tls | None = None,
-        elsewhere_wait: float = ELSEWHERE_WAIT,
+        retry: Retry | None = DEFAULT_RETRY,
     ) -> None:
         self.address = resolve_address(address)
         self.timeout = timeout
-        self.elsewhere_wait = elsewhere_wait
+        self.retry = retry
+        # Whether a call was ever answered: until one is, nothing may be listening at the
+        # address, and a lost connection is raised at once instead of tried again.
+        self._reached = False
         self._metadata = auth_metadata(token)
         self._channel = aio_channel(self.address, tls)
         self._stub = pb_grpc.KvKeepStub(self._channel)
@@ -86,34 +89,35 @@ class AsyncClient:
     async def _unary(self, op: ops.Unary[_T]) -> _T:
         rpc = getattr(self._stub, op.method)
         metadata = call_metadata(self._metadata, op.session_id)
-        deadline = time.monotonic() + self.elsewhere_wait
+        attempts = Attempts(self.retry, op.resend and self._reached)
         while True:
             try:
                 response = await rpc(op.request, timeout=self.timeout, metadata=metadata)
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
-                pause = elsewhere_pause(error, deadline)
+                pause = attempts.pause(error)
                 if pause is None:
                     raise error from None
                 await asyncio.sleep(pause)
                 continue
+            self._reached = True
             return op.convert(response)
 
     async def _stream(self, op: ops.Stream[_T]) -> AsyncGenerator[_T, None]:
         metadata = call_metadata(self._metadata, op.session_id)
-        deadline = time.monotonic() + self.elsewhere_wait
+        attempts = Attempts(self.retry, op.resend and self._reached)
         while True:
             call = getattr(self._stub, op.method)(op.request, metadata=metadata)
             answered = False
             try:
                 async for response in call:
-                    answered = True
+                    answered = self._reached = True
                     yield op.convert(response)
                 return
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
                 # Sent again only while nothing of it was answered (see Client).
-                pause = None if answered else elsewhere_pause(error, deadline)
+                pause = attempts.pause(error, answered=answered)
                 if pause is None:
                     raise error from None
             finally:

@@ -17,9 +17,10 @@ import grpc
 from kvkeep import _operations as ops
 from kvkeep._connection import Tls, auth_metadata, call_metadata, channel, resolve_address
 from kvkeep._convert import join_chunks
-from kvkeep._errors import ELSEWHERE_WAIT, elsewhere_pause, from_rpc_error
+from kvkeep._errors import from_rpc_error
 from kvkeep._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
 from kvkeep._operations import described_by
+from kvkeep._retry import DEFAULT_RETRY, Attempts, Retry
 from kvkeep._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo
 from kvkeep.v1 import kvkeep_pb2_grpc as pb_grpc
 
@@ -46,11 +47,14 @@ class Client:
     need. Making a client does not connect: the first call does, and calls fail at once with
     UnavailableError while the daemon is down. Every failed call raises a KvkeepError.
 
-    With several daemons, a call about a session another daemon holds is answered with
-    SessionElsewhereError and a hint of when to try again (the holder hands an idle session
-    over; a dead one's lease lapses). The client sends such a call again after each hint for
-    up to ``elsewhere_wait`` seconds (0: raise at once); a stream, only while none of it has
-    arrived.
+    With several daemons behind a proxy, a call may find its session's daemon handing it
+    over, or gone while another takes the session over. ``retry`` (a Retry: how long to try
+    in all, and a backoff bounded by its ``most``) says how long the client sends such a
+    call again: one refused with SessionElsewhereError, after each of the daemon's hints;
+    one that reads or sets a state, or a stream of which nothing has arrived, after a lost
+    connection once the client was answered at its address before (a daemon or proxy that
+    was never reached fails the call at once). A stream that had answered, and a call whose
+    outcome is unknown, are never sent again. ``retry=None`` raises every error at once.
     """
 
     def __init__(
@@ -60,11 +64,14 @@ class Client:
         timeout: float | None = None,
         token: str | None = None,
         tls: Tls | None = None,
-        elsewhere_wait: float = ELSEWHERE_WAIT,
+        retry: Retry | None = DEFAULT_RETRY,
     ) -> None:
         self.address = resolve_address(address)
         self.timeout = timeout
-        self.elsewhere_wait = elsewhere_wait
+        self.retry = retry
+        # Whether a call was ever answered: until one is, nothing may be listening at the
+        # address, and a lost connection is raised at once instead of tried again.
+        self._reached = False
         self._metadata = auth_metadata(token)
         self._channel = channel(self.address, tls)
         self._stub = pb_grpc.KvKeepStub(self._channel)
@@ -90,35 +97,36 @@ class Client:
     def _unary(self, op: ops.Unary[_T]) -> _T:
         rpc = getattr(self._stub, op.method)
         metadata = call_metadata(self._metadata, op.session_id)
-        deadline = time.monotonic() + self.elsewhere_wait
+        attempts = Attempts(self.retry, op.resend and self._reached)
         while True:
             try:
                 response = rpc(op.request, timeout=self.timeout, metadata=metadata)
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
-                pause = elsewhere_pause(error, deadline)
+                pause = attempts.pause(error)
                 if pause is None:
                     raise error from None
                 time.sleep(pause)
                 continue
+            self._reached = True
             return op.convert(response)
 
     def _stream(self, op: ops.Stream[_T]) -> Generator[_T, None, None]:
         metadata = call_metadata(self._metadata, op.session_id)
-        deadline = time.monotonic() + self.elsewhere_wait
+        attempts = Attempts(self.retry, op.resend and self._reached)
         while True:
             call = getattr(self._stub, op.method)(op.request, metadata=metadata)
             answered = False
             try:
                 for response in call:
-                    answered = True
+                    answered = self._reached = True
                     yield op.convert(response)
                 return
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
                 # Sent again only while nothing of it was answered: a consumer never sees
                 # a chunk twice.
-                pause = None if answered else elsewhere_pause(error, deadline)
+                pause = attempts.pause(error, answered=answered)
                 if pause is None:
                     raise error from None
             finally:

@@ -27,8 +27,6 @@ cause where causes share a status (the daemon names the cause in the trailing me
 
 from __future__ import annotations
 
-import time
-
 import grpc
 
 #: The trailing-metadata key under which the daemon names an error's cause.
@@ -204,23 +202,6 @@ def _trailing(e: grpc.RpcError, wanted: str) -> str:
 def _cause(e: grpc.RpcError) -> str:
     """The cause the daemon named in the call's trailing metadata ("" if none)."""
     return _trailing(e, CAUSE_KEY)
-
-
-#: How long, by default, a client sends a call again that SessionElsewhereError refused.
-ELSEWHERE_WAIT = 30.0
-# A hint below this is taken as this (a daemon answers "now" as 0 ms).
-_LEAST_PAUSE = 0.05
-
-
-def elsewhere_pause(error: KvkeepError, deadline: float) -> float | None:
-    """How long to wait before sending a call again that another daemon's hold on its session
-    refused, or None to raise `error`: any other error, or a pause that would end past
-    `deadline` (time.monotonic). The daemon answers session-elsewhere only for a call whose
-    effect it did not keep, so sending it again is safe."""
-    if not isinstance(error, SessionElsewhereError):
-        return None
-    pause = max(error.retry_after or 0.0, _LEAST_PAUSE)
-    return pause if time.monotonic() + pause <= deadline else None
 
 
 def from_rpc_error(e: grpc.RpcError) -> KvkeepError:

@@ -44,6 +44,9 @@ class Unary(Generic[_T]):
     request: PbMessage
     convert: Callable[[Any], _T]
     session_id: str | None = None  # what the call is routed by (x-kvkeep-session)
+    # Whether it may be sent again after a lost connection (_retry.py): it reads, or sets a
+    # state whatever the state was, so that twice does what once does.
+    resend: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class Stream(Generic[_T]):
     request: PbMessage
     convert: Callable[[Any], _T]
     session_id: str | None = None  # what the call is routed by (x-kvkeep-session)
+    # Whether it may be sent again after a lost connection while nothing of it has arrived
+    # (_retry.py): it reads, or it is a turn (whose tokens are all sent before it is kept).
+    resend: bool = False
 
 
 def described_by(source: Callable[..., Any] | str) -> Callable[[_F], _F]:
@@ -72,7 +78,7 @@ def described_by(source: Callable[..., Any] | str) -> Callable[[_F], _F]:
 
 def info() -> Unary[Info]:
     """What the daemon runs: model, engine mode, limits and counters."""
-    return Unary("GetInfo", pb.GetInfoRequest(), info_from_pb)
+    return Unary("GetInfo", pb.GetInfoRequest(), info_from_pb, resend=True)
 
 
 def create_session(
@@ -97,12 +103,14 @@ def create_session(
 
 def session(session_id: str) -> Unary[str]:
     """The session ``session_id``; raises NotFoundError when there is none."""
-    return Unary("GetSession", pb.GetSessionRequest(session_id=session_id), _session_id, session_id)
+    return Unary(
+        "GetSession", pb.GetSessionRequest(session_id=session_id), _session_id, session_id, resend=True
+    )
 
 
 def list_sessions() -> Unary[list[SessionInfo]]:
     """Every session of the caller's (its tenant's)."""
-    return Unary("ListSessions", pb.ListSessionsRequest(), _sessions)
+    return Unary("ListSessions", pb.ListSessionsRequest(), _sessions, resend=True)
 
 
 def fork_session(session_id: str | None, checkpoint_id: str | None, persistent: bool) -> Unary[str]:
@@ -116,7 +124,7 @@ def fork_session(session_id: str | None, checkpoint_id: str | None, persistent: 
 def list_checkpoints(session_id: str | None) -> Unary[list[CheckpointInfo]]:
     """The checkpoints of a session; with none, all of the caller's (imports too)."""
     request = pb.ListCheckpointsRequest(session_id=session_id or "")
-    return Unary("ListCheckpoints", request, _checkpoints, session_id or None)
+    return Unary("ListCheckpoints", request, _checkpoints, session_id or None, resend=True)
 
 
 def delete_checkpoint(checkpoint_id: str) -> Unary[None]:
@@ -129,7 +137,9 @@ def export_checkpoint(checkpoint_id: str) -> Stream[bytes]:
 
     A path is replaced only once the whole checkpoint has arrived.
     """
-    return Stream("ExportCheckpoint", pb.ExportCheckpointRequest(checkpoint_id=checkpoint_id), _data)
+    return Stream(
+        "ExportCheckpoint", pb.ExportCheckpointRequest(checkpoint_id=checkpoint_id), _data, resend=True
+    )
 
 
 #: ImportCheckpoint streams requests the other way: each face reads the file its own way.
@@ -185,7 +195,7 @@ def generate(
         json_schema=json_schema,
         parse_special=parse_special,
     )
-    return Stream("Generate", request, _chunk, session_id)
+    return Stream("Generate", request, _chunk, session_id, resend=True)
 
 
 COMPLETE = "Like generate, but waits for the whole continuation."
@@ -222,7 +232,7 @@ def chat(
         json_schema=json_schema,
         whole=whole,
     )
-    return Stream("Chat", request, _chunk, session_id)
+    return Stream("Chat", request, _chunk, session_id, resend=True)
 
 
 CHAT = "Like chat_stream, but waits for the whole reply."
@@ -230,7 +240,7 @@ CHAT = "Like chat_stream, but waits for the whole reply."
 
 def session_info(session_id: str) -> Unary[SessionInfo]:
     """The session's current state."""
-    return Unary("GetSession", pb.GetSessionRequest(session_id=session_id), _session, session_id)
+    return Unary("GetSession", pb.GetSessionRequest(session_id=session_id), _session, session_id, resend=True)
 
 
 def close_session(session_id: str) -> Unary[None]:
@@ -241,7 +251,7 @@ def close_session(session_id: str) -> Unary[None]:
 def rewind(session_id: str, n_tokens: int) -> Unary[SessionInfo]:
     """Keep only the first ``n_tokens`` tokens of the session's history."""
     request = pb.RewindRequest(session_id=session_id, n_tokens=n_tokens)
-    return Unary("Rewind", request, _session, session_id)
+    return Unary("Rewind", request, _session, session_id, resend=True)
 
 
 def checkpoint(session_id: str, label: str | None) -> Unary[CheckpointInfo]:
@@ -256,7 +266,7 @@ CHECKPOINTS = "The session's checkpoints."
 def restore(session_id: str, checkpoint_id: str) -> Unary[SessionInfo]:
     """Put the session back in the state a checkpoint saved."""
     request = pb.RestoreCheckpointRequest(session_id=session_id, checkpoint_id=checkpoint_id)
-    return Unary("RestoreCheckpoint", request, _session, session_id)
+    return Unary("RestoreCheckpoint", request, _session, session_id, resend=True)
 
 
 def fork(session_id: str, checkpoint_id: str | None, persistent: bool) -> Unary[str]:

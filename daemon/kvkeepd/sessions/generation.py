@@ -304,6 +304,12 @@ class Conversations:
                     if job.boundary is not None:
                         session.boundary = job.boundary
                     if session.persistent:
+                        if item.token_ids:
+                            # NOTE: every token is sent before the turn is made durable, so a
+                            # stream cut before any token arrived was not kept: a client may
+                            # send it again (the SDK does) without adding the turn twice.
+                            put(replace(item, finish_reason=None, usage=None))
+                            item = replace(item, text="", token_ids=(), logprobs=())
                         await self._save_turn(session, before, draws_before, truncated=dropped > 0)
                 put(item)
                 if item.finish_reason is not None:
