@@ -7,7 +7,11 @@ a KV stream in the context's memory: RAM on a CPU build, device memory on a GPU)
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from checkpoint_helpers import GREEDY, gen
@@ -144,3 +148,25 @@ def test_docked_sessions_come_back_bit_exact(start_daemon: Callable[..., InProce
         fork = docked.fork(checkpoint)
         assert gen(fork, "", 6) == gen(client.create_session(sampling=GREEDY), prompts[3], 12)[6:]
         assert client.info().swap_ins >= 5
+
+
+def test_the_gpu_check_runs_its_steps_on_the_cpu_build(tmp_path: Path) -> None:
+    """scripts/gpu-check --cpu: the device run's checks and measurements, on a tiny model."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [str(root / "scripts" / "gpu-check"), "--cpu", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "KVKEEP_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert report["broken"] == [] and [r["flash_attn"] for r in report["runs"]] == [False, True]
+    exact, compact = report["runs"]
+    assert exact["exact"] and set(exact["checks"].values()) == {"same"}
+    assert len(exact["checks"]) == 6
+    assert compact["mode_note"] == "the settings ask for the compact mode" and "probe" in compact
+    for run in report["runs"]:
+        assert run["streams"] == {"slots": 16, "docks": 2, "stream_bytes": run["streams"]["stream_bytes"]}
+        assert set(run["met"]) == set(report["targets"])
+        assert run["state_bytes"] > 0 and run["reprefill_ms"] > 0 and run["decode_tok_s_16"] > 0
+    assert "| host_restore_gb_s |" in (tmp_path / "gpu-check.md").read_text()
+    assert not list(tmp_path.glob("*.gguf"))  # the model does not go back
