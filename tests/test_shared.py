@@ -198,25 +198,49 @@ def test_every_daemon_lists_a_tenants_persistent_sessions_and_never_another_tena
         assert ids(bob_b) == [mine.session_id]
 
 
-def test_an_idle_session_no_daemon_holds_expires_on_any_daemon_and_a_held_one_stays(
+def test_one_daemon_at_a_time_expires_the_sessions_no_daemon_holds(
     spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_server: str
 ) -> None:
     ttl = 1.0
     a, b = shared_pair(
-        spawn_daemon, tmp_path, redis_server, "--persistent-ttl", str(ttl), "--sweep-interval", "0.2"
+        spawn_daemon, tmp_path, redis_server, both=("--persistent-ttl", str(ttl), "--sweep-interval", "0.2")
     )
-    with kvkeep.Client(a.address, timeout=60) as ca:
-        free = ca.create_session(persistent=True).session_id
-    a.restart()  # a graceful stop lets A's leases go: the session is held by no daemon
-    with kvkeep.Client(a.address, timeout=60) as ca, kvkeep.Client(b.address, timeout=60) as cb:
-        held = ca.create_session(persistent=True)
-        wait_until(lambda: free not in ids(cb), 20, "B's sweeper to expire the session no daemon holds")
-        assert free in b.log() and free not in ids(ca)
+    duty = "now does the cluster's expiry"
+    wait_until(lambda: duty in a.log() or duty in b.log(), 20, "a daemon to take the expiry duty")
+    time.sleep(1.0)  # several sweeps of each: the duty stays where it is
+    assert (duty in a.log()) != (duty in b.log())
+    holder, other = (a, b) if duty in a.log() else (b, a)
+    with kvkeep.Client(other.address, timeout=60) as c:
+        free = c.create_session(persistent=True).session_id
+    other.restart()  # a graceful stop lets its leases go: the session is held by no daemon
+    with kvkeep.Client(holder.address, timeout=60) as ch, kvkeep.Client(other.address, timeout=60) as co:
+        wait_until(lambda: free not in ids(ch), 20, "the duty's holder to expire the session no daemon holds")
+        assert f"session {free} expired in the shared catalog" in holder.log()
+        assert free not in other.log().split("===== start 2")[-1] and free not in ids(co)
         with pytest.raises(kvkeep.NotFoundError):
-            cb.session(free)
-        time.sleep(ttl + 1.0)  # idle past the TTL, and several of B's sweeps
-        assert held.session_id in ids(cb) and held.session_id in ids(ca)
-        assert held.info().persistent  # still A's, and still there
+            co.session(free)
+    # The duty's holder dies: the other daemon takes the duty once its lease lapses.
+    holder.kill()
+    wait_until(lambda: duty in other.log(), 20, "the other daemon to take the expiry duty")
+
+
+def test_a_persistent_session_swapped_out_to_storage_lets_its_lease_go(
+    spawn_daemon: Callable[..., DaemonProcess], tmp_path: Path, redis_server: str
+) -> None:
+    # A has one slot and no RAM for parked state: a session evicted from the slot is
+    # swapped out to the store at once. B waits for no lease.
+    a, b = shared_pair(
+        spawn_daemon, tmp_path, redis_server, "--lease-wait", "0", both=("--slots", "1", "--ram-cache", "0")
+    )
+    with kvkeep.Client(a.address, timeout=60) as ca, kvkeep.Client(b.address, timeout=60, retry=None) as cb:
+        s = ca.create_session(SYSTEM, persistent=True, sampling=SAMPLING)
+        s.chat("When do you open?", max_tokens=8)
+        expected = s.fork(persistent=True).chat("And on Mondays?", max_tokens=12)  # evicts s
+        released = f"session {s.session_id} swapped out to storage; its lease is released"
+        wait_until(lambda: released in a.log(), 20, "A to let the swapped-out session go")
+        # B takes it at once: no hand-over to wait for, no lease to lapse.
+        moved = cb.session(s.session_id)
+        assert moved.chat("And on Mondays?", max_tokens=12).token_ids == expected.token_ids
 
 
 class Background:

@@ -2,9 +2,10 @@
 
 Every `sweep_interval` seconds, one pass runs as an operation (ops.py): sessions idle past
 `--idle-ttl` (ephemeral) or `--persistent-ttl` (persistent) are closed as a client's close
-would; with a shared catalog, persistent sessions that no daemon holds expire there too;
-parked state beyond the RAM budget spills to disk, and unreferenced blocks beyond the disk
-budget are dropped.
+would; with a shared catalog, the persistent sessions that no daemon holds expire there too,
+by whichever one daemon has the cluster's expiry duty (leases.py: one at a time, another
+taking over when it dies); parked state beyond the RAM budget spills to disk, and
+unreferenced blocks beyond the disk budget are dropped.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from kvkeepd.config.settings import Settings
 from kvkeepd.errors import KvkeepError
 from kvkeepd.sessions.host import SessionHost
+from kvkeepd.sessions.leases import Leases
 from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.session import Session
 from kvkeepd.storage.stores import Stores
@@ -24,6 +26,9 @@ log = logging.getLogger(__name__)
 
 #: With a shared catalog, the most persistent sessions one sweep deletes there.
 EXPIRED_PER_SWEEP = 100
+#: The duty (leases.py) of expiring what no daemon holds: persistent sessions now; stored
+#: responses, or anything else that outlives its daemon, would be expired by the same one.
+EXPIRY_DUTY = "expiry"
 
 
 class Sweeper:
@@ -35,13 +40,16 @@ class Sweeper:
         settings: Settings,
         residency: Residency,
         stores: Stores,
+        leases: Leases,
         close: Callable[[Session], Awaitable[None]],
     ) -> None:
-        """`close`: closes a session as a client's close would."""
+        """`close`: closes a session as a client's close would; `leases`: whose duty
+        leases say which daemon expires the sessions no daemon holds."""
         self.host = host
         self.settings = settings
         self.residency = residency
         self.stores = stores
+        self.leases = leases
         self.close = close
 
     async def sweep(self) -> None:
@@ -60,15 +68,17 @@ class Sweeper:
                     "session %s expired after %.0f s idle", session.session_id, now - session.last_used_at
                 )
                 await self.close(session)
-        if durable.catalog.shared and settings.persistent_ttl > 0:
+        shared_expiry = durable.catalog.shared and settings.persistent_ttl > 0
+        if shared_expiry and await self.leases.duty(EXPIRY_DUTY, settings.sweep_interval):
             await self._expire_unheld(now - settings.persistent_ttl)
         await self.residency.enforce_ram()
         await asyncio.to_thread(durable.sweep, settings.disk_budget, self.stores.disk.used)
 
     async def _expire_unheld(self, idle_before: float) -> None:
         """Delete the shared catalog's persistent sessions idle since before `idle_before`
-        that no daemon holds (those held, here or elsewhere, their holder expires). The
-        catalog deletes each once, whichever daemons' sweepers ask."""
+        that no daemon holds (those held, here or elsewhere, their holder expires). Run by
+        the holder of the expiry duty; the catalog would delete each once all the same,
+        whichever daemons asked."""
         try:
             expired = await asyncio.to_thread(
                 self.stores.durable.catalog.expire_sessions, idle_before, EXPIRED_PER_SWEEP

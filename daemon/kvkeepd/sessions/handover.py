@@ -19,6 +19,7 @@ from kvkeepd.sessions import ops as opsmod
 from kvkeepd.sessions.host import SessionHost
 from kvkeepd.sessions.leases import Leases
 from kvkeepd.sessions.persistence import Persistence
+from kvkeepd.sessions.placement import Stored
 from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
@@ -123,17 +124,21 @@ class Handover:
                 self._letting_go = asyncio.get_running_loop().create_task(self.host.ops.run(self._let_go()))
 
     async def _let_go(self) -> None:
-        for session_id in sorted(self.leases.lost | self.leases.wanted):
+        stored, self.leases.stored = self.leases.stored, set()
+        for session_id in sorted(self.leases.lost | self.leases.wanted | stored):
             session = self.host.sessions.get(session_id)
-            lost = session_id in self.leases.lost
             if session is None or session.closed:
                 self.leases.lost.discard(session_id)
                 continue
-            if not lost and session.busy:
-                continue  # in use here: the asker gets UNAVAILABLE and retries
+            if session_id not in self.leases.lost and session.busy:
+                continue  # in use here: an asker gets UNAVAILABLE and retries
             async with session.lock:
+                lost = session_id in self.leases.lost
+                wanted = session_id in self.leases.wanted
                 if session.closed:
                     continue
+                if not lost and not wanted and not self._still_stored(session):
+                    continue  # swapped out, then brought back by a request: it stays
                 if not lost and session.dirty:
                     try:
                         await self.residency.save_head(session)
@@ -151,9 +156,18 @@ class Handover:
                     log.warning("session %s dropped: another daemon holds it now", session_id)
                 else:
                     await self.leases.release(session_id)
-                    log.info("session %s handed over to another daemon", session_id)
+                    if wanted:
+                        log.info("session %s handed over to another daemon", session_id)
+                    else:
+                        log.info("session %s swapped out to storage; its lease is released", session_id)
             self.residency.slot_freed()
         self.host.publish()
+        if self.leases.stored:  # swapped out while this pass ran
+            self.leases.changed.set()
+
+    def _still_stored(self, session: Session) -> bool:
+        """Whether a session swapped out to storage still is (not brought back meanwhile)."""
+        return isinstance(self.residency.where(session), Stored) and not session.dirty
 
     async def _lease_again(self, session: Session) -> bool:
         """A lapsed lease that no other daemon made use of (an outage of the catalog, a pause

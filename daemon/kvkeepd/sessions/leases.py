@@ -10,8 +10,15 @@ from the server) never writes that session again: its write is refused and it dr
 A daemon asked for a session another one holds marks it wanted; the holder, at its next
 renewal, lets an idle session go (saving its head first), so the asker gets it
 within a renewal period. A busy one is kept, and the asker answers UNAVAILABLE with a retry
-hint after `lease_wait`. With the sqlite catalog every lease is granted at once (the state
-directory's lock already makes this daemon the only writer).
+hint after `lease_wait`. A persistent session swapped out to storage is let go too (its
+head is saved then), so that the next daemon asked for it takes it at once. With the sqlite
+catalog every lease is granted at once (the state directory's lock already makes this
+daemon the only writer).
+
+Work that the cluster needs done once, not by every daemon (expiring the sessions no daemon
+holds, collecting orphaned blocks), is a *duty*: a lease of its own (`duty`), which a daemon
+takes at each pass and keeps while it keeps passing; another daemon takes it only once the
+holder stops (dies, or stops asking) and its lease lapses.
 """
 
 from __future__ import annotations
@@ -24,12 +31,14 @@ import socket
 import time
 
 from kvkeepd.errors import KvkeepError, SessionElsewhere
-from kvkeepd.storage.catalog import Catalog
+from kvkeepd.storage.catalog import Catalog, Lease
 
 log = logging.getLogger(__name__)
 
 #: How often a request waiting for a leased session asks for it again.
 POLL_SECONDS = 0.1
+#: What a duty's lease is keyed by, before its name (session ids begin "s_": never this).
+DUTY_PREFIX = "@"
 
 
 class Leases:
@@ -49,6 +58,10 @@ class Leases:
         # the session manager drops or hands them over (`changed` tells it to look).
         self.lost: set[str] = set()
         self.wanted: set[str] = set()
+        # Sessions swapped out to storage: let go once idle (their heads are saved).
+        self.stored: set[str] = set()
+        # The duties this daemon holds now (logged when one is gained or lost).
+        self.duties: set[str] = set()
         # Set when `lost` or `wanted` gained sessions: the Handover looks then.
         self.changed = asyncio.Event()
         # Whether the catalog answered the last renewal (or ping): the metrics show it.
@@ -77,6 +90,33 @@ class Leases:
             # Asked often: a holder hands an idle session over at any of its renewals.
             await asyncio.sleep(min(left, max(0.02, lease.wait_ms / 1000), POLL_SECONDS))
 
+    def let_go(self, session_id: str) -> None:
+        """The session was swapped out to storage: with a shared catalog, let it go (and its
+        lease) once it is idle."""
+        if self.shared:
+            self.stored.add(session_id)
+            self.changed.set()
+
+    async def duty(self, name: str, period: float) -> bool:
+        """Whether this daemon has the cluster's duty `name` now: its lease, taken (or
+        extended) here, lasting three `period`s (the caller asks at least once a period).
+        With the sqlite catalog this daemon is the cluster: always."""
+        if not self.shared:
+            return True
+        ttl_ms = max(self.ttl_ms, int(3 * period * 1000))
+        try:
+            lease = await asyncio.to_thread(self.catalog.take_lease, DUTY_PREFIX + name, self.holder, ttl_ms)
+        except KvkeepError as e:
+            log.warning("the %s duty was not asked for: %s", name, e)
+            lease = Lease(0)
+        if lease.token and name not in self.duties:
+            log.info("this daemon now does the cluster's %s", name)
+            self.duties.add(name)
+        elif not lease.token and name in self.duties:
+            log.info("another daemon does the cluster's %s now", name)
+            self.duties.discard(name)
+        return lease.token > 0
+
     async def release(self, session_id: str) -> None:
         """Let the lease go (best effort: unreleased, it lapses by itself)."""
         token = self.held.pop(session_id, None)
@@ -93,6 +133,7 @@ class Leases:
         self.held.pop(session_id, None)
         self.lost.discard(session_id)
         self.wanted.discard(session_id)
+        self.stored.discard(session_id)
 
     def fenced(self, session_id: str) -> None:
         """A write was refused: another daemon took the session."""

@@ -145,7 +145,9 @@ class SessionManager:
             persistence=self.persistence,
             leases=self.leases,
         )
-        self.sweeper = Sweeper(self, settings, self.residency, stores, self.lifecycle.close_session)
+        self.sweeper = Sweeper(
+            self, settings, self.residency, stores, self.leases, self.lifecycle.close_session
+        )
         # Persistent sessions of the catalog that were not loaded at start (Census.problems).
         self.unloaded: set[str] = set()
         self.census = Census(

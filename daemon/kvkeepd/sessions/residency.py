@@ -487,6 +487,8 @@ class Residency:
             if session.persistent:
                 checkpoint_id, stored = await self.persistence.save_head(session, where.kv)
                 ref = Stored(self.durable, checkpoint_id, stored)
+                # Nothing of it is left here but its head: another daemon may take it at once.
+                self.persistence.leases.let_go(session.session_id)
             else:
                 snap = session.snapshot("", self.settings.block_tokens)
                 row, stored = await store_write(
