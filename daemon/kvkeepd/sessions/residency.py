@@ -32,10 +32,9 @@ from kvkeepd.config.settings import Settings
 from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import Busy, CorruptCheckpoint, KvkeepError
 from kvkeepd.sessions import ops
-from kvkeepd.sessions.docks import Docks
 from kvkeepd.sessions.lineage import Lineage
 from kvkeepd.sessions.persistence import Persistence
-from kvkeepd.sessions.placement import TIERS, Docked, HistoryOnly, InSlot, Parked, Placement, Stored
+from kvkeepd.sessions.placement import Docked, HistoryOnly, InSlot, Parked, Placements, Stored
 from kvkeepd.sessions.session import Session, TenantUsage
 from kvkeepd.sessions.tenants import Tenants
 from kvkeepd.sessions.wholes import StateCache
@@ -45,19 +44,19 @@ from kvkeepd.state.manifest import Snapshot
 from kvkeepd.storage.budget import state_bound
 from kvkeepd.storage.stores import Stores
 from kvkeepd.storage.writes import store_write
-from kvkeepd.values import Tier
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class Residency:
-    """The slot table and every session's placement."""
+class Residency(Placements):
+    """Every session's placement and the slot and dock tables (Placements), and the moves."""
 
     def __init__(
         self, engine: Engine, settings: Settings, stores: Stores, persistence: Persistence, tenants: Tenants
     ) -> None:
+        super().__init__(engine.streams)
         self.engine = engine
         self.settings = settings
         self.durable = stores.durable
@@ -68,11 +67,7 @@ class Residency:
         self.persistence = persistence
         # Their RAM quotas (SIGHUP may change them).
         self.tenants = tenants
-        self._where: dict[str, tuple[Session, Placement]] = {}
-        self._slots: list[Session | None] = [None] * settings.slots
         self._slot_freed = asyncio.Event()
-        # Where evicted sessions go before RAM, where the engine has docks.
-        self.docks = Docks(engine.streams.docks)
         # Which checkpoints each session's cells still are (rewind_to).
         self.lineage = Lineage()
         # Ephemeral checkpoints' whole states, in the RAM budget's free room.
@@ -84,60 +79,12 @@ class Residency:
         # Per tenant, for GetInfo: each sees its own.
         self.usage: defaultdict[str, TenantUsage] = defaultdict(TenantUsage)
 
-    # ---- reading ------------------------------------------------------------------------------
-
-    def where(self, session: Session) -> Placement:
-        return self._where[session.session_id][1]
-
-    def tier(self, session: Session) -> Tier:
-        return TIERS[type(self.where(session))]
-
-    def stream(self, session: Session) -> int | None:
-        """The engine sequence that holds the session's cells (its slot or dock), or None."""
-        match self.where(session):
-            case InSlot(slot):
-                return slot
-            case Docked(place):
-                return self.engine.streams.dock_id(place)
-        return None
-
-    @property
-    def slots_in_use(self) -> int:
-        return sum(1 for s in self._slots if s is not None)
-
-    def parked_bytes(self, tenant: str | None = None) -> int:
-        """Bytes of state held in RAM (of one tenant's sessions, or of all)."""
-        total = 0
-        for session, where in self._where.values():
-            if tenant is not None and session.tenant != tenant:
-                continue
-            total += sum(s.nbytes for s in session.snapshots)
-            if isinstance(where, Parked):
-                total += where.kv.nbytes
-        return total
-
     def ram_bytes(self) -> int:
         """Bytes in RAM that --ram-cache bounds: parked states, recurrent snapshots, ephemeral
         sessions' checkpoints (blocks and manifests) and the spill area's manifests. The
         whole states of `wholes` fill what is left, and give way to these."""
         total = self.parked_bytes() + self.spill_store.catalog.manifest_bytes
         return total + self.volatile.store.total_bytes() + self.volatile.catalog.manifest_bytes
-
-    # ---- placing new sessions -------------------------------------------------------------------
-
-    def add(self, session: Session, where: Placement | None = None) -> None:
-        """Start tracking a session that holds no slot (new: history only)."""
-        if isinstance(where, InSlot):
-            raise ValueError("a session enters a slot through into_slot")
-        self._where[session.session_id] = (session, where or HistoryOnly())
-
-    def _set(self, session: Session, where: Placement) -> None:
-        if isinstance(where, HistoryOnly):
-            state = session.state
-            state.n_kv = 0
-            state.logits = None
-            state.window_from = 0
-        self._where[session.session_id] = (session, where)
 
     # ---- moves ----------------------------------------------------------------------------------
 
@@ -538,21 +485,6 @@ class Residency:
             self._where[session.session_id] = (session, HistoryOnly())
             await asyncio.to_thread(self.spill_store.delete, where.checkpoint_id)
             await asyncio.to_thread(self.spill_store.sweep, 0)
-
-    # ---- checks --------------------------------------------------------------------------------
-
-    def table(
-        self,
-    ) -> tuple[list[Session | None], list[Session | None], list[tuple[str, Session, Placement]]]:
-        """The slot and dock tables and every placement, as they are now (for Census.problems)."""
-        placements = [(sid, s, where) for sid, (s, where) in self._where.items()]
-        return list(self._slots), self.docks.owners(), placements
-
-    def slot_owners(self) -> list[int | None]:
-        """Per engine sequence (slots, docks, the scratch), its owner's state length or None:
-        what the engine's check compares."""
-        owners = [*self._slots, *self.docks.owners()] + [None] * (self.engine.streams.scratch is not None)
-        return [s.state.n_kv if s is not None else None for s in owners]
 
     async def _engine(self, fn: Callable[[Engine], T]) -> T:
         return await asyncio.wrap_future(self.engine.call(fn))
