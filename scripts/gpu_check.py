@@ -203,8 +203,8 @@ def checks(e: Engine, n: int) -> dict[str, str]:
     e.load(7, SeqState(tokens=list(history), n_kv=n), kv)
     out["restored into another slot"] = _same(step(e, 7, nxt, n), reference)
     ctx.clear(7)
-    e.dock(0, 0)
-    e.undock(0, 9)
+    e.move(0, e.streams.dock_id(0))
+    e.move(e.streams.dock_id(0), 9)
     out["dock round trip"] = _same(step(e, 9, nxt, n), reference)
     ctx.clear(9)
     return out
@@ -262,7 +262,7 @@ def switch(e: Engine, n: int, repeat: int) -> float:
     toks = [_tokens(e, n + 3 * repeat + 1, 3), _tokens(e, n + 3 * repeat + 1, 4)]
     pos = [n, n]
     prefill(e, 0, toks[1][:n])
-    e.dock(0, 0)  # session 1 waits in dock 0
+    e.move(0, e.streams.dock_id(0))  # session 1 waits in dock 0
     prefill(e, 0, toks[0][:n])
     here, docked_at = 0, 0
     switched, plain = [], []
@@ -271,8 +271,8 @@ def switch(e: Engine, n: int, repeat: int) -> float:
         pos[here] += 1
         there, free = 1 - here, 1 - docked_at
         t0 = time.perf_counter()
-        e.dock(0, free)
-        e.undock(docked_at, 0)
+        e.move(0, e.streams.dock_id(free))
+        e.move(e.streams.dock_id(docked_at), 0)
         step(e, 0, toks[there][pos[there]], pos[there])
         switched.append(time.perf_counter() - t0)
         pos[there] += 1

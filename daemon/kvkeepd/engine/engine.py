@@ -259,16 +259,9 @@ class Engine:
         state.n_kv = n
         state.window_from = kv.window_from
 
-    def dock(self, slot: int, place: int) -> None:
-        """Move a slot's session to dock `place` (streams.py): cells in place, its SeqState
-        still true (the same cells, the same logits). On failure both are emptied."""
-        self._move(slot, self.streams.dock_id(place))
-
-    def undock(self, place: int, slot: int) -> None:
-        """Move dock `place`'s session into the empty slot (as dock does)."""
-        self._move(self.streams.dock_id(place), slot)
-
-    def _move(self, src: int, dst: int) -> None:
+    def move(self, src: int, dst: int) -> None:
+        """Move a session's cells from one stream to an empty one (a slot to a dock or back,
+        streams.py): cells in place, its SeqState still true. On failure both are emptied."""
         try:
             self.ctx.move(src, dst)
         except BaseException:

@@ -106,7 +106,7 @@ class Residency(Placements):
             if isinstance(where, Docked):
                 place, docked = where.place, True
                 try:
-                    await self._engine(lambda e: e.undock(place, slot))
+                    await self._engine(lambda e: e.move(self.streams.dock_id(place), slot))
                 finally:
                     self.docks.vacate(place)
             else:
@@ -187,9 +187,9 @@ class Residency(Placements):
         to = place
         moved = False
         try:
-            await self._engine(lambda e: e.dock(slot, to))
+            await self._engine(lambda e: e.move(slot, self.streams.dock_id(to)))
             moved = True
-        finally:  # a failed move left both streams empty (Engine.dock)
+        finally:  # a failed move left both streams empty (Engine.move)
             self._vacate(slot)
             if moved:
                 self.docks.hold(to, session)
