@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -308,12 +309,32 @@ def test_without_the_daemon_extra_the_client_works_and_serve_says_what_to_instal
     assert info.returncode == 0, info.stderr
     assert json.loads(info.stdout)["mode"] == "exact"
 
-    for args in (["serve"], ["serve", "--help"]):
-        serve = cli(*args)
-        assert serve.returncode == 1, serve.stdout + serve.stderr
-        assert serve.stdout == ""
-        assert "Traceback" not in serve.stderr
-        assert serve.stderr.splitlines() == [
-            "error: kvkeep serve needs the daemon's dependencies (no module 'llama_cpp'): "
-            "pip install 'kvkeep[daemon]'"
-        ]
+    needs = (
+        "kvkeep serve needs the daemon's dependencies (no module 'llama_cpp'): pip install 'kvkeep[daemon]'"
+    )
+    serve = cli("serve")
+    assert serve.returncode == 1, serve.stdout + serve.stderr
+    assert serve.stdout == ""
+    assert serve.stderr.splitlines() == [f"error: {needs}"]
+    # The options are there to read before installing.
+    helped = cli("serve", "--help")
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stderr.splitlines() == [f"note: {needs}"]
+    assert "--ctx-per-session" in helped.stdout
+
+
+def test_ctrl_c_stops_a_reply_quietly_with_status_130(daemon_address: str, client: kvkeep.Client) -> None:
+    sessions_before = {s.session_id for s in client.list_sessions()}
+    run = ["run", "--address", daemon_address, "--max-tokens", "0", "--temperature", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from kvkeep.cli import main; main()", *run, "Count from 1 to 2000: 1, 2, 3,"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(1)  # the reply has begun
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 130
+    assert proc.stderr.read() == b""
+    # The reply's session was closed all the same.
+    assert {s.session_id for s in client.list_sessions()} == sessions_before

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import subprocess
 import sys
 import threading
@@ -244,17 +245,35 @@ def test_join_chunks() -> None:
 # --- the CLI without a daemon -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args", [["info"], ["--json", "session", "list"], ["run", "hi"], ["chat"]])
-def test_cli_unreachable_daemon_is_one_error_line(args: list[str]) -> None:
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--address", "127.0.0.1:1", "info"],
+        ["--address", "127.0.0.1:1", "--json", "session", "list"],
+        ["run", "hi", "--address", "127.0.0.1:1"],
+        ["chat", "--address", "127.0.0.1:1"],
+        [
+            "--address",
+            "127.0.0.1:2",
+            "session",
+            "create",
+            "--persistent",
+            "--json",
+            "--address",
+            "127.0.0.1:1",
+        ],
+    ],
+)
+def test_cli_unreachable_daemon_is_one_error_line_that_says_how_to_start_one(args: list[str]) -> None:
     started = time.monotonic()
-    result = CliRunner().invoke(main, ["--address", "127.0.0.1:1", "--timeout", "5", *args])
+    result = CliRunner().invoke(main, ["--timeout", "5", *args])
     assert time.monotonic() - started < 5
     assert result.exit_code == 1
     assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1
-    assert lines[0].startswith("error: cannot reach kvkeep at 127.0.0.1:1: ")
-    assert "Traceback" not in result.output
+    assert result.stderr.splitlines() == [
+        "error: cannot reach kvkeep at 127.0.0.1:1 (Connection refused): start a daemon with "
+        "`kvkeep serve`, or give its address with --address or KVKEEP_ADDRESS"
+    ]
 
 
 def test_cli_address_comes_from_the_environment() -> None:
@@ -615,14 +634,33 @@ def test_cli_daemon_error_is_one_line(fake: tuple[FakeDaemon, str]) -> None:
     assert result.stderr == "error: no session 'nope'\n"
 
 
+def test_global_options_go_before_or_after_the_command(fake: tuple[FakeDaemon, str]) -> None:
+    _, address = fake
+    before = CliRunner().invoke(main, ["--address", address, "--json", "session", "create"])
+    after = CliRunner().invoke(main, ["session", "create", "--json", "--address", address])
+    between = CliRunner().invoke(main, ["--address", address, "session", "--json", "create"])
+    for result in (before, after, between):
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["session_id"] == "s1"
+    # Only --json is listed in a command's help; the others are the root's.
+    shown = CliRunner().invoke(main, ["session", "create", "--help"]).stdout
+    assert "--json" in shown and "--address" not in shown
+
+
 def test_serve_without_the_daemon_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "kvkeepd.server", None)  # makes the import fail
+    needs = (
+        "kvkeep serve needs the daemon's dependencies (no module 'kvkeepd.server'): "
+        "pip install 'kvkeep[daemon]'"
+    )
     result = CliRunner().invoke(main, ["serve", "--model", "x.gguf"])
     assert result.exit_code == 1
-    assert result.stderr == (
-        "error: kvkeep serve needs the daemon's dependencies (no module 'kvkeepd.server'): "
-        "pip install 'kvkeep[daemon]'\n"
-    )
+    assert result.stderr == f"error: {needs}\n"
+    # Its options are listed all the same, with what to install first.
+    helped = CliRunner().invoke(main, ["serve", "--help"])
+    assert helped.exit_code == 0
+    assert helped.stderr.splitlines()[0] == f"note: {needs}"
+    assert "--ctx-per-session" in helped.stdout
 
 
 def test_the_client_does_not_import_the_daemon() -> None:

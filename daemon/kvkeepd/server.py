@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lack it
 from grpc_reflection.v1alpha import reflection
 
+from kvkeepd.api.listen import bind, check_free
 from kvkeepd.api.metrics import serve_metrics
 from kvkeepd.api.service import KvKeepService
 from kvkeepd.api.wire import SERVICE
@@ -239,13 +241,31 @@ def build_server(
         ),
         server,
     )
-    if credentials is not None:
-        port = server.add_secure_port(settings.address, credentials)
-    else:
-        port = server.add_insecure_port(settings.address)
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(settings.address, credentials)
+        else:
+            port = server.add_insecure_port(settings.address)
+    except RuntimeError:  # gRPC's "Failed to bind"; its own log line says why
+        port = 0
     if port == 0 and not settings.address.startswith("unix:"):
-        raise OSError(f"cannot listen on {settings.address}")
+        raise OSError(f"cannot listen on {settings.address} (gRPC); {GRPC_CHANGE}")
     return server, health_servicer, port
+
+
+#: What to change when a door's address cannot be listened on.
+GRPC_CHANGE = "choose another address with --address"
+HTTP_CHANGE = "choose another address with --http"
+METRICS_CHANGE = "choose another address with --metrics-address"
+
+
+def check_addresses(settings: Settings) -> socket.socket | None:
+    """Try every address the daemon will listen on, before anything heavy starts: OSError
+    names a busy one. Returns the HTTP door's socket, bound (None without the door)."""
+    check_free(settings.address, "gRPC", GRPC_CHANGE)
+    if settings.metrics_address:
+        check_free(settings.metrics_address, "metrics", METRICS_CHANGE)
+    return bind(settings.http_address, "HTTP", HTTP_CHANGE) if settings.http_address else None
 
 
 def http_door(settings: Settings, manager: SessionManager) -> HttpDoor:
@@ -287,7 +307,9 @@ class Daemon:
         # the model run in worker threads: the event loop never waits on them. The state
         # directory is locked before anything in it is touched.
         state = self._state = await asyncio.to_thread(StateDir.take, settings.state_dir)
+        http_socket: socket.socket | None = None
         try:
+            http_socket = await asyncio.to_thread(check_addresses, settings)
             fp = await asyncio.to_thread(fingerprint, settings.model_path, state.path)
             log.info("loading %s", settings.model_path)
             info = await asyncio.to_thread(self.engine.start)
@@ -315,10 +337,15 @@ class Daemon:
                 await self._server.start()
             finally:
                 os.umask(old_umask)
-            if settings.http_address:
+            if http_socket is not None:
                 self._http = http_door(settings, manager)
-                self.http_port = await self._http.start()
-        except BaseException:
+                self.http_port = await self._http.start(http_socket)
+                http_socket = None  # the door's now
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError | KeyboardInterrupt):
+                log.info("interrupted while starting: stopping once the engine ends what it began")
+            if http_socket is not None:
+                http_socket.close()
             if self._server is not None:
                 await self._server.stop(0)
             if self._journal is not None:

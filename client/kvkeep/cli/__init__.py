@@ -9,10 +9,9 @@ from __future__ import annotations
 import click
 
 from kvkeep import __version__
-from kvkeep._connection import Tls, resolve_address
 from kvkeep.cli._chat import chat, run
 from kvkeep.cli._checkpoint import checkpoint_group
-from kvkeep.cli._context import Main, State
+from kvkeep.cli._context import Main, State, global_options, with_global_options
 from kvkeep.cli._daemon import info, serve
 from kvkeep.cli._options import DEFAULT_MAX_TOKENS
 from kvkeep.cli._session import session_group
@@ -21,31 +20,12 @@ __all__ = ["DEFAULT_MAX_TOKENS", "main"]
 
 
 @click.group(cls=Main, context_settings={"auto_envvar_prefix": "KVKEEP"})
-@click.option(
-    "--address",
-    envvar="KVKEEP_ADDRESS",
-    metavar="TARGET",
-    help="Daemon address, host:port or unix:PATH.  [default: 127.0.0.1:50051]",
-)
-@click.option("--timeout", type=float, metavar="SECONDS", help="Deadline of each call that is not a stream.")
-@click.option(
-    "--token",
-    envvar="KVKEEP_TOKEN",
-    metavar="TOKEN",
-    help="Bearer token of your tenant (daemons with --auth-file).",
-)
-@click.option("--tls", "use_tls", is_flag=True, help="Connect with TLS (implied by the --tls-* files).")
-@click.option(
-    "--tls-ca", type=click.Path(dir_okay=False), help="CA certificate (PEM) of the daemon's certificate."
-)
-@click.option("--tls-cert", type=click.Path(dir_okay=False), help="Client certificate (PEM), for mutual TLS.")
-@click.option("--tls-key", type=click.Path(dir_okay=False), help="Client key (PEM), for mutual TLS.")
-@click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
+@global_options
 @click.version_option(__version__, prog_name="kvkeep")
 @click.pass_context
 def main(
     ctx: click.Context,
-    address: str | None,
+    address_option: str | None,
     timeout: float | None,
     token: str | None,
     use_tls: bool,
@@ -54,12 +34,23 @@ def main(
     tls_key: str | None,
     as_json: bool,
 ) -> None:
-    """kvkeep: one llama.cpp model, many chat sessions, and their checkpoints."""
-    tls = Tls(tls_ca, tls_cert, tls_key) if use_tls or tls_ca or tls_cert or tls_key else None
-    state = State(resolve_address(address), timeout, as_json, token, tls)
+    """kvkeep: one llama.cpp model, many chat sessions, and their checkpoints.
+
+    Its options go before the command or after it (`kvkeep session create --json`).
+
+    \b
+    Shell completion, in ~/.bashrc (or zsh_source in ~/.zshrc):
+      eval "$(_KVKEEP_COMPLETE=bash_source kvkeep)"
+    and for fish, in ~/.config/fish/completions/kvkeep.fish:
+      _KVKEEP_COMPLETE=fish_source kvkeep | source
+    """
+    state = State(address_option, timeout, as_json, token, use_tls, tls_ca, tls_cert, tls_key)
     ctx.obj = state
     ctx.call_on_close(state.close)
 
 
-for command in (info, run, chat, session_group, checkpoint_group, serve):
+for command in (info, run, chat, session_group, checkpoint_group):
+    with_global_options(command)
     main.add_command(command)
+# `kvkeep serve` takes the daemon's own options (its --address is where it listens).
+main.add_command(serve)

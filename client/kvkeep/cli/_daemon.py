@@ -30,11 +30,15 @@ def info(state: State) -> None:
 def serve(ctx: click.Context) -> None:
     """Run the daemon (from kvkeep[daemon]); `kvkeep serve --help` lists its options."""
     # Imported here: the client must work where the daemon and llama.cpp are not installed.
-    # The server module imports every dependency of the daemon, so a missing one shows here.
+    # The server module imports every dependency of the daemon, so a missing one shows here;
+    # the options alone (kvkeepd.cli) need none of them, so --help works everywhere.
+    daemon_cli = importlib.import_module("kvkeepd.cli")
     try:
         importlib.import_module("kvkeepd.server")
-        daemon_cli = importlib.import_module("kvkeepd.cli")
     except ImportError as e:
         missing = f"no module {e.name!r}" if e.name else str(e)
-        fail(f"kvkeep serve needs the daemon's dependencies ({missing}): pip install 'kvkeep[daemon]'")
+        needs = f"kvkeep serve needs the daemon's dependencies ({missing}): pip install 'kvkeep[daemon]'"
+        if "--help" not in ctx.args:
+            fail(needs)
+        click.echo(f"note: {needs}", err=True)
     daemon_cli.main(ctx.args, prog_name="kvkeep serve")

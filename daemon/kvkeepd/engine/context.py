@@ -100,6 +100,10 @@ class ModelInfo:
     exact_note: str = ""
 
 
+class ModelLoadError(OSError):
+    """llama.cpp refused the model file: one line for the operator, as a file's failures are."""
+
+
 @dataclass(frozen=True)
 class BatchItem:
     """One token of a batch: which slot, what token at which position, whether to keep logits."""
@@ -133,7 +137,11 @@ class LlamaContext:
             mparams.use_extra_bufts = False
         self._model = llama.llama_model_load_from_file(str(cfg.model_path).encode(), mparams)
         if not self._model:
-            raise RuntimeError(f"llama.cpp could not load the model {cfg.model_path}")
+            # llama.cpp says why only in its own log (shown at --log-level debug).
+            raise ModelLoadError(
+                f"llama.cpp could not load the model {cfg.model_path}: a damaged file, or an "
+                "architecture this llama.cpp does not know (--log-level debug shows its reasons)"
+            )
         model = self._model
         try:
             self.streams = streams.plan(

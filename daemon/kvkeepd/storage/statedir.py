@@ -88,10 +88,19 @@ class StateDir:
         """Create (0700) and lock the directory, then check its fixed entries (see the
         module's docstring); StateDirError if another daemon holds it or an entry is refused.
         Nothing else in the directory is touched before the lock is held."""
-        private_dir(path)
-        _tighten(path)
-        lock = path / "lock"
-        fd = open_private(lock, os.O_RDWR)
+        try:
+            private_dir(path)
+            _tighten(path)
+            fd = open_private(path / "lock", os.O_RDWR)
+        except StateDirError:
+            raise
+        except OSError as e:
+            # Unwritable, unreadable, a file in the way: say which setting chose the path.
+            where = f" ({e.filename})" if e.filename and Path(e.filename) != path else ""
+            why = "not a directory" if isinstance(e, FileExistsError) else (e.strerror or str(e)).lower()
+            raise StateDirError(
+                f"cannot use the state directory {path}{where}: {why}; choose another with --state-dir"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

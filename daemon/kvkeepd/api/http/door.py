@@ -28,23 +28,6 @@ class _Server(uvicorn.Server):
         yield
 
 
-def listen(address: str) -> socket.socket:
-    """A socket bound to `host:port` (port 0: any free one); OSError if it cannot be."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    family, kind, proto, _, where = socket.getaddrinfo(
-        host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(where)
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {address} (HTTP): {e}") from None
-    return sock
-
-
 class HttpDoor:
     """The HTTP door of a daemon: started after the manager, stopped before it shuts down."""
 
@@ -56,10 +39,9 @@ class HttpDoor:
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> int:
-        """Listen and serve; returns the bound port."""
+    async def start(self, sock: socket.socket) -> int:
+        """Listen on `sock` (bound) and serve; returns the bound port."""
         s = self.settings
-        sock = listen(s.http_address)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             limited(self.door),
