@@ -148,6 +148,6 @@ def test_ctrl_c_while_starting_exits_130_without_a_traceback(tmp_path: Path) -> 
         pass
     proc.send_signal(signal.SIGINT)
     rest = proc.stderr.read()
-    assert proc.wait(120) == 130
+    assert proc.wait(120) == 130, rest
     assert "Traceback" not in rest and "Aborted" not in rest
     assert not os.path.exists(tmp_path / "s" / "spill")

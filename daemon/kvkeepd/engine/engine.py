@@ -59,6 +59,7 @@ class Engine:
         self.config = config
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._lifecycle = threading.Lock()
         self._active: list[Job] = []
         # Where jobs' emit callbacks post their output (see Outbox): flushed before each
         # decode and at the end of every turn of the loop.
@@ -96,19 +97,24 @@ class Engine:
     def start(self) -> ModelInfo:
         """Start the engine thread and load the model there. Raises if loading fails."""
         ready: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._main, args=(ready,), name="kvkeep-engine", daemon=True)
-        self._thread.start()
+        # NOTE: a start interrupted (Ctrl-C while the model loads) calls stop from another
+        # thread: it finds the engine thread started, or not there at all.
+        with self._lifecycle:
+            thread = threading.Thread(target=self._main, args=(ready,), name="kvkeep-engine", daemon=True)
+            thread.start()
+            self._thread = thread
         self.info = ready.result()
         self.layout = self.info.layout
         return self.info
 
     def stop(self) -> None:
         """Finish: cancel generations, free the context and model, join the thread."""
-        if self._thread is None:
+        with self._lifecycle:
+            thread, self._thread = self._thread, None
+        if thread is None:
             return
         self._inbox.put(_STOP)
-        self._thread.join()
-        self._thread = None
+        thread.join()
 
     def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
         """Run `fn(engine)` on the engine thread between steps."""
