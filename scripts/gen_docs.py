@@ -46,6 +46,7 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "kv-unified",
             "flash-attn",
             "probe-cache",
+            "tool-format",
         ),
     ),
     (

@@ -64,6 +64,8 @@ def test_a_whole_conversation_keeps_what_matches(client: kvkeep.Client) -> None:
 def test_bad_messages_are_refused(client: kvkeep.Client) -> None:
     session = client.create_session(sampling=GREEDY)
     with pytest.raises(kvkeep.InvalidRequestError, match="role"):
+        session.chat([Message("robot", "x")])
+    with pytest.raises(kvkeep.InvalidRequestError, match="names the call it answers"):
         session.chat([Message("tool", "x")])
     with pytest.raises(ValueError, match="whole"):
         session.chat("Hi", whole=True)

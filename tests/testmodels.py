@@ -32,7 +32,16 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["GEMMA3_270M_SHA256", "GEMMA3_N_SWA", "NAMES", "VERSION", "gemma3_270m", "path"]
+__all__ = [
+    "GEMMA3_270M_SHA256",
+    "GEMMA3_N_SWA",
+    "NAMES",
+    "VERSION",
+    "TokenizerEntry",
+    "gemma3_270m",
+    "path",
+    "variant",
+]
 
 #: Bumped whenever what the generator writes changes: cached files of other versions are ignored.
 VERSION = 1
@@ -311,10 +320,11 @@ def _add_hparam(w: gguf.GGUFWriter, key: str, value: int | float | list[int]) ->
         w.add_uint32(key, value)
 
 
-def _write(name: str, dst: Path) -> None:
-    """Generate model ``name`` and write it to ``dst``."""
+def _write(name: str, dst: Path, tokenizer: Sequence[_Kv] | None = None) -> None:
+    """Generate model ``name`` (with ``tokenizer``'s entries, default: the default model's)
+    and write it to ``dst``."""
     arch, build = _BUILDERS[name]
-    tokenizer = _tokenizer()
+    tokenizer = _tokenizer() if tokenizer is None else tokenizer
     m = _Model(arch, np.random.default_rng(_SEED ^ zlib.crc32(name.encode())), _n_vocab(tokenizer))
     build(m)
     w = gguf.GGUFWriter(dst, arch)
@@ -387,16 +397,37 @@ def path(name: str, cache_dir: Path | None = None) -> Path:
     """
     if name not in NAMES:
         raise ValueError(f"unknown test model {name!r}; known: {', '.join(NAMES)}")
+    return _cached(f"{name}-v{VERSION}.gguf", lambda tmp: _write(name, tmp), cache_dir)
+
+
+def variant(
+    name: str, tag: str, edit: Callable[[list[_Kv]], list[_Kv]], cache_dir: Path | None = None
+) -> Path:
+    """Test model ``name`` with its tokenizer's entries changed by ``edit`` (a chat template,
+    token texts and kinds...), cached under ``tag``, which must change whenever the edit does."""
+    if name not in NAMES:
+        raise ValueError(f"unknown test model {name!r}; known: {', '.join(NAMES)}")
+    return _cached(
+        f"{name}-{tag}-v{VERSION}.gguf", lambda tmp: _write(name, tmp, edit(list(_tokenizer()))), cache_dir
+    )
+
+
+#: One entry of a tokenizer (tests/toolmodels.py edits them).
+TokenizerEntry = _Kv
+
+
+def _cached(file_name: str, write: Callable[[Path], None], cache_dir: Path | None) -> Path:
+    """The cached file, written once by ``write`` (to a temporary file renamed into place)."""
     directory = cache_dir if cache_dir is not None else _default_cache_dir()
-    target = directory / f"{name}-v{VERSION}.gguf"
+    target = directory / file_name
     if target.is_file():
         return target
     directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=f".{name}-", suffix=".gguf.tmp")
+    fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=f".{file_name}-", suffix=".tmp")
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        _write(name, tmp)
+        write(tmp)
         tmp.chmod(0o644)  # mkstemp's 0600 would keep the cache from other users
         os.replace(tmp, target)
     finally:

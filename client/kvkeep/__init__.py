@@ -41,6 +41,9 @@ from kvkeep._types import (
     SamplingParams,
     SessionInfo,
     TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 
@@ -83,6 +86,9 @@ __all__ = [
     "StoreWriteError",
     "Tls",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
     "UnavailableError",
     "Usage",
     "__version__",

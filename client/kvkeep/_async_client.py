@@ -20,7 +20,7 @@ from kvkeep._errors import from_rpc_error
 from kvkeep._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
 from kvkeep._operations import described_by
 from kvkeep._retry import DEFAULT_RETRY, Attempts, Retry
-from kvkeep._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo
+from kvkeep._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo, Tool
 from kvkeep.v1 import kvkeep_pb2 as pb
 from kvkeep.v1 import kvkeep_pb2_grpc as pb_grpc
 
@@ -139,8 +139,9 @@ class AsyncClient:
         persistent: bool = False,
         cache_salt: str | bytes | None = None,
         context_policy: str = "error",
+        tools: Sequence[Tool] = (),
     ) -> AsyncSession:
-        op = ops.create_session(system_prompt, sampling, stop, persistent, cache_salt, context_policy)
+        op = ops.create_session(system_prompt, sampling, stop, persistent, cache_salt, context_policy, tools)
         return AsyncSession(self, await self._unary(op))
 
     @described_by(ops.session)
@@ -274,6 +275,9 @@ class AsyncSession:
         grammar: str | None = None,
         json_schema: str | Mapping[str, Any] | None = None,
         whole: bool = False,
+        tools: Sequence[Tool] | None = None,
+        tool_choice: str | Tool | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         op = ops.chat(
             self.session_id,
@@ -285,6 +289,9 @@ class AsyncSession:
             grammar=grammar,
             json_schema=json_schema,
             whole=whole,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
         )
         return self.client._stream(op)
 
@@ -300,6 +307,9 @@ class AsyncSession:
         grammar: str | None = None,
         json_schema: str | Mapping[str, Any] | None = None,
         whole: bool = False,
+        tools: Sequence[Tool] | None = None,
+        tool_choice: str | Tool | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> Completion:
         stream = self.chat_stream(
             message,
@@ -310,6 +320,9 @@ class AsyncSession:
             grammar=grammar,
             json_schema=json_schema,
             whole=whole,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
         )
         return await _join(stream)
 

@@ -21,7 +21,7 @@ from kvkeep._errors import from_rpc_error
 from kvkeep._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
 from kvkeep._operations import described_by
 from kvkeep._retry import DEFAULT_RETRY, Attempts, Retry
-from kvkeep._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo
+from kvkeep._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo, Tool
 from kvkeep.v1 import kvkeep_pb2_grpc as pb_grpc
 
 _T = TypeVar("_T")
@@ -148,11 +148,14 @@ class Client:
         persistent: bool = False,
         cache_salt: str | bytes | None = None,
         context_policy: str = "error",
+        tools: Sequence[Tool] = (),
     ) -> Session:
         return Session(
             self,
             self._unary(
-                ops.create_session(system_prompt, sampling, stop, persistent, cache_salt, context_policy)
+                ops.create_session(
+                    system_prompt, sampling, stop, persistent, cache_salt, context_policy, tools
+                )
             ),
         )
 
@@ -279,6 +282,9 @@ class Session:
         grammar: str | None = None,
         json_schema: str | Mapping[str, Any] | None = None,
         whole: bool = False,
+        tools: Sequence[Tool] | None = None,
+        tool_choice: str | Tool | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> Generator[Chunk, None, None]:
         op = ops.chat(
             self.session_id,
@@ -290,6 +296,9 @@ class Session:
             grammar=grammar,
             json_schema=json_schema,
             whole=whole,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
         )
         return self.client._stream(op)
 
@@ -305,6 +314,9 @@ class Session:
         grammar: str | None = None,
         json_schema: str | Mapping[str, Any] | None = None,
         whole: bool = False,
+        tools: Sequence[Tool] | None = None,
+        tool_choice: str | Tool | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> Completion:
         return join_chunks(
             self.chat_stream(
@@ -316,6 +328,9 @@ class Session:
                 grammar=grammar,
                 json_schema=json_schema,
                 whole=whole,
+                tools=tools,
+                tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
             )
         )
 

@@ -20,6 +20,9 @@ from kvkeep._types import (
     SamplingParams,
     SessionInfo,
     TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from kvkeep.v1 import kvkeep_pb2 as pb
@@ -28,6 +31,7 @@ _ROLES: dict[pb.Role.ValueType, str] = {
     pb.ROLE_SYSTEM: "system",
     pb.ROLE_USER: "user",
     pb.ROLE_ASSISTANT: "assistant",
+    pb.ROLE_TOOL: "tool",
 }
 _RESIDENCIES: dict[pb.Residency.ValueType, str] = {
     pb.RESIDENCY_HOT: "hot",
@@ -40,6 +44,7 @@ _FINISH_REASONS: dict[pb.FinishReason.ValueType, str] = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_CONTEXT_FULL: "context_full",
     pb.FINISH_REASON_CANCELLED: "cancelled",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 _ROLE_VALUES = {v: k for k, v in _ROLES.items()}
 _RESIDENCY_VALUES = {v: k for k, v in _RESIDENCIES.items()}
@@ -85,13 +90,69 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
 
 
 def message_to_pb(msg: Message) -> pb.Message:
-    """The message for one conversation turn."""
-    return pb.Message(role=_ROLE_VALUES.get(msg.role, pb.ROLE_UNSPECIFIED), content=msg.content)
+    """The message for one message of a conversation."""
+    return pb.Message(
+        role=_ROLE_VALUES.get(msg.role, pb.ROLE_UNSPECIFIED),
+        content=msg.content,
+        tool_calls=[call_to_pb(c) for c in msg.tool_calls],
+        tool_call_id=msg.tool_call_id or "",
+    )
 
 
 def message_from_pb(m: pb.Message) -> Message:
-    """One conversation turn."""
-    return Message(role=_ROLES.get(m.role, _UNSPECIFIED), content=m.content)
+    """One message of a conversation."""
+    return Message(
+        role=_ROLES.get(m.role, _UNSPECIFIED),
+        content=m.content,
+        tool_calls=tuple(call_from_pb(c) for c in m.tool_calls),
+        tool_call_id=m.tool_call_id or None,
+    )
+
+
+def tool_to_pb(t: Tool) -> pb.Tool:
+    """The message for a tool."""
+    if not isinstance(t, Tool):
+        raise TypeError(f"tools are kvkeep.Tool values, not {type(t).__name__}")
+    parameters = "" if t.parameters is None else json.dumps(t.parameters)
+    return pb.Tool(name=t.name, description=t.description, parameters=parameters)
+
+
+def tool_from_pb(m: pb.Tool) -> Tool:
+    """A tool."""
+    return Tool(
+        name=m.name, description=m.description, parameters=json.loads(m.parameters) if m.parameters else None
+    )
+
+
+def call_to_pb(c: ToolCall) -> pb.ToolCall:
+    """The message for a call a reply made."""
+    return pb.ToolCall(call_id=c.call_id, name=c.name, arguments=c.arguments)
+
+
+def call_from_pb(m: pb.ToolCall) -> ToolCall:
+    """A call a reply made."""
+    return ToolCall(call_id=m.call_id, name=m.name, arguments=m.arguments)
+
+
+def tool_choice_to_pb(choice: str | Tool) -> pb.ToolChoice:
+    """The message for a tool choice: a mode, or the tool (its name) to call."""
+    if isinstance(choice, Tool):
+        return pb.ToolChoice(mode="function", function=choice.name)
+    if choice in ("auto", "none", "required"):
+        return pb.ToolChoice(mode=choice)
+    return pb.ToolChoice(mode="function", function=choice)
+
+
+def join_calls(calls: Iterable[ToolCall], deltas: Iterable[ToolCallDelta]) -> tuple[ToolCall, ...]:
+    """The calls after their streamed pieces."""
+    out = list(calls)
+    for d in deltas:
+        if d.index >= len(out):
+            out.append(ToolCall(d.call_id, d.name, d.arguments))
+        else:
+            c = out[d.index]
+            out[d.index] = ToolCall(c.call_id or d.call_id, c.name or d.name, c.arguments + d.arguments)
+    return tuple(out)
 
 
 def usage_to_pb(u: Usage) -> pb.Usage:
@@ -152,6 +213,10 @@ def chunk_to_pb(c: Chunk) -> pb.GenerationChunk:
         logprobs=[generated_token_to_pb(g) for g in c.logprobs],
         finish_reason=reason,
         usage=usage_to_pb(c.usage) if c.usage is not None else None,
+        tool_calls=[
+            pb.ToolCallDelta(index=d.index, call_id=d.call_id, name=d.name, arguments=d.arguments)
+            for d in c.tool_calls
+        ],
     )
 
 
@@ -163,6 +228,7 @@ def chunk_from_pb(m: pb.GenerationChunk) -> Chunk:
         logprobs=tuple(generated_token_from_pb(g) for g in m.logprobs),
         finish_reason=_FINISH_REASONS.get(m.finish_reason),
         usage=usage_from_pb(m.usage) if m.HasField("usage") else None,
+        tool_calls=tuple(ToolCallDelta(d.index, d.call_id, d.name, d.arguments) for d in m.tool_calls),
     )
 
 
@@ -171,11 +237,13 @@ def join_chunks(chunks: Iterable[Chunk]) -> Completion:
     text: list[str] = []
     token_ids: list[int] = []
     logprobs: list[GeneratedToken] = []
+    deltas: list[ToolCallDelta] = []
     last: Chunk | None = None
     for last in chunks:
         text.append(last.text)
         token_ids.extend(last.token_ids)
         logprobs.extend(last.logprobs)
+        deltas.extend(last.tool_calls)
     if last is None or last.finish_reason is None or last.usage is None:
         raise InternalError("the generation stream ended without its final chunk")
     return Completion(
@@ -184,6 +252,7 @@ def join_chunks(chunks: Iterable[Chunk]) -> Completion:
         finish_reason=last.finish_reason,
         usage=last.usage,
         logprobs=tuple(logprobs),
+        tool_calls=join_calls((), deltas),
     )
 
 
@@ -206,6 +275,7 @@ def session_info_to_pb(s: SessionInfo) -> pb.SessionInfo:
         truncations=s.truncations,
         dropped_tokens=s.dropped_tokens,
         holder=s.holder,
+        tools=[tool_to_pb(t) for t in s.tools],
     )
 
 
@@ -228,6 +298,7 @@ def session_info_from_pb(m: pb.SessionInfo) -> SessionInfo:
         truncations=m.truncations,
         dropped_tokens=m.dropped_tokens,
         holder=m.holder,
+        tools=tuple(tool_from_pb(t) for t in m.tools),
     )
 
 
@@ -275,6 +346,7 @@ def create_session_request(
     persistent: bool,
     cache_salt: str | bytes | None = None,
     context_policy: str = "error",
+    tools: Sequence[Tool] = (),
 ) -> pb.CreateSessionRequest:
     """The request that opens a session."""
     salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt or b""
@@ -285,6 +357,7 @@ def create_session_request(
         persistent=persistent,
         cache_salt=salt,
         context_policy=context_policy,
+        tools=[tool_to_pb(t) for t in tools],
     )
 
 
@@ -329,6 +402,9 @@ def chat_request(
     grammar: str | None = None,
     json_schema: str | Mapping[str, Any] | None = None,
     whole: bool = False,
+    tools: Sequence[Tool] | None = None,
+    tool_choice: str | Tool | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> pb.ChatRequest:
     """The request for one chat turn: a user message, or messages of any roles."""
     if isinstance(message, str):
@@ -348,6 +424,9 @@ def chat_request(
         logprobs=logprobs,
         grammar=grammar or "",
         json_schema=schema_text(json_schema),
+        tools=None if tools is None else pb.ToolList(tools=[tool_to_pb(t) for t in tools]),
+        tool_choice=None if tool_choice is None else tool_choice_to_pb(tool_choice),
+        parallel_tool_calls=parallel_tool_calls,
     )
 
 

@@ -29,7 +29,7 @@ from kvkeep._convert import (
     info_from_pb,
     session_info_from_pb,
 )
-from kvkeep._types import CheckpointInfo, Chunk, Info, Message, SamplingParams, SessionInfo
+from kvkeep._types import CheckpointInfo, Chunk, Info, Message, SamplingParams, SessionInfo, Tool
 from kvkeep.v1 import kvkeep_pb2 as pb
 
 _T = TypeVar("_T")
@@ -88,6 +88,7 @@ def create_session(
     persistent: bool,
     cache_salt: str | bytes | None,
     context_policy: str = "error",
+    tools: Sequence[Tool] = (),
 ) -> Unary[str]:
     """Open a session; ``sampling`` and ``stop`` become its defaults for every request.
 
@@ -96,8 +97,11 @@ def create_session(
     whoever presents the same salt. ``context_policy`` says what a chat turn that does
     not fit the context does: ``"error"`` raises ContextFullError, ``"truncate"`` drops
     the oldest whole turns (the system prompt stays) to make room for it and its reply.
+    ``tools`` are the tools its chat turns may call, kept with it (see chat).
     """
-    request = create_session_request(system_prompt, sampling, stop, persistent, cache_salt, context_policy)
+    request = create_session_request(
+        system_prompt, sampling, stop, persistent, cache_salt, context_policy, tools
+    )
     return Unary("CreateSession", request, _session_id)
 
 
@@ -212,6 +216,9 @@ def chat(
     grammar: str | None,
     json_schema: str | Mapping[str, Any] | None,
     whole: bool,
+    tools: Sequence[Tool] | None = None,
+    tool_choice: str | Tool | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> Stream[Chunk]:
     """Send a user message through the model's chat template and stream the reply.
 
@@ -220,6 +227,16 @@ def chat(
     the part of its history that matches it, token for token, and evaluates only the
     rest (an edited or shortened conversation rewinds the session). The other arguments
     work as in generate.
+
+    Tool calls: ``tools`` replaces the session's tools for this turn and the next ones
+    (``[]``: none; None: keep the session's). The model sees them through its template and
+    writes calls in its own syntax, which the daemon reads back: chunks carry the calls'
+    pieces in ``tool_calls`` (their ``text`` the content only) and a reply that called ends
+    with finish reason ``"tool_calls"``. ``tool_choice`` holds the reply to ``"auto"`` (text
+    or calls; the default with tools), ``"none"``, ``"required"`` (one call or more), or one
+    call to the tool given (a Tool, or its name); every call's arguments validate against its
+    tool's parameters. ``parallel_tool_calls=False`` allows one call at most. A result goes
+    back as a Message of role ``"tool"`` naming its call's ``tool_call_id``.
     """
     request = chat_request(
         session_id,
@@ -231,6 +248,9 @@ def chat(
         grammar=grammar,
         json_schema=json_schema,
         whole=whole,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
     )
     return Stream("Chat", request, _chunk, session_id, resend=True)
 

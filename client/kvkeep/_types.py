@@ -2,16 +2,21 @@
 
 String fields that name one of a few cases use lower-case words:
 
-- roles: ``"system"``, ``"user"``, ``"assistant"``
+- roles: ``"system"``, ``"user"``, ``"assistant"``, ``"tool"`` (a tool's result)
 - residency: ``"hot"`` (in an engine slot), ``"warm"`` (in RAM), ``"cold"`` (on disk)
-- finish reasons: ``"length"``, ``"eos"``, ``"stop"``, ``"context_full"``, ``"cancelled"``
+- finish reasons: ``"length"``, ``"eos"``, ``"stop"``, ``"context_full"``, ``"cancelled"``,
+  ``"tool_calls"`` (the reply called tools)
+- tool choices: ``"auto"`` (text or calls), ``"none"`` (text only), ``"required"`` (one call
+  or more), or a tool (or a tool's name) to call once
 
 Timestamps are unix seconds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,11 +40,51 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class Tool:
+    """A function the model may call: its name (1 to 64 of a-z, A-Z, 0-9, _ and -), what it
+    does, and its parameters as a JSON schema of an object (None: any object)."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = field(default=None, hash=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call a reply made: its id, the tool, and the arguments as JSON text."""
+
+    call_id: str
+    name: str
+    arguments: str
+
+    def args(self) -> dict[str, Any]:
+        """The arguments as an object (a reply cut short in the middle of them: ValueError)."""
+        value = json.loads(self.arguments or "{}")
+        if not isinstance(value, dict):
+            raise ValueError("the arguments are not a JSON object")
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of a streamed call: a call's first piece names its id and tool, the others
+    carry the next characters of its arguments."""
+
+    index: int
+    call_id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
-    """One turn of a session's conversation."""
+    """One message of a session's conversation: an assistant's may carry the calls it made,
+    a tool's result (role ``"tool"``) names the call it answers."""
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +128,8 @@ class Chunk:
     logprobs: tuple[GeneratedToken, ...]
     finish_reason: str | None
     usage: Usage | None
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    """Pieces of the reply's calls (``text`` holds its content only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +141,8 @@ class Completion:
     finish_reason: str
     usage: Usage
     logprobs: tuple[GeneratedToken, ...]
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The calls the reply made (``text`` is its content without them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +170,8 @@ class SessionInfo:
     holder: str = ""
     """With daemons sharing a catalog: the daemon that holds the session (its name), or
     ``""`` while none does."""
+    tools: tuple[Tool, ...] = ()
+    """The tools its chat turns may call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,3 +242,7 @@ class Info:
     """Host states reach the device through pinned (page-locked) memory."""
     mode_note: str = ""
     """Why the mode is not exact: the start-up probe's finding, or the settings; empty when exact."""
+    tool_format: str = ""
+    """How the model writes tool calls: ``"hermes"``, ``"llama3"``, ``"mistral"`` or
+    ``"generic"`` (its template renders no tools: the daemon writes them into the system
+    prompt); ``""`` without a chat template."""

@@ -22,3 +22,8 @@ MAX_STREAMS_PER_CONNECTION = 128
 # A request's grammar or JSON schema, in characters (its compile time is bounded by the
 # grammar engine's own limits).
 MAX_GRAMMAR_CHARS = 1 << 16
+# Tools a request may give, and calls one message may hold (OpenAI's API takes 128 tools).
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 64
+# The grammar of a turn's tool calls: every tool's parameters and a few lines per tool.
+MAX_TOOL_GRAMMAR_CHARS = 2 * MAX_GRAMMAR_CHARS

@@ -319,7 +319,7 @@ class Daemon:
             if orphans:
                 log.info("removed %d blocks that no checkpoint was committed for", orphans)
             await asyncio.to_thread(stores.durable.sweep, settings.disk_budget, stores.disk.used)
-            template = await ChatTemplate.of_model(self.engine)
+            template = await ChatTemplate.of_model(self.engine, settings.tool_format)
             tenants = await asyncio.to_thread(load_tenants, settings)
             manager = SessionManager(self.engine, settings, stores, template, tenants, clock=self.clock)
             await manager.start()

@@ -20,14 +20,15 @@ import numpy.typing as npt
 
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.limits import MAX_GRAMMAR_CHARS, MAX_MESSAGES, MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from kvkeepd.toolcall import CallDelta, Tool, ToolCall, ToolChoice, check_call_id, check_calls
 
 # ---- names -----------------------------------------------------------------------------
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[Role, ...] = get_args(Role)
 #: Why a generation ended: its length limit, the model's end of generation, a stop string,
-#: the end of the session's context, or a cancel.
-FinishReason = Literal["length", "eos", "stop", "context_full", "cancelled"]
+#: the end of the session's context, a cancel, or the end of a reply that called tools.
+FinishReason = Literal["length", "eos", "stop", "context_full", "cancelled", "tool_calls"]
 FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
 #: Where a session's state is: in a slot, parked in RAM, or stored (or only its history).
 Tier = Literal["hot", "warm", "cold"]
@@ -53,8 +54,13 @@ def context_policy(name: str) -> ContextPolicy:
 
 @dataclass(frozen=True)
 class Message:
+    """A message of a conversation: an assistant's may carry the tool calls it made, and a
+    tool's result names the call it answers."""
+
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
 
 
 @dataclass
@@ -64,15 +70,29 @@ class ChatMessage:
     role: str
     content: str
     start: int
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+
+    def message(self) -> Message:
+        return Message(self.role, self.content, self.tool_calls, self.tool_call_id)
 
 
 def check_messages(messages: Sequence[Message]) -> None:
-    """InvalidRequest unless there are not too many messages, each of a known role."""
+    """InvalidRequest unless there are not too many messages, each of a known role; tool
+    calls only in assistant messages, and a tool's result naming its call."""
     if len(messages) > MAX_MESSAGES:
         raise InvalidRequest(f"at most {MAX_MESSAGES} messages, got {len(messages)}")
     for m in messages:
         if m.role not in ROLES:
             raise InvalidRequest(f"a message's role must be one of {', '.join(ROLES)}, not {m.role[:40]!r}")
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise InvalidRequest("only assistant messages carry tool calls")
+            check_calls(m.tool_calls)
+        if (m.role == "tool") != bool(m.tool_call_id):
+            raise InvalidRequest("a tool message, and only a tool message, names the call it answers")
+        if m.tool_call_id:
+            check_call_id(m.tool_call_id)
 
 
 def check_stop(stop: Sequence[str]) -> tuple[str, ...]:
@@ -165,7 +185,9 @@ class SamplingOverrides:
 
 # ---- structured output -----------------------------------------------------------------
 
-Kind = Literal["gbnf", "json_schema"]
+#: A GBNF (or Lark) grammar, a JSON schema, or the Lark grammar of a turn's tool calls
+#: (kvkeepd.tools), which may be longer: it holds every tool's parameters.
+Kind = Literal["gbnf", "json_schema", "tools"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 
 
@@ -193,10 +215,13 @@ class GrammarSpec:
 
 @dataclass(frozen=True)
 class Constraint:
-    """An open constrained output: its grammar, and the history position where it begins."""
+    """An open constrained output: its grammar, and the history position where it begins.
+    A tool-call constraint also keeps what its calls' ids derive from (kvkeepd.tools), so a
+    reply continued elsewhere names its calls as the uninterrupted one would."""
 
     spec: GrammarSpec
     start: int
+    call_ids: str = ""
 
 
 def next_constraint(
@@ -224,6 +249,12 @@ class Turn:
     # Structured output: a GBNF grammar or a JSON schema (text), at most one of them.
     grammar: str = ""
     json_schema: str = ""
+    # Chat turns: the tools the session keeps from now on (None: those it has), which of them
+    # the reply must call (None: auto with tools, none without), and whether it may call
+    # several.
+    tools: tuple[Tool, ...] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True)
@@ -271,3 +302,4 @@ class Chunk:
     logprobs: tuple[GeneratedToken, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    tool_calls: tuple[CallDelta, ...] = ()

@@ -36,6 +36,8 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """the session's context is full"""
     FINISH_REASON_CANCELLED: _FinishReason.ValueType  # 5
     """the client went away"""
+    FINISH_REASON_TOOL_CALLS: _FinishReason.ValueType  # 6
+    """the reply called tools (it ended after its calls)"""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper): ...
 
@@ -50,6 +52,8 @@ FINISH_REASON_CONTEXT_FULL: FinishReason.ValueType  # 4
 """the session's context is full"""
 FINISH_REASON_CANCELLED: FinishReason.ValueType  # 5
 """the client went away"""
+FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 6
+"""the reply called tools (it ended after its calls)"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 class _Residency:
@@ -87,6 +91,8 @@ class _RoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Role.ValueType],
     ROLE_SYSTEM: _Role.ValueType  # 1
     ROLE_USER: _Role.ValueType  # 2
     ROLE_ASSISTANT: _Role.ValueType  # 3
+    ROLE_TOOL: _Role.ValueType  # 4
+    """a tool's result, naming the call it answers (tool_call_id)"""
 
 class Role(_Role, metaclass=_RoleEnumTypeWrapper): ...
 
@@ -94,6 +100,8 @@ ROLE_UNSPECIFIED: Role.ValueType  # 0
 ROLE_SYSTEM: Role.ValueType  # 1
 ROLE_USER: Role.ValueType  # 2
 ROLE_ASSISTANT: Role.ValueType  # 3
+ROLE_TOOL: Role.ValueType  # 4
+"""a tool's result, naming the call it answers (tool_call_id)"""
 Global___Role: _TypeAlias = Role  # noqa: Y015
 
 @_typing.final
@@ -175,21 +183,164 @@ class Message(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     role: Global___Role.ValueType
     content: _builtins.str
+    tool_call_id: _builtins.str
+    """a tool message: the call it answers"""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """an assistant message: the calls it made"""
+
     def __init__(
         self,
         *,
         role: Global___Role.ValueType = ...,
         content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Message: _TypeAlias = Message  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    """A function the model may call. Names are 1 to 64 of a-z, A-Z, 0-9, _ and -."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    description: _builtins.str
+    parameters: _builtins.str
+    """a JSON schema of an object, as JSON text ("": any object)"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters", b"parameters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """A call a reply made; arguments are a JSON object's text."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.str
+    name: _builtins.str
+    arguments: _builtins.str
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "call_id", b"call_id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
+
+@_typing.final
+class ToolCallDelta(_message.Message):
+    """A piece of a streamed call: the first piece of each call has its id and name, the others
+    the next characters of its arguments.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    call_id: _builtins.str
+    name: _builtins.str
+    arguments: _builtins.str
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "call_id", b"call_id", "index", b"index", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCallDelta: _TypeAlias = ToolCallDelta  # noqa: Y015
+
+@_typing.final
+class ToolChoice(_message.Message):
+    """Which calls a reply must make: "auto" (or ""; the default with tools: text or calls),
+    "none" (text only), "required" (one call or more), or "function" (one call to `function`).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    FUNCTION_FIELD_NUMBER: _builtins.int
+    mode: _builtins.str
+    function: _builtins.str
+    def __init__(
+        self,
+        *,
+        mode: _builtins.str = ...,
+        function: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["function", b"function", "mode", b"mode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
+
+@_typing.final
+class ToolList(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]: ...
+    def __init__(
+        self,
+        *,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tools", b"tools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolList: _TypeAlias = ToolList  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):
@@ -286,6 +437,7 @@ class GenerationChunk(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
     @_builtins.property
@@ -294,6 +446,10 @@ class GenerationChunk(_message.Message):
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___GeneratedToken]: ...
     @_builtins.property
     def usage(self) -> Global___Usage: ...
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCallDelta]:
+        """A reply's calls, in pieces (text holds its content only)."""
+
     def __init__(
         self,
         *,
@@ -302,10 +458,11 @@ class GenerationChunk(_message.Message):
         logprobs: _abc.Iterable[Global___GeneratedToken] | None = ...,
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -331,6 +488,7 @@ class SessionInfo(_message.Message):
     TRUNCATIONS_FIELD_NUMBER: _builtins.int
     DROPPED_TOKENS_FIELD_NUMBER: _builtins.int
     HOLDER_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     persistent: _builtins.bool
     n_tokens: _builtins.int
@@ -357,6 +515,10 @@ class SessionInfo(_message.Message):
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___Message]: ...
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """the tools its chat turns may call"""
+
     def __init__(
         self,
         *,
@@ -376,10 +538,11 @@ class SessionInfo(_message.Message):
         truncations: _builtins.int = ...,
         dropped_tokens: _builtins.int = ...,
         holder: _builtins.str = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_policy", b"context_policy", "created_at", b"created_at", "dropped_tokens", b"dropped_tokens", "head_checkpoint_id", b"head_checkpoint_id", "holder", b"holder", "last_used_at", b"last_used_at", "messages", b"messages", "n_checkpoints", b"n_checkpoints", "n_ctx", b"n_ctx", "n_tokens", b"n_tokens", "persistent", b"persistent", "residency", b"residency", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop", "truncations", b"truncations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_policy", b"context_policy", "created_at", b"created_at", "dropped_tokens", b"dropped_tokens", "head_checkpoint_id", b"head_checkpoint_id", "holder", b"holder", "last_used_at", b"last_used_at", "messages", b"messages", "n_checkpoints", b"n_checkpoints", "n_ctx", b"n_ctx", "n_tokens", b"n_tokens", "persistent", b"persistent", "residency", b"residency", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop", "tools", b"tools", "truncations", b"truncations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -482,6 +645,7 @@ class GetInfoResponse(_message.Message):
     KV_STREAM_BYTES_FIELD_NUMBER: _builtins.int
     PINNED_TRANSFERS_FIELD_NUMBER: _builtins.int
     MODE_NOTE_FIELD_NUMBER: _builtins.int
+    TOOL_FORMAT_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     model_path: _builtins.str
     model_fingerprint: _builtins.str
@@ -540,6 +704,11 @@ class GetInfoResponse(_message.Message):
     """Why the mode is not exact: what the start-up probe found, or that the settings ask for
     the compact mode ("" when exact). Exact mode is never assumed: the probe decides.
     """
+    tool_format: _builtins.str
+    """How the model writes tool calls: "hermes", "llama3", "mistral", or "generic" (the chat
+    template renders no tools: the daemon writes them into the system prompt); "" without
+    a chat template.
+    """
     def __init__(
         self,
         *,
@@ -580,10 +749,11 @@ class GetInfoResponse(_message.Message):
         kv_stream_bytes: _builtins.int = ...,
         pinned_transfers: _builtins.bool = ...,
         mode_note: _builtins.str = ...,
+        tool_format: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "backend", b"backend", "block_tokens", b"block_tokens", "checkpoints_carry_state", b"checkpoints_carry_state", "ctx_per_session", b"ctx_per_session", "device", b"device", "device_memory_free", b"device_memory_free", "device_memory_total", b"device_memory_total", "docks", b"docks", "gpu_layers", b"gpu_layers", "has_chat_template", b"has_chat_template", "kv_stream_bytes", b"kv_stream_bytes", "kv_type", b"kv_type", "max_prompt_tokens", b"max_prompt_tokens", "memory_type", b"memory_type", "mode", b"mode", "mode_note", b"mode_note", "model_description", b"model_description", "model_fingerprint", b"model_fingerprint", "model_path", b"model_path", "n_ctx_train", b"n_ctx_train", "n_vocab", b"n_vocab", "pinned_transfers", b"pinned_transfers", "sessions", b"sessions", "sessions_cold", b"sessions_cold", "sessions_docked", b"sessions_docked", "sessions_hot", b"sessions_hot", "sessions_warm", b"sessions_warm", "slots", b"slots", "slots_in_use", b"slots_in_use", "state_note", b"state_note", "swap_in_seconds_total", b"swap_in_seconds_total", "swap_ins", b"swap_ins", "tokens_evaluated", b"tokens_evaluated", "tokens_generated", b"tokens_generated", "tokens_reused", b"tokens_reused", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "backend", b"backend", "block_tokens", b"block_tokens", "checkpoints_carry_state", b"checkpoints_carry_state", "ctx_per_session", b"ctx_per_session", "device", b"device", "device_memory_free", b"device_memory_free", "device_memory_total", b"device_memory_total", "docks", b"docks", "gpu_layers", b"gpu_layers", "has_chat_template", b"has_chat_template", "kv_stream_bytes", b"kv_stream_bytes", "kv_type", b"kv_type", "max_prompt_tokens", b"max_prompt_tokens", "memory_type", b"memory_type", "mode", b"mode", "mode_note", b"mode_note", "model_description", b"model_description", "model_fingerprint", b"model_fingerprint", "model_path", b"model_path", "n_ctx_train", b"n_ctx_train", "n_vocab", b"n_vocab", "pinned_transfers", b"pinned_transfers", "sessions", b"sessions", "sessions_cold", b"sessions_cold", "sessions_docked", b"sessions_docked", "sessions_hot", b"sessions_hot", "sessions_warm", b"sessions_warm", "slots", b"slots", "slots_in_use", b"slots_in_use", "state_note", b"state_note", "swap_in_seconds_total", b"swap_in_seconds_total", "swap_ins", b"swap_ins", "tokens_evaluated", b"tokens_evaluated", "tokens_generated", b"tokens_generated", "tokens_reused", b"tokens_reused", "tool_format", b"tool_format", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -599,6 +769,7 @@ class CreateSessionRequest(_message.Message):
     PERSISTENT_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     CONTEXT_POLICY_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
     system_prompt: _builtins.str
     persistent: _builtins.bool
     cache_salt: _builtins.bytes
@@ -614,6 +785,12 @@ class CreateSessionRequest(_message.Message):
     def sampling(self) -> Global___SamplingParams: ...
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """The tools its chat turns may call (rendered with the system prompt where the template
+        writes them there), until a turn gives others.
+        """
+
     def __init__(
         self,
         *,
@@ -623,10 +800,11 @@ class CreateSessionRequest(_message.Message):
         persistent: _builtins.bool = ...,
         cache_salt: _builtins.bytes = ...,
         context_policy: _builtins.str = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "context_policy", b"context_policy", "persistent", b"persistent", "sampling", b"sampling", "stop", b"stop", "system_prompt", b"system_prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "context_policy", b"context_policy", "persistent", b"persistent", "sampling", b"sampling", "stop", b"stop", "system_prompt", b"system_prompt", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -900,6 +1078,9 @@ class ChatRequest(_message.Message):
     JSON_SCHEMA_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     WHOLE_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     message: _builtins.str
     """the user's message"""
@@ -909,6 +1090,7 @@ class ChatRequest(_message.Message):
     """as in GenerateRequest: the reply matches it"""
     json_schema: _builtins.str
     whole: _builtins.bool
+    parallel_tool_calls: _builtins.bool
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
     @_builtins.property
@@ -919,6 +1101,16 @@ class ChatRequest(_message.Message):
         (the session keeps the part of its history that matches it and evaluates the rest).
         """
 
+    @_builtins.property
+    def tools(self) -> Global___ToolList:
+        """Tool calls. Set, `tools` replaces the session's tools (an empty list: none) for this
+        turn and the next ones; unset, the session's own are used. The reply is held to
+        `tool_choice` (unset: auto with tools, none without) in the model's own syntax; with
+        parallel_tool_calls false (default true), a reply makes one call at most.
+        """
+
+    @_builtins.property
+    def tool_choice(self) -> Global___ToolChoice: ...
     def __init__(
         self,
         *,
@@ -932,14 +1124,22 @@ class ChatRequest(_message.Message):
         json_schema: _builtins.str = ...,
         messages: _abc.Iterable[Global___Message] | None = ...,
         whole: _builtins.bool = ...,
+        tools: Global___ToolList | None = ...,
+        tool_choice: Global___ToolChoice | None = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "max_tokens", b"max_tokens", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "max_tokens", b"max_tokens", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "grammar", b"grammar", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "message", b"message", "messages", b"messages", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop", "whole", b"whole"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "grammar", b"grammar", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "message", b"message", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop", "tool_choice", b"tool_choice", "tools", b"tools", "whole", b"whole"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
 
 Global___ChatRequest: _TypeAlias = ChatRequest  # noqa: Y015
 

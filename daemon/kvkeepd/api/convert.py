@@ -5,7 +5,7 @@ the proto's enums, roles and finish reasons meet the daemon's names. The client'
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvkeep.v1 import kvkeep_pb2 as pb
@@ -13,6 +13,7 @@ from kvkeepd.engine.backend import GPU_KINDS, Device
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.sessions.manager import SessionView
 from kvkeepd.storage.catalog import CheckpointRow, ListedSession
+from kvkeepd.toolcall import CallDelta, Tool, ToolCall, ToolChoice
 from kvkeepd.values import (
     SAMPLING_FIELDS,
     ChatMessage,
@@ -31,13 +32,19 @@ FINISH: dict[FinishReason, pb.FinishReason.ValueType] = {
     "stop": pb.FINISH_REASON_STOP,
     "context_full": pb.FINISH_REASON_CONTEXT_FULL,
     "cancelled": pb.FINISH_REASON_CANCELLED,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
 RESIDENCY: dict[Tier, pb.Residency.ValueType] = {
     "hot": pb.RESIDENCY_HOT,
     "warm": pb.RESIDENCY_WARM,
     "cold": pb.RESIDENCY_COLD,
 }
-ROLES = {"system": pb.ROLE_SYSTEM, "user": pb.ROLE_USER, "assistant": pb.ROLE_ASSISTANT}
+ROLES = {
+    "system": pb.ROLE_SYSTEM,
+    "user": pb.ROLE_USER,
+    "assistant": pb.ROLE_ASSISTANT,
+    "tool": pb.ROLE_TOOL,
+}
 
 
 def overrides_from_pb(p: pb.SamplingParams) -> SamplingOverrides:
@@ -47,7 +54,7 @@ def overrides_from_pb(p: pb.SamplingParams) -> SamplingOverrides:
 
 
 def turn_from_pb(r: pb.GenerateRequest | pb.ChatRequest) -> Turn:
-    return Turn(
+    turn = Turn(
         max_tokens=r.max_tokens if r.HasField("max_tokens") else None,
         sampling=overrides_from_pb(r.sampling),
         stop=list(r.stop),
@@ -55,6 +62,36 @@ def turn_from_pb(r: pb.GenerateRequest | pb.ChatRequest) -> Turn:
         grammar=r.grammar,
         json_schema=r.json_schema,
     )
+    if not isinstance(r, pb.ChatRequest):
+        return turn
+    return dataclasses.replace(
+        turn,
+        tools=tools_from_pb(r.tools.tools) if r.HasField("tools") else None,
+        tool_choice=ToolChoice.of(r.tool_choice.mode, r.tool_choice.function)
+        if r.HasField("tool_choice")
+        else None,
+        parallel_tool_calls=r.parallel_tool_calls if r.HasField("parallel_tool_calls") else True,
+    )
+
+
+def tools_from_pb(tools: Iterable[pb.Tool]) -> tuple[Tool, ...]:
+    return tuple(Tool(t.name, t.description, t.parameters) for t in tools)
+
+
+def tool_to_pb(t: Tool) -> pb.Tool:
+    return pb.Tool(name=t.name, description=t.description, parameters=t.parameters)
+
+
+def calls_from_pb(calls: Iterable[pb.ToolCall]) -> tuple[ToolCall, ...]:
+    return tuple(ToolCall(c.call_id, c.name, c.arguments) for c in calls)
+
+
+def call_to_pb(c: ToolCall) -> pb.ToolCall:
+    return pb.ToolCall(call_id=c.call_id, name=c.name, arguments=c.arguments)
+
+
+def delta_to_pb(d: CallDelta) -> pb.ToolCallDelta:
+    return pb.ToolCallDelta(index=d.index, call_id=d.call_id, name=d.name, arguments=d.arguments)
 
 
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
@@ -64,12 +101,17 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
 def message_from_pb(m: pb.Message) -> Message:
     role = next((name for name, value in ROLES.items() if value == m.role), None)
     if role is None:
-        raise InvalidRequest("every message needs a role: system, user or assistant")
-    return Message(role, m.content)
+        raise InvalidRequest("every message needs a role: system, user, assistant or tool")
+    return Message(role, m.content, calls_from_pb(m.tool_calls), m.tool_call_id)
 
 
 def message_to_pb(m: ChatMessage) -> pb.Message:
-    return pb.Message(role=ROLES[m.role], content=m.content)
+    return pb.Message(
+        role=ROLES[m.role],
+        content=m.content,
+        tool_calls=[call_to_pb(c) for c in m.tool_calls],
+        tool_call_id=m.tool_call_id,
+    )
 
 
 def session_to_pb(v: SessionView, n_ctx: int) -> pb.SessionInfo:
@@ -91,6 +133,7 @@ def session_to_pb(v: SessionView, n_ctx: int) -> pb.SessionInfo:
         truncations=s.truncations,
         dropped_tokens=s.dropped_tokens,
         holder=v.holder,
+        tools=[tool_to_pb(t) for t in s.tools],
     )
 
 
@@ -125,7 +168,9 @@ def checkpoint_to_pb(r: CheckpointRow) -> pb.CheckpointInfo:
 
 
 def chunk_to_pb(c: Chunk) -> pb.GenerationChunk:
-    out = pb.GenerationChunk(text=c.text, token_ids=list(c.token_ids))
+    out = pb.GenerationChunk(
+        text=c.text, token_ids=list(c.token_ids), tool_calls=[delta_to_pb(d) for d in c.tool_calls]
+    )
     for g in c.logprobs:
         item = out.logprobs.add()
         item.sampled.CopyFrom(

@@ -23,6 +23,7 @@ from kvkeepd.api.convert import (
     message_from_pb,
     overrides_from_pb,
     session_to_pb,
+    tools_from_pb,
     turn_from_pb,
 )
 from kvkeepd.api.wire import Requests
@@ -184,6 +185,7 @@ class KvKeepService:
             kv_stream_bytes=m.engine.streams.stream_bytes,
             pinned_transfers=m.engine.pinned,
             **device_fields(m.engine.devices),
+            tool_format=m.template.toolkit.format if m.template is not None else "",
         )
 
     @unary
@@ -199,6 +201,7 @@ class KvKeepService:
             stop=list(request.stop),
             persistent=request.persistent,
             context_policy=request.context_policy,
+            tools=tools_from_pb(request.tools),
         )
         await send_session_header(context, session.session_id)
         return pb.CreateSessionResponse(session=self._session_pb(await self.manager.view(session)))

@@ -40,6 +40,7 @@ from kvkeepd.limits import (
     MAX_MESSAGES,
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,
+    MAX_TOOLS,
 )
 from kvkeepd.sessions.tenants import MAX_SALT
 
@@ -193,7 +194,12 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
 def _repeated_counts(prompt_limit: int) -> dict[str, int]:
     """The most elements each repeated field of a request may have (a repeated field added
     to a request must be given its limit here: the daemon does not start without)."""
-    return {"prompt_token_ids": prompt_limit, "stop": MAX_STOP_STRINGS, "messages": MAX_MESSAGES}
+    return {
+        "prompt_token_ids": prompt_limit,
+        "stop": MAX_STOP_STRINGS,
+        "messages": MAX_MESSAGES,
+        "tools": MAX_TOOLS,
+    }
 
 
 def _field_bytes(text: int, prompt_limit: int, unbounded: int) -> dict[str, int]:
@@ -213,6 +219,11 @@ def _field_bytes(text: int, prompt_limit: int, unbounded: int) -> dict[str, int]
         "stop": MAX_STOP_STRINGS * (FIELD_BYTES + MAX_STOP_LENGTH * UTF8_BYTES),
         "label": MAX_LABEL * UTF8_BYTES,
         "cache_salt": MAX_SALT,
+        # Tools: their descriptions and parameters are bounded together by the grammar limit,
+        # each of their names (and a tool choice's) by an id's bytes.
+        "tools": MAX_GRAMMAR_CHARS * UTF8_BYTES + MAX_TOOLS * (4 * FIELD_BYTES + ID_BYTES),
+        "mode": ID_BYTES,
+        "function": ID_BYTES,
         # A whole conversation may be longer than the context (its earlier turns dropped), and
         # an import's chunks are as large as its client makes them: only the message limit
         # bounds them.

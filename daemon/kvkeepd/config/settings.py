@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvkeepd.config.option import Option, declared, spec
 from kvkeepd.limits import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
+from kvkeepd.toolcall import AUTO_FORMAT, FORMATS
 from kvkeepd.urls import catalog_url, is_local, store_problem
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
@@ -206,6 +207,14 @@ class Settings:
             "probe): empty for probes.json in the state directory, a file several daemons may "
             "share, or 'none' to probe at every start.",
             shown="probes.json in the state directory",
+        ),
+    )
+    tool_format: str = field(
+        default=AUTO_FORMAT,
+        metadata=spec(
+            "How the model writes tool calls: auto detects it from the chat template; generic writes "
+            "the tools into the system prompt for templates that render none.",
+            choices=(AUTO_FORMAT, *FORMATS),
         ),
     )
     max_prompt_tokens: int = field(

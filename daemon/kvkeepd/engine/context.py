@@ -322,6 +322,24 @@ class LlamaContext:
             eog = self._eog[token] = bool(llama.llama_vocab_is_eog(self._vocab, token))
         return eog
 
+    def special_tokens(self) -> tuple[dict[str, int], list[str]]:
+        """The tokens a grammar names as special tokens (llguidance's rule: control tokens, and
+        user-defined ones written as <...>), by their text; and the texts of the control
+        tokens, which tokenizing template text turns into them."""
+        specials: dict[str, int] = {}
+        control: list[str] = []
+        for token in range(self.n_vocab):
+            attr = llama.llama_vocab_get_attr(self._vocab, token)
+            is_control = bool(attr & llama.LLAMA_TOKEN_ATTR_CONTROL)
+            if not is_control and not attr & llama.LLAMA_TOKEN_ATTR_USER_DEFINED:
+                continue
+            text = self.piece(token, True).decode("utf-8", "replace")
+            if is_control or (text.startswith("<") and text.endswith(">")):
+                specials.setdefault(text, token)
+            if is_control:
+                control.append(text)
+        return specials, control
+
     def grammar_tokenizer(self) -> llguidance.LLTokenizer:
         """The vocabulary as llguidance sees it: control tokens marked (grammars cannot
         produce them unless they name them), every end-of-generation token allowed to end a

@@ -27,14 +27,16 @@ import numpy.typing as npt
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from kvkeepd.errors import InvalidRequest, KvkeepError
+from kvkeepd.tools.grammar import JSON_STYLE
 from kvkeepd.values import Constraint, GrammarSpec
 
-# Compact JSON with the usual spaces after separators: a small model left free to choose
-# whitespace may emit it forever. A schema's own "x-guidance" options override these.
+# Compact JSON with the usual spaces after separators (kvkeepd.tools.grammar): a small model
+# left free to choose whitespace may emit it forever. A schema's own "x-guidance" options
+# override these.
 JSON_OPTIONS: llguidance._lib.JsonCompileOptions = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
+    "whitespace_flexible": JSON_STYLE["whitespace_flexible"],
+    "item_separator": JSON_STYLE["item_separator"],
+    "key_separator": JSON_STYLE["key_separator"],
 }
 # Compiled grammars kept for reuse (per tenant: compile times must not tell one tenant
 # which schemas another uses).
@@ -139,9 +141,13 @@ def compile_spec(
     tokenizer: llguidance.LLTokenizer, spec: GrammarSpec, limits: llguidance.LLParserLimits
 ) -> llguidance.LLMatcher:
     """A fresh matcher for `spec`; InvalidRequest when it does not compile."""
-    name = "grammar" if spec.kind == "gbnf" else "JSON schema"
+    name = {"gbnf": "grammar", "json_schema": "JSON schema", "tools": "tools' parameters schema"}[spec.kind]
     try:
-        if spec.kind == "gbnf":
+        if spec.kind == "tools":
+            # Built by kvkeepd.tools in llguidance's Lark syntax, each tool's parameters
+            # inlined as a JSON schema: one that does not compile is named in the error.
+            definition = llguidance.LLMatcher.grammar_from_lark(spec.text)
+        elif spec.kind == "gbnf":
             # GBNF is converted to llguidance's Lark syntax, which is also accepted as it is (it
             # has no "::="; llguidance's own guess, a rule named "start", mistakes GBNF's).
             if _GBNF_START.search(spec.text):

@@ -22,6 +22,8 @@ from kvkeepd.engine.sampling import sample, top_logprobs
 from kvkeepd.engine.text import StopMatcher, Utf8Stream
 from kvkeepd.errors import KvkeepError
 from kvkeepd.state import cells as kvstate
+from kvkeepd.toolcall import CallDelta
+from kvkeepd.tools import CallStream
 from kvkeepd.values import Chunk, FinishReason, GeneratedToken, GenerationRequest, Logits, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,9 @@ class Vocab(Protocol):
 
 
 class Job:
-    """One generation in flight on a slot."""
+    """One generation in flight on a slot: under the open constraint's `matcher` (structured
+    output), advanced by every sampled token, and with a reply's tool calls read back from
+    its text by `calls` (the content streams as text, the calls as their pieces)."""
 
     def __init__(
         self,
@@ -79,13 +83,16 @@ class Job:
         slot: int,
         request: GenerationRequest,
         emit: Callable[[Chunk | BaseException], None],
+        *,
+        matcher: Matcher | None = None,
+        calls: CallStream | None = None,
     ) -> None:
         self.state = state
         self.slot = slot
         self.request = request
         self.emit = emit
-        # The open constraint's state (structured output), advanced by every sampled token.
-        self.matcher: Matcher | None = None
+        self.matcher = matcher
+        self.calls = calls
         # Set from the asyncio thread; read by the engine at the start of every step.
         self.cancelled = False
         self.generated: list[int] = []
@@ -107,6 +114,7 @@ class Job:
         self._stop = StopMatcher(request.stop)
         self._pending_ids: list[int] = []
         self._pending_logprobs: list[GeneratedToken] = []
+        self._pending_calls: list[CallDelta] = []
 
     def usage(self) -> Usage:
         return Usage(
@@ -132,7 +140,7 @@ class Job:
         state.tokens.append(token)
         self.generated.append(token)
         eog = vocab.is_eog(token)
-        released = "" if eog else self._stop.feed(self._utf8.feed(vocab.piece(token, False)))
+        released = "" if eog else self._released(vocab, token)
         self.text += released
         self._pending_ids.append(token)
         if req.logprobs > 0:
@@ -146,7 +154,7 @@ class Job:
             )
         reason: FinishReason | None = None
         if eog:
-            reason = "eos"
+            reason = "tool_calls" if self.calls is not None and self.calls.calls else "eos"
         elif self._stop.matched:
             reason = "stop"
         elif req.max_tokens is not None and len(self.generated) >= req.max_tokens:
@@ -159,10 +167,25 @@ class Job:
         self._emit_pending(released)
         return False
 
+    def _released(self, vocab: Vocab, token: int) -> str:
+        """The text a token releases: its content through the stop matcher (a reply's calls
+        are read apart, the control tokens of their syntax included)."""
+        calls = self.calls
+        if calls is None:
+            return self._stop.feed(self._utf8.feed(vocab.piece(token, False)))
+        content, deltas = calls.feed(self._utf8.feed(vocab.piece(token, token in calls.markers)))
+        self._pending_calls += deltas
+        return self._stop.feed(content)
+
     def finish(self, reason: FinishReason, released: str = "") -> None:
         """Emit the last chunk: what the stop matcher held back (unless a stop matched)."""
         if reason != "stop":
-            tail = self._stop.feed(self._utf8.flush()) + self._stop.flush()
+            tail = self._utf8.flush()
+            if self.calls is not None:
+                content, deltas = self.calls.feed(tail)
+                self._pending_calls += deltas
+                tail = content + self.calls.finish()
+            tail = self._stop.feed(tail) + self._stop.flush()
             self.text += tail
             released += tail
         self._emit_pending(released, reason)
@@ -175,10 +198,12 @@ class Job:
                 logprobs=tuple(self._pending_logprobs),
                 finish_reason=reason,
                 usage=self.usage() if reason else None,
+                tool_calls=tuple(self._pending_calls),
             )
         )
         self._pending_ids = []
         self._pending_logprobs = []
+        self._pending_calls = []
 
 
 def _text_of(vocab: Vocab, token: int) -> str:

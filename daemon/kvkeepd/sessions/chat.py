@@ -3,22 +3,45 @@
 The template's own markers (`<|im_start|>`...) must become control tokens, but nothing a
 user writes may: `render` returns the text in segments, and only segments the template
 produced are tokenized with special-token parsing. A user who types
-`<|im_end|><|im_start|>system` gets those characters as plain text.
+`<|im_end|><|im_start|>system` gets those characters as plain text. Content a template writes
+through `tojson` (Llama 3.1's tool results) is a content segment too, JSON-escaped as
+`tojson` would have written it. Tools and calls are given as the template's format expects
+them (kvkeepd.tools); `tojson` writes JSON as Hugging Face's templates expect: keys in their
+order, nothing HTML-escaped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvkeepd.engine.engine import Engine
-from kvkeepd.errors import InvalidRequest
+from kvkeepd.errors import FailedPrecondition, InvalidRequest
+from kvkeepd.toolcall import AUTO_FORMAT, Tool, ToolCall
+from kvkeepd.tools import Toolkit
+from kvkeepd.tools.formats import format_named
+from kvkeepd.tools.shaping import template_message
 from kvkeepd.values import Message
+
+log = logging.getLogger(__name__)
+# A conversation that shows whether a template renders tools, calls and results.
+_PROBE = "kvkeep_probe"
+_PROBE_TOOL = Tool(_PROBE, "Probe.", '{"type": "object", "properties": {"x": {"type": "integer"}}}')
+_PROBE_CALL = ToolCall("probe1234", _PROBE, '{"x": 1}')
+_PROBE_MESSAGES = (
+    Message("user", "hello"),
+    Message("assistant", "", (_PROBE_CALL,)),
+    Message("tool", f"{_PROBE}_result", tool_call_id=_PROBE_CALL.call_id),
+)
 
 
 @dataclass(frozen=True)
@@ -33,63 +56,116 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """JSON as Hugging Face's template renderer writes it (the templates were written for it)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 class ChatTemplate:
-    """A compiled chat template."""
+    """A compiled chat template and the tool-call model of its format (`toolkit`)."""
 
     @staticmethod
-    async def of_model(engine: Engine) -> ChatTemplate | None:
-        """The loaded model's template, with its BOS and EOS texts (None: it has none)."""
+    async def of_model(engine: Engine, tool_format: str = AUTO_FORMAT) -> ChatTemplate | None:
+        """The loaded model's template, with its BOS and EOS texts and its tool format: the
+        one named, or the one its source speaks (None: it has none). A template that does not
+        render tools, calls and results as its format has them takes the generic format
+        (named, it is refused: FailedPrecondition)."""
         model = engine.info
         if model is None or not model.chat_template:
             return None
         source = model.chat_template
-        bos, eos = await asyncio.wrap_future(
+        bos, eos, (specials, control) = await asyncio.wrap_future(
             engine.call(
                 lambda e: (
                     e.ctx.detokenize([model.bos_token], True),
                     e.ctx.detokenize([model.eos_token], True),
+                    e.ctx.special_tokens(),
                 )
             )
         )
-        return ChatTemplate(source, bos, eos)
+        fmt = format_named(tool_format, source)
+        template = ChatTemplate(source, bos, eos, Toolkit(fmt, specials, control))
+        if fmt != "generic" and not template.renders_tools():
+            if tool_format != AUTO_FORMAT:
+                raise FailedPrecondition(
+                    f"--tool-format {fmt}: the model's chat template does not render tools, calls and "
+                    "results as that format has them"
+                )
+            log.warning("the chat template looks %s but does not render tools: generic tool format", fmt)
+            template = ChatTemplate(source, bos, eos, Toolkit("generic", specials, control))
+        return template
 
-    def __init__(self, source: str, bos_text: str, eos_text: str) -> None:
+    def __init__(self, source: str, bos_text: str, eos_text: str, toolkit: Toolkit) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_exception
+        env.filters["tojson"] = _tojson
         self._template = env.from_string(source)
         self._bos = bos_text
         self._eos = eos_text
+        self.toolkit = toolkit
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[Segment]:
-        """Render a conversation into template and content segments."""
+    def renders_tools(self) -> bool:
+        """The template writes a tool, a call to it and its result into the prompt."""
+        try:
+            text = text_of(self.render(_PROBE_MESSAGES, True, (_PROBE_TOOL,)))
+        except InvalidRequest:
+            return False
+        return text.count(_PROBE) >= 3
+
+    def render(
+        self, messages: Sequence[Message], add_generation_prompt: bool, tools: Sequence[Tool] = ()
+    ) -> list[Segment]:
+        """Render a conversation (and the tools it may call) into template and content segments."""
+        given = self.toolkit.shape(messages, tools)
         # Each content is replaced by a random marker that no template or user can predict,
         # so the split below finds exactly the contents.
         nonce = secrets.token_hex(8)
-        markers = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
+        variables: dict[str, Any] = {
+            "messages": [
+                template_message(m, "" if m.tool_calls and not m.content else f"\x00{nonce}:{i}\x00")
+                for i, m in enumerate(given.messages)
+            ],
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self._bos,
+            "eos_token": self._eos,
+        }
+        if given.tools is not None:
+            variables["tools"] = given.tools
         try:
-            text = self._template.render(
-                messages=[{"role": m.role, "content": markers[i]} for i, m in enumerate(messages)],
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos,
-                eos_token=self._eos,
-            )
+            text = self._template.render(**variables)
         except TemplateError as e:
             raise InvalidRequest(f"the chat template rejected the conversation: {e}") from None
+        except (TypeError, ValueError, LookupError) as e:  # a template's own expression failed
+            raise InvalidRequest(f"the chat template could not render the conversation: {e}") from None
+        # A marker as it is, or as `tojson` writes it.
+        found = re.compile(f"\x00{nonce}:([0-9]+)\x00|\\\\u0000{nonce}:([0-9]+)\\\\u0000")
         segments: list[Segment] = []
-        rest = text
-        for i, marker in enumerate(markers):
-            before, found, after = rest.partition(marker)
-            if not found:
-                continue
-            if before:
-                segments.append(Segment(before, False))
-            if messages[i].content:
-                segments.append(Segment(messages[i].content, True))
-            rest = after
-        if rest:
-            segments.append(Segment(rest, False))
-        if any(f"\x00{nonce}:" in s.text for s in segments if not s.content):
-            raise InvalidRequest("the chat template repeats or reorders message contents")
+        seen: set[int] = set()
+        at = 0
+        for match in found.finditer(text):
+            raw, escaped = match.groups()
+            i = int(raw if raw is not None else escaped)
+            if i in seen or i >= len(given.messages):
+                raise InvalidRequest("the chat template repeats message contents")
+            seen.add(i)
+            if match.start() > at:
+                segments.append(Segment(text[at : match.start()], False))
+            content = given.messages[i].content
+            if escaped is not None:
+                content = json.dumps(content, ensure_ascii=False)[1:-1]
+            if content:
+                segments.append(Segment(content, True))
+            at = match.end()
+        if at < len(text):
+            segments.append(Segment(text[at:], False))
         return segments
 
 

@@ -16,6 +16,7 @@ from kvkeepd.errors import ContextFull, InvalidRequest
 from kvkeepd.sessions.chat import ChatTemplate, after_prefix
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tokens import Tokenizer
+from kvkeepd.toolcall import Tool
 from kvkeepd.values import GenerationRequest, Message
 
 T = TypeVar("T")
@@ -74,6 +75,7 @@ class Fitting:
         k: int,
         n_added: int,
         request: GenerationRequest,
+        tools: Sequence[Tool] = (),
     ) -> tuple[int, int, list[int]]:
         """The context policy "truncate": the system prompt (`conversation[:k]`, the history's
         first `session.system_end` tokens) and the most recent whole turns that fit with room
@@ -91,7 +93,7 @@ class Fitting:
         starts = [i for i in range(k, last) if conversation[i].role == "user"] + [last]
 
         async def render(first: int) -> tuple[int, list[int]]:
-            segments = template.render([*head, *conversation[first:]], add_generation_prompt=True)
+            segments = template.render([*head, *conversation[first:]], True, tools)
             delta = after_prefix(segments, system_text)
             if delta is not None:
                 return len(history), await self.tokens.segments(delta, first=not history)

@@ -33,6 +33,8 @@ from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenants
 from kvkeepd.sessions.tokens import Tokenizer
+from kvkeepd.toolcall import Tool, ToolChoice, check_tools, choice_for, join_deltas
+from kvkeepd.tools import CallStream, call_ids_for
 from kvkeepd.values import (
     ChatMessage,
     Chunk,
@@ -100,6 +102,8 @@ class Conversations:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
         self.tokens.check_bytes(prompt, "prompt")
         request = self._request(session, turn)
+        if turn.tools is not None or turn.tool_choice is not None:
+            raise InvalidRequest("tools are for chat turns")
         spec = await self._grammar(session, turn)
         async with self.host.use(session):
             # The slot first: waiting for it may be cut short, and nothing has changed yet.
@@ -149,11 +153,13 @@ class Conversations:
         for given in messages:
             self.tokens.check_bytes(given.content, "message")
         request = self._request(session, turn)
-        spec = await self._grammar(session, turn)
+        tools = check_tools(turn.tools) if turn.tools is not None else session.tools
+        choice = choice_for(tools, turn.tool_choice)
+        spec = await self._grammar(session, turn, tools, choice)
         async with self.host.use(session):
             slot = await self.residency.into_slot(session)
             state = session.state
-            held = [Message(m.role, m.content) for m in session.messages]
+            held = [m.message() for m in session.messages]
             # The session's messages that the conversation keeps, and those it adds.
             if whole:
                 n_same = common_prefix(held, messages)
@@ -163,7 +169,7 @@ class Conversations:
                 conversation, added = [*held, *messages], list(messages)
             if not added:
                 raise InvalidRequest("the conversation adds no message to what the session holds")
-            segments = template.render(conversation, add_generation_prompt=True)
+            segments = template.render(conversation, True, tools)
             history = list(state.tokens)
             history_text = await self.tokens.vocab(lambda c: c.detokenize(history, True))
             delta = after_prefix(segments, history_text) if n_same == len(held) else None
@@ -189,7 +195,7 @@ class Conversations:
                 if whole:
                     n_new = next((i for i, m in enumerate(reversed(added)) if m.role == "assistant"), n_new)
                 first, cut, kept_tokens = await self.fit.truncated(
-                    session, conversation, k, max(n_new, 1), request
+                    session, conversation, k, max(n_new, 1), request, tools
                 )
                 if first > k:
                     truncated = True
@@ -208,8 +214,16 @@ class Conversations:
             for m in kept:
                 m.start = min(m.start, start)
             reply = ChatMessage("assistant", "", len(state.tokens) + len(tokens))
-            constraint = next_constraint(None, spec, reply.start, continuing=False)
-            session.messages = [*kept, *(ChatMessage(m.role, m.content, start) for m in added), reply]
+            constraint = None
+            if spec is not None:
+                ids = call_ids_for(request.params.seed, reply.start) if spec.kind == "tools" else ""
+                constraint = Constraint(spec, reply.start, ids)
+            old_tools, session.tools = session.tools, tools
+            session.messages = [
+                *kept,
+                *(ChatMessage(m.role, m.content, start, m.tool_calls, m.tool_call_id) for m in added),
+                reply,
+            ]
             if truncated:
                 session.truncations += 1
                 session.dropped_tokens += dropped
@@ -217,7 +231,7 @@ class Conversations:
                 await self._run(session, slot, request, put, reply, constraint, dropped)
             except BaseException:
                 if len(state.tokens) <= start:  # nothing was added: neither are messages
-                    session.messages = kept
+                    session.messages, session.tools = kept, old_tools
                     if truncated:
                         session.truncations -= 1
                         session.dropped_tokens -= dropped
@@ -248,10 +262,12 @@ class Conversations:
         `constraint` (structured output) when there is one; `dropped` tokens of earlier
         turns made room for it (reported in its usage)."""
         await self._check_stored(session)
-        matcher = None
+        matcher, calls = None, None
         if constraint is not None:
             output = session.state.tokens[constraint.start :]
             matcher = await self.grammars.matcher(session.tenant, constraint, output)
+            if constraint.spec.kind == "tools":
+                calls = await self._calls(constraint, output)
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
 
@@ -260,14 +276,13 @@ class Conversations:
         def emit(item: Chunk | BaseException) -> None:
             outbox.post(loop, items.put_nowait, item)
 
-        job = Job(session.state, slot, request, emit)
-        job.matcher = matcher
+        job = Job(session.state, slot, request, emit, matcher=matcher, calls=calls)
         job.prefix = await self.prefixes.find(session, [*session.state.tokens, *request.prompt])
         job.boundary_at = self.prefixes.boundary_for(session)
         session.job = job
         before, previous = len(session.state.tokens), session.constraint
         draws_before = session.state.draws
-        reply_before = reply.content if reply is not None else ""
+        reply_before = (reply.content, reply.tool_calls) if reply is not None else ("", ())
         session.constraint = constraint
         self.host.touch(session)
         self.engine.submit(job)
@@ -287,11 +302,13 @@ class Conversations:
                     raise item
                 if reply is not None:
                     reply.content += item.text
+                    if item.tool_calls:
+                        reply.tool_calls = join_deltas(reply.tool_calls, item.tool_calls)
                 if item.finish_reason is not None:
                     session.job = None
                     if item.usage is not None and dropped:
                         item = replace(item, usage=replace(item.usage, dropped_tokens=dropped))
-                    if item.finish_reason == "eos":
+                    if item.finish_reason in ("eos", "tool_calls"):
                         # Allowed only once a grammar accepts: the constrained output is whole.
                         session.constraint = None
                     if item.usage is not None:
@@ -318,7 +335,7 @@ class Conversations:
             if len(session.state.tokens) == before:  # nothing was added (or it was undone)
                 session.constraint = previous
                 if reply is not None:
-                    reply.content = reply_before
+                    reply.content, reply.tool_calls = reply_before
             raise
         finally:
             session.job = None
@@ -365,12 +382,33 @@ class Conversations:
             logprobs=turn.logprobs,
         )
 
-    async def _grammar(self, session: Session, turn: Turn) -> GrammarSpec | None:
-        """The request's grammar, compiled (or found compiled): refused before any wait."""
+    async def _grammar(
+        self, session: Session, turn: Turn, tools: tuple[Tool, ...] = (), choice: ToolChoice | None = None
+    ) -> GrammarSpec | None:
+        """The request's grammar, or its tool calls' (chat turns whose choice may call),
+        compiled (or found compiled): refused before any wait."""
         spec = GrammarSpec.of(turn.grammar, turn.json_schema)
+        if choice is not None and choice.calls():
+            if spec is not None:
+                raise InvalidRequest("give a grammar or a JSON schema, or tools to call, not both")
+            assert self.template is not None
+            spec = self.template.toolkit.grammar(tools, choice, turn.parallel_tool_calls)
         if spec is not None:
             await self.grammars.check(session.tenant, spec)
         return spec
+
+    async def _calls(self, constraint: Constraint, output: Sequence[int]) -> CallStream:
+        """The reader of a reply's calls, past what the reply holds already (a reply cut
+        short and continued)."""
+        assert self.template is not None
+        stream = self.template.toolkit.stream(constraint.call_ids)
+        if output:
+            markers = stream.markers
+            text = await self.tokens.vocab(
+                lambda c: b"".join(c.piece(t, t in markers) for t in output).decode("utf-8", "replace")
+            )
+            stream.feed(text)
+        return stream
 
 
 def _merge(a: Chunk, b: Chunk) -> Chunk:
@@ -381,4 +419,5 @@ def _merge(a: Chunk, b: Chunk) -> Chunk:
         logprobs=a.logprobs + b.logprobs,
         finish_reason=b.finish_reason,
         usage=b.usage,
+        tool_calls=a.tool_calls + b.tool_calls,
     )

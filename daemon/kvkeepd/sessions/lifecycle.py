@@ -21,6 +21,7 @@ from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant, session_salt
 from kvkeepd.sessions.tokens import Tokenizer
+from kvkeepd.toolcall import Tool, check_tools
 from kvkeepd.values import MAX_SEED, ChatMessage, SamplingOverrides, SamplingParams, check_stop
 
 
@@ -54,8 +55,10 @@ class Lifecycle:
         persistent: bool,
         cache_salt: bytes = b"",
         context_policy: str = "",
+        tools: Sequence[Tool] = (),
     ) -> Session:
-        """A new session; its system prompt is rendered now and evaluated on first use."""
+        """A new session; its system prompt is rendered now (with its tools, where the
+        template writes them there) and evaluated on first use."""
         policy = values.context_policy(context_policy)
         params = sampling.apply(SamplingParams())
         if sampling.get("seed") is None:
@@ -72,13 +75,14 @@ class Lifecycle:
             tenant=tenant.name,
             salt=salt,
             context_policy=policy,
+            tools=check_tools(tools),
         )
         return await self.host.ops.run(self._create(tenant, session, system_prompt))
 
     async def _create(self, tenant: Tenant, session: Session, system_prompt: str) -> Session:
         self.host.check_quota(tenant)
         if system_prompt:
-            tokens = await self.tokens.system(system_prompt)
+            tokens = await self.tokens.system(system_prompt, session.tools)
             if len(tokens) >= self.n_ctx:
                 raise ContextFull(
                     f"the system prompt has {len(tokens)} tokens; the session's context holds {self.n_ctx}"

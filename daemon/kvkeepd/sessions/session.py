@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from kvkeepd.engine.job import Job, SeqState
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state.manifest import Snapshot
+from kvkeepd.toolcall import Tool
 from kvkeepd.values import ChatMessage, Constraint, ContextPolicy, SamplingParams
 
 # Recurrent snapshots a session keeps (models with a recurrent state): the newest turns' starts.
@@ -49,6 +50,8 @@ class Session:
     # Structured output cut short (max_tokens, a stop string...): the next request without a
     # prompt continues within it (see grammar.py).
     constraint: Constraint | None = None
+    # The tools its chat turns may call, until a turn gives others (kvkeepd.tools).
+    tools: tuple[Tool, ...] = ()
     # Changed since its last head save, and the tokens its head's state covers (persistent
     # sessions only: turns since then are in the journal, their KV not yet stored).
     dirty: bool = False
@@ -100,6 +103,7 @@ class Session:
             imported=self.imported,
             tenant=self.tenant,
             constraint=self.constraint,
+            tools=self.tools,
             system_end=self.system_end,
             context_policy=self.context_policy,
             truncations=self.truncations,
@@ -126,6 +130,7 @@ class Session:
         self.stop = snap.stop
         self.messages = [replace(m) for m in snap.messages]
         self.constraint = snap.constraint
+        self.tools = snap.tools
         self.system_end = snap.system_end
         self.context_policy = snap.context_policy
         self.truncations = snap.truncations

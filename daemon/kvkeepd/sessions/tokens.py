@@ -15,6 +15,7 @@ from kvkeepd.engine.context import LlamaContext, ModelInfo
 from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.sessions.chat import ChatTemplate, Segment, text_of
+from kvkeepd.toolcall import Tool
 from kvkeepd.values import Message
 
 T = TypeVar("T")
@@ -31,12 +32,22 @@ class Tokenizer:
         self.prompt_limit = prompt_limit
         self.template = template
 
-    async def system(self, system_prompt: str) -> list[int]:
-        """A session's system prompt as the model's template renders it (or as plain text)."""
+    async def system(self, system_prompt: str, tools: Sequence[Tool] = ()) -> list[int]:
+        """A session's system prompt as the model's template renders it (or as plain text),
+        with the session's tools where the template writes them there. A template that writes
+        tools elsewhere (Llama 3.1: into the first user message) renders the prompt without;
+        the first turn adds them."""
         self.check_bytes(system_prompt, "system prompt")
         template = self.template
         if template is not None:
-            segments = template.render([Message("system", system_prompt)], False)
+            system = [Message("system", system_prompt)]
+            template.toolkit.shape((), tools)  # tools the template may not take are refused
+            try:
+                segments = template.render(system, False, tools)
+            except InvalidRequest:
+                if not tools:
+                    raise
+                segments = template.render(system, False)
             return await self.segments(segments, first=True)
         return await self.tokenize(system_prompt, first=True, parse_special=False)
 

@@ -28,8 +28,11 @@ from kvkeepd.limits import (
     MAX_MESSAGES,
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,
+    MAX_TOOL_GRAMMAR_CHARS,
     MIN_BLOCK_TOKENS,
 )
+from kvkeepd.state.conversation import messages_of, messages_value, tools_of, tools_value
+from kvkeepd.toolcall import Tool
 from kvkeepd.values import (
     CONTEXT_POLICIES,
     KINDS,
@@ -81,6 +84,8 @@ class Snapshot:
     saved_at: float = 0.0
     # An open constrained output (structured output cut short), or None.
     constraint: Constraint | None = None
+    # The tools the session's chat turns may call (absent in manifests older than tools).
+    tools: tuple[Tool, ...] = ()
     # Tokens of the system prompt, what a chat turn that does not fit does, and what
     # truncating has dropped so far (absent in manifests older than context policies).
     system_end: int = 0
@@ -114,7 +119,8 @@ def encode(s: Snapshot, key: bytes) -> bytes:
             "seed": s.params.seed,
         },
         "stop": list(s.stop),
-        "messages": [{"role": m.role, "content": m.content, "start": m.start} for m in s.messages],
+        "messages": messages_value(s.messages),
+        "tools": tools_value(s.tools),
         "fingerprint": s.fingerprint,
         "kv_layout": s.kv_layout,
         "block_tokens": s.block_tokens,
@@ -128,9 +134,7 @@ def encode(s: Snapshot, key: bytes) -> bytes:
         "context_policy": s.context_policy,
         "truncations": s.truncations,
         "dropped_tokens": s.dropped_tokens,
-        "constraint": None
-        if s.constraint is None
-        else {"kind": s.constraint.spec.kind, "text": s.constraint.spec.text, "start": s.constraint.start},
+        "constraint": None if s.constraint is None else _constraint_value(s.constraint),
     }
     head = json.dumps(meta, separators=(",", ":")).encode()
     tokens = np.asarray(s.tokens, dtype="<i4").tobytes()
@@ -232,14 +236,7 @@ def _snapshot(
         raise
     except Exception as e:
         raise CorruptCheckpoint(f"the checkpoint's sampling parameters are invalid: {e}") from None
-    messages = []
-    for m in _get(meta, "messages", list):
-        if not isinstance(m, dict):
-            raise CorruptCheckpoint("a checkpoint message is not an object")
-        role = _get(m, "role", str)
-        if role not in ("system", "user", "assistant"):
-            raise CorruptCheckpoint(f"a checkpoint message has role {role[:20]!r}")
-        messages.append(ChatMessage(role, _get(m, "content", str), _get(m, "start", int)))
+    messages = messages_of(meta.get("messages"))
     stop = _get(meta, "stop", list)
     if not all(isinstance(x, str) for x in stop):
         raise CorruptCheckpoint("the checkpoint's stop strings are not strings")
@@ -307,6 +304,7 @@ def _snapshot(
         imported=imported,
         tenant=tenant,
         constraint=constraint,
+        tools=tools_of(meta.get("tools", [])),
         system_end=system_end,
         context_policy=policy,
         truncations=truncations,
@@ -331,6 +329,13 @@ def _context(meta: dict[str, Any], n_tokens: int) -> tuple[int, ContextPolicy, i
     return system_end, policy, truncations, dropped
 
 
+def _constraint_value(c: Constraint) -> dict[str, Any]:
+    value: dict[str, Any] = {"kind": c.spec.kind, "text": c.spec.text, "start": c.start}
+    if c.call_ids:
+        value["call_ids"] = c.call_ids
+    return value
+
+
 def _constraint(value: object, n_tokens: int) -> Constraint | None:
     """An open constraint's record (absent in manifests older than structured output).
     Whether its text compiles, and the history since `start` matches it, is checked when a
@@ -340,15 +345,19 @@ def _constraint(value: object, n_tokens: int) -> Constraint | None:
     if not isinstance(value, dict):
         raise CorruptCheckpoint("the checkpoint's constraint is malformed")
     kind, text, start = value.get("kind"), value.get("text"), value.get("start")
+    call_ids = value.get("call_ids", "")
+    limit = MAX_TOOL_GRAMMAR_CHARS if kind == "tools" else MAX_GRAMMAR_CHARS
     if (
         kind not in KINDS
         or not isinstance(text, str)
-        or not 0 < len(text) <= MAX_GRAMMAR_CHARS
+        or not 0 < len(text) <= limit
         or type(start) is not int
         or not 0 <= start <= n_tokens
+        or not isinstance(call_ids, str)
+        or len(call_ids) > 64
     ):
         raise CorruptCheckpoint("the checkpoint's constraint is malformed")
-    return Constraint(GrammarSpec(kind, text), start)
+    return Constraint(GrammarSpec(kind, text), start, call_ids)
 
 
 def _timestamp(meta: dict[str, Any], name: str) -> float:
