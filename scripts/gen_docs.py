@@ -110,7 +110,7 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "Several daemons",
         "Daemons that share a catalog (and a block store) serve one population of persistent "
         "sessions: see [deploying.md](deploying.md#several-daemons-sharing-a-catalog).",
-        ("catalog", "daemon-name", "lease-seconds", "lease-wait"),
+        ("catalog", "daemon-name", "lease-seconds", "lease-wait", "orphan-grace"),
     ),
     (
         "Logging, shutdown and debugging",

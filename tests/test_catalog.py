@@ -266,6 +266,49 @@ def test_turn_records_are_fenced_grouped_listed_and_covered_by_the_next_head(red
     assert b.turn(sessions[1]) is None
 
 
+def test_the_collector_takes_only_claimed_blocks_no_save_committed_in_time(redis_server: str) -> None:
+    from kvkeepd.errors import StaleClaim
+    from kvkeepd.storage.catalog.redis import RedisCatalog
+
+    grace = 0.5
+    catalog = RedisCatalog(f"{redis_server}?prefix=test-{secrets.token_hex(6)}", grace=grace)
+    kept, cut, cached = key(1), key(2), key(3)
+    # A save claims its blocks, and commits only one of them (the other's put was cut short).
+    claim = catalog.claim_blocks([kept, cut])
+    assert claim.sizes == {} and not claim.busy and claim.at > 0
+    committed = row(sid())
+    catalog.add_checkpoint(committed, b"m", [(kept, 10)], now=1.0, claimed_at=claim.at)
+    assert catalog.doomed_blocks(10) == []  # within the grace period: every claim holds
+    time.sleep(grace + 0.1)
+    assert catalog.doomed_blocks(10) == [cut]  # claimed long ago, known to no checkpoint
+    assert catalog.doomed_blocks(10) == []  # taken once
+    # While it is being deleted, a save's claim on it waits; once deleted, it goes through.
+    assert catalog.claim_blocks([cut, kept]).busy == {cut}
+    catalog.deleted_blocks([cut])
+    again = catalog.claim_blocks([cut, kept])
+    assert not again.busy and again.sizes == {kept: 10}
+
+    # A budget sweep forgets an unreferenced block only once no save has claimed it lately.
+    catalog.add_checkpoint(
+        row(sid()), b"m", [(cached, 20)], now=1.0, claimed_at=catalog.claim_blocks([cached]).at
+    )
+    for r in catalog.checkpoints(committed.session_id):
+        catalog.delete(r.checkpoint_id)
+    assert catalog.forget_blocks([kept]) == []  # claimed just now (`again`): kept
+    time.sleep(grace + 0.1)
+    assert catalog.forget_blocks([kept]) == [kept]
+    assert catalog.claim_blocks([kept]).busy == {kept}  # being deleted
+    catalog.deleted_blocks([kept])
+    assert catalog.forget_blocks([cached]) == []  # referenced
+
+    # A save that took longer than the grace period is refused: its blocks may be gone.
+    late = catalog.claim_blocks([key(4)])
+    time.sleep(grace + 0.1)
+    with pytest.raises(StaleClaim):
+        catalog.add_checkpoint(row(sid()), b"m", [(key(4), 5)], now=2.0, claimed_at=late.at)
+    assert catalog.block_size(key(4)) is None
+
+
 def test_an_unreachable_server_is_unavailable_until_it_is_back(
     start_redis: Callable[[], RedisServer],
 ) -> None:

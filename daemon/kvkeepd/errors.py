@@ -18,6 +18,7 @@ that each error means one thing to a client.
     └── Unavailable                   UNAVAILABLE
         ├── StoreReadFailed               cause store-read-failed
         ├── StoreUnreachable              cause store-unreachable
+        │   └── StaleClaim                    (the same cause)
         ├── CatalogUnavailable            cause catalog-unavailable
         └── SessionElsewhere              cause session-elsewhere (+ a retry hint)
 
@@ -114,6 +115,11 @@ class StoreUnreachable(Unavailable):
     saved. It may well answer again soon, so this is not RESOURCE_EXHAUSTED."""
 
     cause = "store-unreachable"
+
+
+class StaleClaim(StoreUnreachable):
+    """A save took longer than the orphan collector's grace period, so its blocks may have
+    been taken for a crashed save's and collected: nothing was saved; try again."""
 
 
 class CatalogUnavailable(Unavailable):

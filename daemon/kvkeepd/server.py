@@ -92,7 +92,7 @@ def durable_catalog(settings: Settings, state: StateDir, key: bytes) -> Catalog:
         return SqliteCatalog(state.path / "catalog.db")
     from kvkeepd.storage.catalog.redis import RedisCatalog
 
-    catalog = RedisCatalog(settings.catalog)
+    catalog = RedisCatalog(settings.catalog, grace=settings.orphan_grace)
     ours = key_id(key)
     found = catalog.store_key_id(ours)
     if found != ours:

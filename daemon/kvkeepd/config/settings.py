@@ -134,6 +134,17 @@ class Settings:
             shown="host name/process id",
         ),
     )
+    orphan_grace: float = field(
+        default=900.0,
+        metadata=spec(
+            "With a shared catalog: seconds a save has to commit once it has claimed its blocks "
+            "(longer than any save; the same on every daemon). Blocks claimed longer ago that no "
+            "checkpoint committed (a save cut short) are deleted from the store by one daemon at a "
+            "time.",
+            low=0.5,
+            high=7 * 86400,
+        ),
+    )
     lease_wait: float = field(
         default=5.0,
         metadata=spec(

@@ -4,8 +4,9 @@ Every `sweep_interval` seconds, one pass runs as an operation (ops.py): sessions
 `--idle-ttl` (ephemeral) or `--persistent-ttl` (persistent) are closed as a client's close
 would; with a shared catalog, the persistent sessions that no daemon holds expire there too,
 by whichever one daemon has the cluster's expiry duty (leases.py: one at a time, another
-taking over when it dies); parked state beyond the RAM budget spills to disk, and
-unreferenced blocks beyond the disk budget are dropped.
+taking over when it dies), and the blocks that saves cut short left in a shared store are
+collected by the holder of the collector duty (storage/collector.py); parked state beyond
+the RAM budget spills to disk, and unreferenced blocks beyond the disk budget are dropped.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from kvkeepd.sessions.host import SessionHost
 from kvkeepd.sessions.leases import Leases
 from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.session import Session
+from kvkeepd.storage.collector import collect
 from kvkeepd.storage.stores import Stores
 
 log = logging.getLogger(__name__)
 
 #: With a shared catalog, the most persistent sessions one sweep deletes there.
 EXPIRED_PER_SWEEP = 100
+#: The duty of collecting orphaned blocks of a shared store.
+COLLECTOR_DUTY = "collector"
 #: The duty (leases.py) of expiring what no daemon holds: persistent sessions now; stored
 #: responses, or anything else that outlives its daemon, would be expired by the same one.
 EXPIRY_DUTY = "expiry"
@@ -71,6 +75,12 @@ class Sweeper:
         shared_expiry = durable.catalog.shared and settings.persistent_ttl > 0
         if shared_expiry and await self.leases.duty(EXPIRY_DUTY, settings.sweep_interval):
             await self._expire_unheld(now - settings.persistent_ttl)
+        shared_store = durable.catalog.shared and durable.store.remote
+        if shared_store and await self.leases.duty(COLLECTOR_DUTY, settings.sweep_interval):
+            try:
+                await asyncio.to_thread(collect, durable.store, durable.catalog)
+            except KvkeepError as e:
+                log.warning("orphaned blocks were not collected: %s", e)
         await self.residency.enforce_ram()
         await asyncio.to_thread(durable.sweep, settings.disk_budget, self.stores.disk.used)
 

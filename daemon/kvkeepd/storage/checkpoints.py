@@ -16,8 +16,9 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 
 from kvkeepd.errors import (
@@ -38,10 +39,14 @@ from kvkeepd.state.plan import Piece, Plan, plan
 from kvkeepd.storage.blocks.base import BlockStore
 from kvkeepd.storage.budget import DiskBudget
 from kvkeepd.storage.catalog import Catalog, CheckpointRow
+from kvkeepd.storage.collector import claim_blocks, delete_decided
 
 log = logging.getLogger(__name__)
 
 _READERS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kvkeep-read")
+# Puts to a remote store in flight at once, per daemon: each is a round trip, and a state in
+# flight is at most this many blocks (~1.5 MB each) beyond the one being saved.
+_WRITERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvkeep-write")
 CHECKPOINT_ID_PREFIX = "c_"
 
 
@@ -146,45 +151,67 @@ class CheckpointStore:
         lacking = [p for p, _ in unique.values() if p.key not in held]
         bound = sum(p.size + blk.FRAME_HEADER for p in lacking) + 2 * len(data) + 4096
         with self.budget.reserve(bound) if self.budget else contextlib.nullcontext(), self._lock:
-            written = referenced = 0
-            sizes: list[tuple[str, int]] = []
-            new_keys: list[str] = []
+            written: dict[str, tuple[int, int]] = {}
             try:
-                # Asked again under the lock: a sweep may have dropped blocks meanwhile.
+                # Claimed, then asked again under the lock: a sweep (or, with a shared store,
+                # another daemon's collector) may have dropped blocks meanwhile, and a claim
+                # keeps them from dropping those this save relies on.
+                claim = claim_blocks(self.catalog, list(unique))
                 held = self._held(list(unique))
-                for piece, payload in unique.values():
-                    size = self.catalog.block_size(piece.key)
-                    if size is None or piece.key not in held:
-                        block = blk.frame(payload(), self.codec)
-                        if self.store.put(piece.key, block):
-                            new_keys.append(piece.key)
-                            written += len(block)
-                        size = len(block)
-                    sizes.append((piece.key, size))
-                    referenced += size
+                self._put_all(
+                    [(p, f) for p, f in unique.values() if p.key not in claim.sizes or p.key not in held],
+                    written,
+                )
+                sizes = [(key, written[key][0] if key in written else claim.sizes[key]) for key in unique]
                 row = CheckpointRow(
                     checkpoint_id=CHECKPOINT_ID_PREFIX + secrets.token_hex(12),
                     session_id=snap.session_id,
                     label=snap.label,
                     kind=kind,
                     n_tokens=len(snap.tokens),
-                    bytes_written=written + len(data),
-                    bytes_referenced=referenced + len(data),
+                    bytes_written=sum(n for _, n in written.values()) + len(data),
+                    bytes_referenced=sum(size for _, size in sizes) + len(data),
                     created_at=now,
                     tenant=snap.tenant,
                 )
-                self.catalog.add_checkpoint(row, data, sizes, now, head_of=head_of, fence=fence)
+                self.catalog.add_checkpoint(
+                    row, data, sizes, now, head_of=head_of, fence=fence, claimed_at=claim.at
+                )
             except BaseException:
-                # Blocks this save wrote that no committed checkpoint knows: reclaimed now,
-                # not at the next start.
-                # (Best effort: a remote store that failed the write may fail this too.)
-                with contextlib.suppress(OSError, KvkeepError):
-                    known = self.catalog.present(new_keys) if new_keys else set()
-                    for key in new_keys:
-                        if key not in known:
-                            self.store.delete(key)
+                # Blocks this save wrote that no committed checkpoint knows: reclaimed now (best
+                # effort) on a store of this daemon's alone; a shared one's collector takes them
+                # after its grace period (another daemon's save may rely on them meanwhile).
+                new_keys = [key for key, (_, n) in written.items() if n]
+                if new_keys and not self.catalog.shared:
+                    with contextlib.suppress(OSError, KvkeepError):
+                        known = self.catalog.present(new_keys)
+                        for key in new_keys:
+                            if key not in known:
+                                self.store.delete(key)
                 raise
         return row, snap
+
+    def _put_all(
+        self, pieces: list[tuple[Piece, Callable[[], bytes]]], written: dict[str, tuple[int, int]]
+    ) -> None:
+        """Frame and put each piece, recording in `written` key -> (its frame's size, bytes
+        written: 0 if the store had it) as each put succeeds; the first failure is raised
+        once every put has ended. A remote store's puts run a few at a time."""
+
+        def put(item: tuple[Piece, Callable[[], bytes]]) -> None:
+            piece, payload = item
+            block = blk.frame(payload(), self.codec)
+            written[piece.key] = (len(block), self.store.put(piece.key, block))
+
+        if not self.store.remote or len(pieces) < 2:
+            for item in pieces:
+                put(item)
+            return
+        puts = [_WRITERS.submit(put, item) for item in pieces]
+        wait(puts)
+        for done in puts:
+            if (error := done.exception()) is not None:
+                raise error
 
     def _held(self, keys: list[str]) -> set[str]:
         """Which pieces of a save the store holds. A remote store that cannot say fails the
@@ -400,12 +427,12 @@ class CheckpointStore:
             for key, size in self.catalog.unreferenced():
                 if used() <= budget_bytes:
                     break
-                # Forgotten first, and only if still unreferenced: with a shared catalog,
-                # another daemon may have referenced it since the list was read (and a
-                # remote store's bytes are what the catalog records).
+                # Forgotten first, and only if still unreferenced and unclaimed: with a
+                # shared catalog, another daemon may have referenced or claimed it since the
+                # list was read (and a remote store's bytes are what the catalog records).
+                decided = time.monotonic()
                 if self.catalog.forget_blocks([key]):
-                    self.store.delete(key)
-                    freed += size
+                    freed += size * delete_decided(self.store, self.catalog, [key], decided)
         return freed
 
     def remove_orphans(self) -> int:

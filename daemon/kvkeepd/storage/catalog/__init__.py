@@ -47,6 +47,17 @@ class ListedSession:
 
 
 @dataclass(frozen=True)
+class Claim:
+    """A save's claim on its blocks (`claim_blocks`): the sizes of those the catalog knows,
+    those being deleted now (nothing was claimed then: wait and ask again), and when the
+    claim was made (the catalog's clock; 0: a catalog with no collector)."""
+
+    sizes: dict[str, int]
+    busy: set[str]
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
 class Lease:
     """A session's lease as `take_lease` answers: granted with a fencing token (> 0), or
     held by another daemon for `wait_ms` more milliseconds (token 0)."""
@@ -83,11 +94,14 @@ class Catalog(Protocol):
         now: float,
         head_of: str | None = None,
         fence: int = 0,
+        claimed_at: float = 0.0,
     ) -> str | None:
         """Commit a checkpoint and its references. With head_of, it becomes that session's
         head and the previous head is deleted; its id is returned. With a fence (a lease's
         token), the head moves only if no daemon took the session's lease since: Fenced
-        otherwise, and nothing is written."""
+        otherwise, and nothing is written. `claimed_at`: its Claim's `at`; a claim older
+        than the collector's grace period is refused (StaleClaim), as its blocks may be
+        collected."""
         ...
 
     def get(self, checkpoint_id: str) -> tuple[CheckpointRow, bytes] | None: ...
@@ -149,8 +163,24 @@ class Catalog(Protocol):
         ...
 
     def forget_blocks(self, keys: Iterable[str]) -> list[str]:
-        """Forget those of these blocks that no checkpoint references (now, atomically);
-        returns them: only those may be deleted from the block store."""
+        """Forget those of these blocks that no checkpoint references and no save claimed
+        within the grace period (now, atomically); returns them: only those may be deleted
+        from the block store, and `deleted_blocks` is called once they are."""
+        ...
+
+    def claim_blocks(self, keys: Sequence[str]) -> Claim:
+        """Claim a save's blocks before it writes or relies on them: neither `forget_blocks`
+        nor the collector takes them while the claim is fresh (shared catalogs)."""
+        ...
+
+    def doomed_blocks(self, limit: int) -> list[str]:
+        """The collector's pass (shared catalogs): up to `limit` blocks that saves claimed
+        longer than the grace period ago and no committed checkpoint knows, marked as
+        being deleted; the caller deletes them from the store, then `deleted_blocks`."""
+        ...
+
+    def deleted_blocks(self, keys: Sequence[str]) -> None:
+        """These blocks' deletion from the store is over (done, or given up)."""
         ...
 
     def block_bytes(self) -> int:

@@ -27,6 +27,8 @@ catalog needs one server (or a primary), not a cluster:
     P:block-refs         hash: block key -> checkpoints referencing it
     P:block-used         zset: block key by last use
     P:block-bytes        counter: bytes of the blocks in P:blocks
+    P:claims             zset: block key by when a save last claimed it (server time)
+    P:deleting           hash: block key -> when its deletion from the store was decided
     P:turn:SID           hash: the session's newest turn record (body), its n_tokens and
                          time; deleted when a head covers it (shared_journal.py)
     P:lease:SID          string "HOLDER|TOKEN" with an expiry
@@ -49,8 +51,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kvkeepd.errors import CatalogUnavailable, SessionElsewhere, StoreReadFailed
-from kvkeepd.storage.catalog import CheckpointRow, Lease, ListedSession, SessionRow
+from kvkeepd.errors import CatalogUnavailable, SessionElsewhere, StaleClaim, StoreReadFailed
+from kvkeepd.storage.catalog import CheckpointRow, Claim, Lease, ListedSession, SessionRow
 from kvkeepd.storage.catalog import redis_scripts as scripts
 from kvkeepd.urls import catalog_url, redacted
 
@@ -60,6 +62,11 @@ T = TypeVar("T")
 
 #: Seconds a call waits for the server before it counts as unreachable.
 SOCKET_TIMEOUT = 2.0
+#: Seconds a save's claim on its blocks holds, unless told otherwise (--orphan-grace).
+DEFAULT_GRACE = 900.0
+#: Seconds after which a block's deleting mark no longer holds claims off: its deleter died
+#: between deciding and deleting (a live one gives up deleting long before; collector.py).
+DELETING_STALE = 60.0
 _FIELDS = (
     "session_id",
     "label",
@@ -86,8 +93,11 @@ class RedisCatalog:
 
     shared = True
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, grace: float = DEFAULT_GRACE) -> None:
+        """`grace`: seconds a save's claim on its blocks holds (collector.py): longer than
+        any save, the same on every daemon of the deployment."""
         target, self.prefix = catalog_url(url)
+        self.grace = grace
         self.where = redacted(url)
         # A few quick retries ride out a reconnect; beyond them the call is UNAVAILABLE
         # (a request waits at most a few socket timeouts, never forever).
@@ -103,6 +113,9 @@ class RedisCatalog:
         self._delete_one = self._db.register_script(scripts.DELETE_ONE)
         self._delete_session = self._db.register_script(scripts.DELETE_SESSION)
         self._forget = self._db.register_script(scripts.FORGET)
+        self._claim = self._db.register_script(scripts.CLAIM)
+        self._doom = self._db.register_script(scripts.DOOM)
+        self._done = self._db.register_script(scripts.DONE)
         self._take = self._db.register_script(scripts.TAKE)
         self._renew = self._db.register_script(scripts.RENEW)
         self._release = self._db.register_script(scripts.RELEASE)
@@ -160,14 +173,20 @@ class RedisCatalog:
         now: float,
         head_of: str | None = None,
         fence: int = 0,
+        claimed_at: float = 0.0,
     ) -> str | None:
         args: list[Any] = [self.prefix, row.checkpoint_id, manifest, repr(now), head_of or "", str(fence)]
+        args += [repr(claimed_at), repr(self.grace)]
         args += [_text(getattr(row, f)) for f in _FIELDS]
         for key, size in blocks:
             args += [key, str(size)]
         found = self._call(self._add, args=args)
         if found[0] == b"fenced":
             raise SessionElsewhere(f"session {head_of} was taken over by another daemon; it continues there")
+        if found[0] == b"stale":
+            raise StaleClaim(
+                f"the save took longer than the orphan grace period ({self.grace:g} s): nothing was saved"
+            )
         return _str(found[1]) or None
 
     @staticmethod
@@ -320,7 +339,21 @@ class RedisCatalog:
         wanted = list(keys)
         if not wanted:
             return []
-        return [_str(k) for k in self._call(self._forget, args=[self.prefix, *wanted])]
+        return [_str(k) for k in self._call(self._forget, args=[self.prefix, repr(self.grace), *wanted])]
+
+    def claim_blocks(self, keys: Sequence[str]) -> Claim:
+        if not keys:
+            return Claim({}, set())
+        at, sizes, busy = self._call(self._claim, args=[self.prefix, repr(DELETING_STALE), *keys])
+        known = {k: int(v) for k, v in zip(keys, sizes, strict=True) if v}
+        return Claim(known, {_str(b) for b in busy}, float(at))
+
+    def doomed_blocks(self, limit: int) -> list[str]:
+        return [_str(k) for k in self._call(self._doom, args=[self.prefix, repr(self.grace), str(limit)])]
+
+    def deleted_blocks(self, keys: Sequence[str]) -> None:
+        if keys:
+            self._call(self._done, args=[self.prefix, *keys])
 
     def block_bytes(self) -> int:
         return int(self._call(self._db.get, self._k("block-bytes")) or 0)

@@ -41,24 +41,31 @@ local function forget_session(P, sid)
   redis.call('ZREM', P .. ':tenant-sessions:' .. tenant, sid)
   redis.call('HDEL', P .. ':explicit', sid)
 end
+local function server_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1e6
+end
 local function fenced(P, sid, fence)
   if fence == '0' then return false end
   return (redis.call('GET', P .. ':fence:' .. sid) or '0') ~= fence
 end
 """
 
-# ARGV: prefix, cid, manifest, now, head_of, fence, then the row's fields (in the order of
-# redis_catalog._FIELDS), then block key and size pairs. Returns {'ok', old head or ''} or
-# {'fenced'}.
+# ARGV: prefix, cid, manifest, now, head_of, fence, claimed_at, grace, then the row's fields
+# (in the order of redis_catalog._FIELDS), then block key and size pairs. Returns {'ok', old
+# head or ''}, {'fenced'}, or {'stale'} when its blocks were claimed (CLAIM) more than `grace`
+# seconds ago by the server's clock (the collector may have taken them for orphans).
 ADD = (
     _DELETE
     + """
 local P, cid, manifest, now, head_of, fence = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local claimed_at, grace = tonumber(ARGV[7]), tonumber(ARGV[8])
 local sid, label, kind, n_tokens, written, referenced, created_at, tenant =
-  ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14]
+  ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15], ARGV[16]
 local ck = P .. ':ckpt:' .. cid
 if redis.call('EXISTS', ck) == 1 then return {'ok', ''} end
 if head_of ~= '' and fenced(P, head_of, fence) then return {'fenced'} end
+if claimed_at > 0 and server_now() - claimed_at > grace then return {'stale'} end
 redis.call('HSET', ck, 'session_id', sid, 'label', label, 'kind', kind, 'n_tokens', n_tokens,
   'bytes_written', written, 'bytes_referenced', referenced, 'created_at', created_at,
   'tenant', tenant, 'manifest', manifest)
@@ -67,7 +74,7 @@ redis.call('SADD', P .. ':tenant-all:' .. tenant, cid)
 if kind == 'explicit' or kind == 'imported' then redis.call('SADD', P .. ':tenant:' .. tenant, cid) end
 if kind == 'explicit' then redis.call('HINCRBY', P .. ':explicit', sid, 1) end
 redis.call('INCRBY', P .. ':manifest-bytes', string.len(manifest))
-for i = 15, #ARGV, 2 do
+for i = 17, #ARGV, 2 do
   local b = ARGV[i]
   if redis.call('HSETNX', P .. ':blocks', b, ARGV[i + 1]) == 1 then
     redis.call('INCRBY', P .. ':block-bytes', ARGV[i + 1])
@@ -208,23 +215,93 @@ redis.call('SET', P .. ':index-version', '1')
 return 1
 """
 
-# ARGV: prefix, then block keys. Forgets those no checkpoint references; returns them.
-FORGET = """
-local P = ARGV[1]
+# Blocks a save may rely on and blocks being deleted (the collector's protocol; see
+# storage/collector.py): `P:claims` (zset: block key -> when a save last claimed it, by the
+# server's clock) and `P:deleting` (hash: block key -> when its deletion from the store was
+# decided). A block claimed within the grace period is never forgotten or collected, and
+# a claim waits while its block is being deleted.
+_CLAIMS = """
+local function claimed_since(P, b, since)
+  return tonumber(redis.call('ZSCORE', P .. ':claims', b) or '0') > since
+end
+"""
+
+# ARGV: prefix, grace, then block keys. Forgets those no checkpoint references and no save
+# claimed within `grace` seconds, marking them deleting; returns them (the caller deletes
+# them from the store, then calls DONE).
+FORGET = (
+    _DELETE
+    + _CLAIMS
+    + """
+local P, grace = ARGV[1], tonumber(ARGV[2])
+local now = server_now()
 local out = {}
-for i = 2, #ARGV do
+for i = 3, #ARGV do
   local b = ARGV[i]
-  if tonumber(redis.call('HGET', P .. ':block-refs', b) or '0') <= 0 then
+  local unreferenced = tonumber(redis.call('HGET', P .. ':block-refs', b) or '0') <= 0
+  if unreferenced and not claimed_since(P, b, now - grace) then
     local size = redis.call('HGET', P .. ':blocks', b)
     if size then
       redis.call('HDEL', P .. ':blocks', b)
       redis.call('DECRBY', P .. ':block-bytes', size)
+      redis.call('HSET', P .. ':deleting', b, now)
       table.insert(out, b)
     end
     redis.call('ZREM', P .. ':block-used', b)
   end
 end
 return out
+"""
+)
+
+# ARGV: prefix, stale (seconds after which a deleting mark is ignored: its deleter died),
+# then block keys. Claims the blocks for a save: {now, sizes (the catalog's, '' if unknown)
+# in order, then the keys being deleted}; nothing is claimed while any is being deleted.
+CLAIM = (
+    _DELETE
+    + """
+local P, stale = ARGV[1], tonumber(ARGV[2])
+local now = server_now()
+local busy = {}
+for i = 3, #ARGV do
+  local at = redis.call('HGET', P .. ':deleting', ARGV[i])
+  if at and now - tonumber(at) < stale then table.insert(busy, ARGV[i]) end
+end
+local sizes = {}
+for i = 3, #ARGV do
+  if #busy == 0 then redis.call('ZADD', P .. ':claims', now, ARGV[i]) end
+  table.insert(sizes, redis.call('HGET', P .. ':blocks', ARGV[i]) or '')
+end
+return {tostring(now), sizes, busy}
+"""
+)
+
+# ARGV: prefix, grace, limit. The collector's pass: blocks a save claimed more than `grace`
+# seconds ago that no committed checkpoint knows (what a save cut short left in the store)
+# are marked deleting and returned, up to `limit`; older claims of known blocks are dropped.
+DOOM = (
+    _DELETE
+    + """
+local P, grace, limit = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local now = server_now()
+local out = {}
+local old = redis.call('ZRANGEBYSCORE', P .. ':claims', '-inf', '(' .. (now - grace), 'LIMIT', 0, limit)
+for _, b in ipairs(old) do
+  redis.call('ZREM', P .. ':claims', b)
+  if redis.call('HEXISTS', P .. ':blocks', b) == 0 then
+    redis.call('HSET', P .. ':deleting', b, now)
+    table.insert(out, b)
+  end
+end
+return out
+"""
+)
+
+# ARGV: prefix, then block keys deleted from the store (or not: given up). Clears their marks.
+DONE = """
+local P = ARGV[1]
+for i = 2, #ARGV do redis.call('HDEL', P .. ':deleting', ARGV[i]) end
+return 0
 """
 
 # KEYS: lease, fence, want. ARGV: holder, ttl_ms. Returns {token, 0}, or {0, ms the holder

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvkeepd.errors import StoreReadFailed
 from kvkeepd.files import check_entry, private_file
-from kvkeepd.storage.catalog import CheckpointRow, Lease, ListedSession, SessionRow
+from kvkeepd.storage.catalog import CheckpointRow, Claim, Lease, ListedSession, SessionRow
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +151,11 @@ class SqliteCatalog:
         now: float,
         head_of: str | None = None,
         fence: int = 0,
+        claimed_at: float = 0.0,
     ) -> str | None:
         """Commit a checkpoint and its references. With head_of, it becomes that session's
-        head and the previous head is deleted; its id is returned."""
+        head and the previous head is deleted; its id is returned. (One daemon's: its
+        store's lock orders saves and sweeps, so claims need no checking.)"""
         with self._transaction():
             self._db.execute(
                 f"INSERT INTO checkpoints ({_COLUMNS}, manifest) VALUES (?,?,?,?,?,?,?,?,?,?)",
@@ -371,6 +373,26 @@ class SqliteCatalog:
                 if gone.rowcount:
                     forgotten.append(key)
         return forgotten
+
+    def claim_blocks(self, keys: Sequence[str]) -> Claim:
+        """The sizes of the blocks known; nothing to claim (saves and sweeps of one daemon
+        are ordered by its store's lock)."""
+        sizes: dict[str, int] = {}
+        with self._reading():
+            for at in range(0, len(keys), 500):
+                part = list(keys[at : at + 500])
+                rows = self._db.execute(
+                    f"SELECT block, size FROM blocks WHERE block IN ({','.join('?' * len(part))})", part
+                ).fetchall()
+                sizes.update((r[0], int(r[1])) for r in rows)
+        return Claim(sizes, set())
+
+    def doomed_blocks(self, limit: int) -> list[str]:
+        """None: this catalog's store is one daemon's, whose start removes what no row knows."""
+        return []
+
+    def deleted_blocks(self, keys: Sequence[str]) -> None:
+        """Nothing to clear (see claim_blocks)."""
 
     def block_bytes(self) -> int:
         """Bytes of the blocks the catalog records (what a remote store is counted as)."""
