@@ -281,7 +281,7 @@ def test_bad_input_gets_a_4xx_and_the_daemon_goes_on(
         ({**ok, "temperature": -1}, 400, "temperature"),
         ({**ok, "top_p": 0}, 400, "top_p"),
         ({**ok, "stop": [""]}, 400, "stop"),
-        ({**ok, "messages": [{"role": "tool", "content": "x"}]}, 400, "role"),
+        ({**ok, "messages": [{"role": "function", "content": "x"}]}, 400, "role"),
         ({**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, ""),
         ({**ok, "n": 2}, 400, "n must be 1"),
         ({**ok, "tools": [{"type": "function"}]}, 400, "tools"),

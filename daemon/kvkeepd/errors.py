@@ -45,6 +45,11 @@ class KvkeepError(Exception):
 class InvalidRequest(KvkeepError):
     code = "INVALID_ARGUMENT"
 
+    def __init__(self, message: str = "", field: str = "") -> None:
+        super().__init__(message)
+        #: The request's field at fault, where one is (the HTTP door's `param`).
+        self.field = field
+
 
 class NotFound(KvkeepError):
     code = "NOT_FOUND"

@@ -65,11 +65,15 @@ class ToolChoice:
         for known in CHOICE_MODES:
             if mode == known:
                 if (known == "function") != bool(function):
-                    raise InvalidRequest('tool_choice "function" names one function, and only it does')
+                    raise InvalidRequest(
+                        'tool_choice "function" names one function, and only it does', "tool_choice"
+                    )
                 return ToolChoice(known, function)
         if not mode and not function:
             return ToolChoice()
-        raise InvalidRequest(f"tool_choice must be one of {', '.join(CHOICE_MODES)}, not {mode[:40]!r}")
+        raise InvalidRequest(
+            f"tool_choice must be one of {', '.join(CHOICE_MODES)}, not {mode[:40]!r}", "tool_choice"
+        )
 
     def calls(self) -> bool:
         """The reply may call a tool."""
@@ -100,40 +104,45 @@ def check_tools(tools: Sequence[Tool]) -> tuple[Tool, ...]:
     """The tools, checked: at most MAX_TOOLS of them, names of OpenAI's form and each once,
     parameters a JSON object, all their text within MAX_GRAMMAR_CHARS."""
     if len(tools) > MAX_TOOLS:
-        raise InvalidRequest(f"at most {MAX_TOOLS} tools, got {len(tools)}")
+        raise InvalidRequest(f"at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
     seen: set[str] = set()
     size = 0
     for tool in tools:
         check_name(tool.name)
         if tool.name in seen:
-            raise InvalidRequest(f"two tools are named {tool.name!r}")
+            raise InvalidRequest(f"two tools are named {tool.name!r}", "tools")
         seen.add(tool.name)
         size += len(tool.description) + len(tool.parameters)
         if tool.parameters:
             try:
                 schema = json.loads(tool.parameters)
             except (ValueError, RecursionError):
-                raise InvalidRequest(f"the parameters of tool {tool.name!r} are not JSON") from None
+                raise InvalidRequest(f"the parameters of tool {tool.name!r} are not JSON", "tools") from None
             if not isinstance(schema, dict) or schema.get("type", "object") != "object":
                 raise InvalidRequest(
                     f"the parameters of tool {tool.name!r} must be a JSON schema of an object"
                 )
     if size > MAX_GRAMMAR_CHARS:
         raise InvalidRequest(
-            f"the tools' descriptions and parameters have {size} characters; the limit is {MAX_GRAMMAR_CHARS}"
+            f"the tools' descriptions and parameters have {size} characters; "
+            f"the limit is {MAX_GRAMMAR_CHARS}",
+            "tools",
         )
     return tuple(tools)
 
 
-def check_name(name: str) -> None:
+def check_name(name: str, field: str = "tools") -> None:
     if not _NAME.fullmatch(name):
-        raise InvalidRequest(f"a tool's name must be 1 to 64 of a-z, A-Z, 0-9, _ and -, not {name[:70]!r}")
+        raise InvalidRequest(
+            f"a tool's name must be 1 to 64 of a-z, A-Z, 0-9, _ and -, not {name[:70]!r}", field
+        )
 
 
 def check_call_id(call_id: str) -> None:
     if not _CALL_ID.fullmatch(call_id):
         raise InvalidRequest(
-            f"a tool call's id must be 1 to 128 of a-z, A-Z, 0-9, _, ., : and -, not {call_id[:130]!r}"
+            f"a tool call's id must be 1 to 128 of a-z, A-Z, 0-9, _, ., : and -, not {call_id[:130]!r}",
+            "messages",
         )
 
 
@@ -141,16 +150,22 @@ def check_calls(calls: Sequence[ToolCall]) -> None:
     """InvalidRequest unless the calls (of a message given) have ids, names and arguments
     that a template can render: arguments are a JSON object."""
     if len(calls) > MAX_TOOL_CALLS:
-        raise InvalidRequest(f"at most {MAX_TOOL_CALLS} tool calls in a message, got {len(calls)}")
+        raise InvalidRequest(
+            f"at most {MAX_TOOL_CALLS} tool calls in a message, got {len(calls)}", "messages"
+        )
     for call in calls:
         check_call_id(call.call_id)
-        check_name(call.name)
+        check_name(call.name, "messages")
         try:
             arguments = json.loads(call.arguments or "{}")
         except (ValueError, RecursionError):
-            raise InvalidRequest(f"the arguments of the call to {call.name!r} are not JSON") from None
+            raise InvalidRequest(
+                f"the arguments of the call to {call.name!r} are not JSON", "messages"
+            ) from None
         if not isinstance(arguments, dict):
-            raise InvalidRequest(f"the arguments of the call to {call.name!r} must be a JSON object")
+            raise InvalidRequest(
+                f"the arguments of the call to {call.name!r} must be a JSON object", "messages"
+            )
 
 
 def choice_for(tools: Sequence[Tool], choice: ToolChoice | None) -> ToolChoice:
@@ -159,9 +174,11 @@ def choice_for(tools: Sequence[Tool], choice: ToolChoice | None) -> ToolChoice:
     if choice is None:
         return ToolChoice("auto") if tools else ToolChoice("none")
     if choice.mode in ("required", "function") and not tools:
-        raise InvalidRequest(f'tool_choice "{choice.mode}" needs tools')
+        raise InvalidRequest(f'tool_choice "{choice.mode}" needs tools', "tool_choice")
     if choice.mode == "function" and choice.function not in {t.name for t in tools}:
-        raise InvalidRequest(f"tool_choice names {choice.function!r}, which is none of the tools")
+        raise InvalidRequest(
+            f"tool_choice names {choice.function!r}, which is none of the tools", "tool_choice"
+        )
     if choice.mode == "auto" and not tools:
         return ToolChoice("none")
     return choice

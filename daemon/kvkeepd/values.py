@@ -84,13 +84,17 @@ def check_messages(messages: Sequence[Message]) -> None:
         raise InvalidRequest(f"at most {MAX_MESSAGES} messages, got {len(messages)}")
     for m in messages:
         if m.role not in ROLES:
-            raise InvalidRequest(f"a message's role must be one of {', '.join(ROLES)}, not {m.role[:40]!r}")
+            raise InvalidRequest(
+                f"a message's role must be one of {', '.join(ROLES)}, not {m.role[:40]!r}", "messages"
+            )
         if m.tool_calls:
             if m.role != "assistant":
-                raise InvalidRequest("only assistant messages carry tool calls")
+                raise InvalidRequest("only assistant messages carry tool calls", "messages")
             check_calls(m.tool_calls)
         if (m.role == "tool") != bool(m.tool_call_id):
-            raise InvalidRequest("a tool message, and only a tool message, names the call it answers")
+            raise InvalidRequest(
+                "a tool message, and only a tool message, names the call it answers", "messages"
+            )
         if m.tool_call_id:
             check_call_id(m.tool_call_id)
 

@@ -43,6 +43,8 @@ JSON_OPTIONS: llguidance._lib.JsonCompileOptions = {
 CACHE_ENTRIES = 64
 # A GBNF rule the converter to Lark cannot take: it names root so.
 _GBNF_START = re.compile(r"(?m)^\s*start\s*::=")
+# The request field each kind of grammar comes in.
+_FIELDS = {"gbnf": "grammar", "json_schema": "json_schema", "tools": "tools"}
 # An error message from the compiler is cut to this many characters.
 MAX_ERROR_CHARS = 600
 
@@ -160,14 +162,14 @@ def compile_spec(
                 raise ValueError("a JSON schema must be a JSON object")
             definition = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=JSON_OPTIONS)
     except Exception as e:  # the GBNF converter raises bare Exceptions and RecursionError
-        raise InvalidRequest(f"the {name} is invalid: {_short(e)}") from None
+        raise InvalidRequest(f"the {name} is invalid: {_short(e)}", _FIELDS[spec.kind]) from None
     matcher = llguidance.LLMatcher(tokenizer, definition, log_level=0, limits=limits)
     if not matcher.is_error():
         # Some limits are met only by the first mask (a grammar too ambiguous to follow).
         first = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
         matcher.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)
     if matcher.is_error():
-        raise InvalidRequest(f"the {name} is invalid: {_short(matcher.get_error())}")
+        raise InvalidRequest(f"the {name} is invalid: {_short(matcher.get_error())}", _FIELDS[spec.kind])
     return matcher
 
 

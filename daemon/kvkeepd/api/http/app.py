@@ -33,7 +33,7 @@ from kvkeepd.limits import MAX_CONCURRENT_RPCS
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
-from kvkeepd.values import Chunk, Message, SamplingOverrides
+from kvkeepd.values import Chunk, Message, SamplingOverrides, Turn
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class OpenAiDoor:
         self._app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self._endpoint(self.chat_completions), methods=["POST"]),
-                Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
+                Route("/v1/completions", self._endpoint(self.completions, "prompt"), methods=["POST"]),
                 Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self._endpoint(self.model), methods=["GET"]),
             ],
@@ -94,9 +94,10 @@ class OpenAiDoor:
     # ---- plumbing ----------------------------------------------------------------------------
 
     def _endpoint(
-        self, fn: Callable[[Request], Awaitable[Response]]
+        self, fn: Callable[[Request], Awaitable[Response]], prompt: str = "messages"
     ) -> Callable[[Request], Awaitable[Response]]:
-        """Errors of a handler as OpenAI error bodies."""
+        """Errors of a handler as OpenAI error bodies (`prompt`: the field that a prompt
+        beyond the context is blamed on)."""
 
         async def handle(request: Request) -> Response:
             try:
@@ -104,10 +105,11 @@ class OpenAiDoor:
             except KvkeepError as e:
                 if type(e) is KvkeepError:
                     log.error("internal error", exc_info=e)
-                status, body = domain_error(e)
+                status, body = domain_error(e, prompt)
                 return JSONResponse(body, status)
             except ValidationError as e:
-                return JSONResponse(error("invalid_request_error", _describe(e)), 400)
+                message, code, param = _describe(e)
+                return JSONResponse(error("invalid_request_error", message, code, param), 400)
             except ClientDisconnect:
                 return Response(status_code=400)  # nobody reads it
             except BodyTooLarge:
@@ -179,11 +181,11 @@ class OpenAiDoor:
                 # the flow keeps what still matches.
                 stream = m.converse(found[0].session_id, tenant, messages=messages, whole=True, turn=turn)
             else:
-                session, rest = await self._new_chat_session(tenant, messages, persistent=False)
+                session, rest = await self._new_chat_session(tenant, messages, turn, persistent=False)
                 self.keep.add(tenant, session)
                 stream = m.converse(session.session_id, tenant, messages=rest, whole=False, turn=turn)
         elif req.session_id == NEW_SESSION:
-            session, rest = await self._new_chat_session(tenant, messages, persistent=req.persistent)
+            session, rest = await self._new_chat_session(tenant, messages, turn, persistent=req.persistent)
             on_fail = self._closer(session, tenant)
             stream = m.converse(session.session_id, tenant, messages=rest, whole=False, turn=turn)
             req.session_id = session.session_id
@@ -199,17 +201,17 @@ class OpenAiDoor:
         return JSONResponse(reply.chat("".join(c.text for c in chunks), chunks, top))
 
     async def _new_chat_session(
-        self, tenant: Tenant, messages: Sequence[Message], *, persistent: bool
+        self, tenant: Tenant, messages: Sequence[Message], turn: Turn, *, persistent: bool
     ) -> tuple[Session, list[Message]]:
-        """A new session whose system prompt is the conversation's leading system message,
-        and the messages that follow it."""
+        """A new session whose system prompt is the conversation's leading system message
+        (rendered with the turn's tools), and the messages that follow it."""
         system = messages[0].content if messages[0].role == "system" else ""
         rest = list(messages[1:] if system else messages)
         if not rest:
             raise InvalidRequest("the conversation has no message after its system prompt")
         await self.keep.make_room(tenant)
         session = await self.manager.lifecycle.create(
-            tenant, system, SamplingOverrides(), (), persistent=persistent
+            tenant, system, SamplingOverrides(), (), persistent=persistent, tools=turn.tools or ()
         )
         return session, rest
 
@@ -295,8 +297,10 @@ class OpenAiDoor:
             chunk, is_first = first, True
             try:
                 while True:
-                    yield sse(render(chunk, is_first))
-                    is_first = False
+                    # A chunk of nothing (the tokens of a call's syntax) goes unsent.
+                    if is_first or chunk.text or chunk.tool_calls or chunk.logprobs or chunk.finish_reason:
+                        yield sse(render(chunk, is_first))
+                        is_first = False
                     if chunk.finish_reason is not None:
                         break
                     chunk = await anext(it)
@@ -343,9 +347,16 @@ async def _left(receive: Receive) -> None:
         pass
 
 
-def _describe(e: ValidationError) -> str:
-    """The first problem of a body, naming the field."""
+def _describe(e: ValidationError) -> tuple[str, str, str | None]:
+    """The first problem of a body, naming the field: the message, OpenAI's code for it and
+    the top-level field (`param`)."""
     first = e.errors()[0]
-    where = ".".join(str(p) for p in first.get("loc", ()))
+    loc = first.get("loc", ())
+    where = ".".join(str(p) for p in loc)
     more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-    return f"{where + ': ' if where else ''}{first.get('msg', 'invalid body')}{more}"
+    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
+    return (
+        f"{where + ': ' if where else ''}{first.get('msg', 'invalid body')}{more}",
+        code,
+        str(loc[0]) if loc else None,
+    )

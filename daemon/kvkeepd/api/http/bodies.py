@@ -7,39 +7,74 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvkeepd.errors import KvkeepError
+from kvkeepd.errors import InvalidRequest, KvkeepError
+from kvkeepd.toolcall import CallDelta, ToolCall, join_deltas
 from kvkeepd.values import Chunk, GeneratedToken, Usage
 
 # The engine's finish reasons as OpenAI names them.
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length", "cancelled": "stop"}
+FINISH = {
+    "eos": "stop",
+    "stop": "stop",
+    "length": "length",
+    "context_full": "length",
+    "cancelled": "stop",
+    "tool_calls": "tool_calls",
+}
 
-# Each error class's HTTP status and OpenAI error type (docs/errors.md).
+# Each error class's HTTP status, OpenAI error type and code (docs/errors.md).
 STATUS = {
-    "INVALID_ARGUMENT": (400, "invalid_request_error"),
-    "OUT_OF_RANGE": (400, "context_length_exceeded"),
-    "UNAUTHENTICATED": (401, "authentication_error"),
-    "NOT_FOUND": (404, "not_found_error"),
-    "ALREADY_EXISTS": (409, "conflict_error"),
-    "FAILED_PRECONDITION": (409, "conflict_error"),
-    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
-    "DATA_LOSS": (500, "server_error"),
-    "INTERNAL": (500, "server_error"),
-    "UNAVAILABLE": (503, "service_unavailable"),
+    "INVALID_ARGUMENT": (400, "invalid_request_error", "invalid_value"),
+    "OUT_OF_RANGE": (400, "invalid_request_error", "context_length_exceeded"),
+    "UNAUTHENTICATED": (401, "authentication_error", "invalid_api_key"),
+    "NOT_FOUND": (404, "not_found_error", "not_found"),
+    "ALREADY_EXISTS": (409, "conflict_error", "conflict"),
+    "FAILED_PRECONDITION": (409, "conflict_error", "conflict"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error", "rate_limit_exceeded"),
+    "DATA_LOSS": (500, "server_error", "server_error"),
+    "INTERNAL": (500, "server_error", "server_error"),
+    "UNAVAILABLE": (503, "service_unavailable", "service_unavailable"),
 }
 INTERNAL_MESSAGE = "internal error (see the daemon's log)"
 
 
-def error(kind: str, message: str, code: str = "") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code or kind}}
+def error(kind: str, message: str, code: str = "", param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or kind}}
 
 
-def domain_error(e: KvkeepError) -> tuple[int, dict[str, Any]]:
+def domain_error(e: KvkeepError, prompt: str = "messages") -> tuple[int, dict[str, Any]]:
     """The status and body of a domain error; a bare KvkeepError says nothing of itself.
-    Errors that share a status name their cause in `code` (`no-chat-template`...), as
-    gRPC's `kvkeep-error` metadata does."""
-    status, kind = STATUS.get(e.code, STATUS["INTERNAL"])
+    `code` is specific (`context_length_exceeded`...); errors that share a status name their
+    cause in it (`no-chat-template`...), as gRPC's `kvkeep-error` metadata does. `param` is
+    the request's field at fault where the error knows it (`prompt`: the field a full
+    context blames, `messages` or `prompt`)."""
+    status, kind, code = STATUS.get(e.code, STATUS["INTERNAL"])
     message = INTERNAL_MESSAGE if type(e) is KvkeepError else str(e)
-    return status, error(kind, message, e.cause)
+    param = e.field or None if isinstance(e, InvalidRequest) else prompt if e.code == "OUT_OF_RANGE" else None
+    return status, error(kind, message, e.cause or code, param)
+
+
+def tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """A reply's calls as OpenAI's message has them."""
+    return [
+        {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
+    ]
+
+
+def tool_call_deltas(deltas: Sequence[CallDelta]) -> list[dict[str, Any]]:
+    """A chunk's pieces of calls as OpenAI streams them: a call's first piece with its
+    index, id, type and name, the next ones with its index and arguments; a call's pieces in
+    one chunk are joined."""
+    out: list[dict[str, Any]] = []
+    for d in deltas:
+        if out and out[-1]["index"] == d.index:
+            out[-1]["function"]["arguments"] += d.arguments
+        elif d.name:
+            function = {"name": d.name, "arguments": d.arguments}
+            out.append({"index": d.index, "id": d.call_id, "type": "function", "function": function})
+        else:
+            out.append({"index": d.index, "function": {"arguments": d.arguments}})
+    return out
 
 
 def usage(u: Usage) -> dict[str, Any]:
@@ -85,12 +120,16 @@ class Reply:
     def chat(self, text: str, chunks: Sequence[Chunk], top: int) -> dict[str, Any]:
         last = chunks[-1]
         tokens = [g for c in chunks for g in c.logprobs]
+        calls = join_deltas((), (d for c in chunks for d in c.tool_calls))
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+        if calls:
+            message["tool_calls"] = tool_calls(calls)
         return {
             **self._head("chat.completion"),
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text},
+                    "message": message,
                     "logprobs": {"content": chat_logprobs(tokens, top)} if tokens else None,
                     "finish_reason": FINISH.get(last.finish_reason or "", "stop"),
                 }
@@ -99,9 +138,11 @@ class Reply:
         }
 
     def chat_chunk(self, c: Chunk, top: int, first: bool) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": c.text}
+        delta: dict[str, Any] = {"content": c.text if c.text or not c.tool_calls else None}
         if first:
             delta["role"] = "assistant"
+        if c.tool_calls:
+            delta["tool_calls"] = tool_call_deltas(c.tool_calls)
         return {
             **self._head("chat.completion.chunk"),
             "choices": [

@@ -52,10 +52,7 @@ class SessionKeep:
             n = len(s.messages)
             if s.busy or not 0 < n < len(messages) or (best is not None and n <= best[1]):
                 continue
-            if all(
-                m.role == w.role and m.content == w.content
-                for m, w in zip(s.messages, messages, strict=False)
-            ):
+            if all(m.message() == w for m, w in zip(s.messages, messages, strict=False)):
                 best = (s, n)
         if best is not None:
             kept.move_to_end(best[0].session_id)

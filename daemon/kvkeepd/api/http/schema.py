@@ -1,9 +1,12 @@
 """Request bodies of the OpenAI-compatible door, as typed models, and what they mean for the
-session layer (messages, a Turn).
+session layer (messages, tools, a Turn).
 
 Fields kvkeep cannot honour are refused with a 400 that names them, never ignored: a client
-that asks for two choices, tools or a JSON schema must not get something else silently.
-Fields that change nothing here (`user`, `metadata`, `store`...) are ignored.
+that asks for two choices, legacy functions or a sampler kvkeep lacks must not get something
+else silently. Fields that change nothing here (`user`, `metadata`, `store`...) are ignored.
+Besides OpenAI's, llama.cpp's server's extensions that kvkeep has are taken: `grammar`
+(GBNF), a top-level `json_schema`, `response_format` `json_object` with a `schema`, `top_k`,
+`min_p` and `repeat_penalty`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.limits import MAX_LOGPROBS
+from kvkeepd.toolcall import Tool, ToolCall, ToolChoice
 from kvkeepd.values import Message, SamplingOverrides, SamplingParams, Turn, check_stop
 
 # The extension value of `session_id` that starts a new session for the caller.
@@ -22,7 +26,10 @@ NEW_SESSION = "new"
 # OpenAI's legacy completions give 16 tokens unless asked for more.
 COMPLETION_MAX_TOKENS = 16
 # Roles of OpenAI's chat API and the template role each becomes.
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# llama.cpp's sampling extensions kvkeep has no sampler for, and their neutral values: another
+# value is refused.
+NEUTRAL = {"mirostat": 0, "typical_p": 1.0, "ignore_eos": False, "n_probs": 0, "dry_multiplier": 0.0}
 
 
 class _Body(BaseModel):
@@ -35,24 +42,65 @@ class TextPart(_Body):
     text: str
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessageIn(_Body):
     role: str
     content: str | list[TextPart] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
 
     def message(self) -> Message:
         role = ROLES.get(self.role)
         if role is None:
             raise InvalidRequest(
-                f"messages of role {self.role[:40]!r} are not supported; roles: {', '.join(ROLES)}"
+                f"messages of role {self.role[:40]!r} are not supported; roles: {', '.join(ROLES)}",
+                "messages",
             )
-        if self.tool_calls:
-            raise InvalidRequest("tool calls are not supported")
-        if self.content is None:
-            return Message(role, "")
-        if isinstance(self.content, str):
-            return Message(role, self.content)
-        return Message(role, "".join(p.text for p in self.content))
+        if self.function_call is not None:
+            raise InvalidRequest(
+                "function_call (legacy functions) is not supported: use tool_calls", "messages"
+            )
+        calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ())
+        content = self.content or ""
+        if not isinstance(content, str):
+            content = "".join(p.text for p in content)
+        return Message(role, content, calls, self.tool_call_id or "")
+
+
+class FunctionIn(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # every call is held to its parameters anyway
+
+
+class ToolIn(_Body):
+    type: Literal["function"]
+    function: FunctionIn
+
+    def tool(self) -> Tool:
+        f = self.function
+        return Tool(f.name, f.description or "", "" if f.parameters is None else json.dumps(f.parameters))
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Body):
@@ -74,20 +122,37 @@ class GenerationBody(_Body):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     # Extensions: continue this kvkeep session (or "new": start one) instead of a whole
     # prompt; a session started so may be persistent.
     session_id: str | None = None
     persistent: bool = False
+    # llama.cpp's server's extensions (see the module's docstring).
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    mirostat: int = 0
+    typical_p: float = 1.0
+    ignore_eos: bool = False
+    n_probs: int = 0
+    dry_multiplier: float = 0.0
 
     def refuse_unsupported(self) -> None:
         if self.n not in (None, 1):
-            raise InvalidRequest("n must be 1: one choice per request")
-        if self.frequency_penalty or self.presence_penalty:
-            raise InvalidRequest("frequency_penalty and presence_penalty are not supported")
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported")
+            raise InvalidRequest("n must be 1: one choice per request", "n")
+        for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name} is not supported", name)
+        for name, neutral in NEUTRAL.items():
+            if getattr(self, name) != neutral:
+                raise InvalidRequest(f"{name} is not supported (only its neutral value, {neutral})", name)
         if self.persistent and self.session_id != NEW_SESSION:
-            raise InvalidRequest(f"persistent goes with session_id {NEW_SESSION!r}: it starts a session")
+            raise InvalidRequest(
+                f"persistent goes with session_id {NEW_SESSION!r}: it starts a session", "persistent"
+            )
+        self.schema_text()  # a response_format it cannot take is refused here
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -95,7 +160,46 @@ class GenerationBody(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def sampling(self) -> SamplingOverrides:
-        return SamplingOverrides.of(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+        return SamplingOverrides.of(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty,
+        )
+
+    def schema_text(self) -> str:
+        """The JSON schema the output is held to ("" for none): `response_format`'s
+        (OpenAI's `json_schema`, any object for `json_object`, or llama.cpp's `json_object`
+        with a `schema`), or llama.cpp's top-level `json_schema`."""
+        fmt = self.response_format
+        kind = fmt.get("type") if fmt is not None else "text"
+        if self.json_schema is not None:
+            if kind != "text":
+                raise InvalidRequest("give response_format or json_schema, not both", "json_schema")
+            return json.dumps(self.json_schema)
+        if kind == "text":
+            return ""
+        if kind == "json_object":
+            schema = fmt.get("schema") if fmt is not None else None
+            if schema is not None and not isinstance(schema, dict):
+                raise InvalidRequest(
+                    "response_format json_object's schema must be an object", "response_format"
+                )
+            return json.dumps(schema) if schema is not None else '{"type": "object"}'
+        if kind == "json_schema":
+            spec = fmt.get("json_schema") if fmt is not None else None
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidRequest(
+                    "response_format json_schema needs json_schema.schema, an object", "response_format"
+                )
+            return json.dumps(schema)
+        raise InvalidRequest(
+            f"response_format {str(kind)[:40]!r} is not supported: text, json_object or json_schema",
+            "response_format",
+        )
 
     def checked(self, turn: Turn) -> Turn:
         """The turn, its sampling values and stop strings checked now: before a session is
@@ -115,42 +219,32 @@ class ChatCompletionRequest(GenerationBody):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Any = None
+    function_call: Any = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.tools or self.functions or self.tool_choice not in (None, "none"):
-            raise InvalidRequest("tools and functions are not supported")
-        self.json_schema()  # a response_format it cannot take is refused here
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise InvalidRequest(f"{name} (legacy functions) is not supported: use tools", name)
         if self.top_logprobs and not self.logprobs:
-            raise InvalidRequest("top_logprobs needs logprobs: true")
+            raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
 
     def chat_messages(self) -> list[Message]:
         return [m.message() for m in self.messages]
 
-    def json_schema(self) -> str:
-        """The JSON schema `response_format` asks for ("" for text): OpenAI's `json_schema`
-        (its `schema`), or any JSON object for `json_object`."""
-        fmt = self.response_format
-        kind = fmt.get("type") if fmt is not None else "text"
-        if kind == "text":
-            return ""
-        if kind == "json_object":
-            return '{"type": "object"}'
-        if kind == "json_schema":
-            spec = fmt.get("json_schema") if fmt is not None else None
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise InvalidRequest("response_format json_schema needs json_schema.schema, an object")
-            return json.dumps(schema)
-        raise InvalidRequest(
-            f"response_format {str(kind)[:40]!r} is not supported: text, json_object or json_schema"
-        )
+    def chat_tools(self) -> tuple[Tool, ...] | None:
+        """The request's tools: a conversation sent whole has these (none if it gives none);
+        one continuing a kvkeep session by its id keeps the session's unless it gives some."""
+        if self.tools is not None:
+            return tuple(t.tool() for t in self.tools)
+        return None if self.session_id not in (None, NEW_SESSION) else ()
 
     def turn(self) -> Turn:
+        choice = self.tool_choice
         return self.checked(
             Turn(
                 max_tokens=self.max_completion_tokens or self.max_tokens,
@@ -158,7 +252,17 @@ class ChatCompletionRequest(GenerationBody):
                 stop=self.stops(),
                 # The engine reports the sampled token's logprob along with the alternatives.
                 logprobs=max(1, self.top_logprobs or 0) if self.logprobs else 0,
-                json_schema=self.json_schema(),
+                grammar=self.grammar or "",
+                json_schema=self.schema_text(),
+                tools=self.chat_tools(),
+                tool_choice=(
+                    None
+                    if choice is None
+                    else ToolChoice("function", choice.function.name)
+                    if isinstance(choice, NamedToolChoice)
+                    else ToolChoice(choice)
+                ),
+                parallel_tool_calls=self.parallel_tool_calls is not False,
             )
         )
 
@@ -173,11 +277,11 @@ class CompletionRequest(GenerationBody):
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.echo:
-            raise InvalidRequest("echo is not supported")
+            raise InvalidRequest("echo is not supported", "echo")
         if self.suffix:
-            raise InvalidRequest("suffix is not supported")
+            raise InvalidRequest("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
-            raise InvalidRequest("best_of must be 1")
+            raise InvalidRequest("best_of must be 1", "best_of")
 
     def prompt_parts(self) -> tuple[str, list[int]]:
         """The prompt as text, or as token ids."""
@@ -197,5 +301,7 @@ class CompletionRequest(GenerationBody):
                 sampling=self.sampling(),
                 stop=self.stops(),
                 logprobs=self.logprobs or 0,
+                grammar=self.grammar or "",
+                json_schema=self.schema_text(),
             )
         )
