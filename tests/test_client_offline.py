@@ -300,9 +300,14 @@ class FakeDaemon(pb_grpc.KvKeepServicer):
         self.cut = 0
         self.cuts = 0
 
-    def _cut(self, context: grpc.ServicerContext) -> None:
+    def _cut(self, context: grpc.ServicerContext, how: str = "reset") -> None:
         if self.cuts < self.cut:
             self.cuts += 1
+            if how == "removed":  # what gRPC reports when a proxy ends a stream short
+                context.abort(grpc.StatusCode.INTERNAL, "Stream removed")
+            if how == "bug":  # the daemon's own internal error
+                context.set_trailing_metadata((("kvkeep-error", "internal"),))
+                context.abort(grpc.StatusCode.INTERNAL, "internal error (see the daemon's log)")
             context.abort(grpc.StatusCode.UNAVAILABLE, "upstream connection reset")
 
     def _held_elsewhere(self, context: grpc.ServicerContext) -> None:
@@ -346,7 +351,7 @@ class FakeDaemon(pb_grpc.KvKeepServicer):
         if request.session_id == "flaky":
             if request.message == "late":  # cut after a chunk: the client must not send it again
                 yield pb.ChatResponse(chunk=pb.GenerationChunk(text="partial"))
-            self._cut(context)
+            self._cut(context, how=request.message if request.message in ("removed", "bug") else "reset")
         if request.message == "overflow":
             yield pb.ChatResponse(chunk=pb.GenerationChunk(text="partial"))
             context.abort(grpc.StatusCode.OUT_OF_RANGE, "the context is full")
@@ -481,6 +486,14 @@ def test_after_a_lost_connection_reads_and_unanswered_turns_are_sent_again_creat
         with pytest.raises(kvkeep.UnavailableError):
             client.create_session()
         assert daemon.cuts == 1
+        # A stream a proxy cut short is INTERNAL without the daemon's cause: sent again; the
+        # daemon's own internal error never is.
+        daemon.cut, daemon.cuts = 2, 0
+        assert flaky.chat("removed").text == "echo: removed" and daemon.cuts == 2
+        daemon.cut, daemon.cuts = 2, 0
+        with pytest.raises(kvkeep.InternalError) as bug:
+            flaky.chat("bug")
+        assert bug.value.cause == "internal" and daemon.cuts == 1
 
     if asynchronous:
 

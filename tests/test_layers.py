@@ -74,6 +74,7 @@ def test_the_client_and_the_daemon_agree_on_the_wire() -> None:
     assert client_connection.SESSION_HEADER == service.SESSION_HEADER
     assert client_errors.CAUSE_KEY == daemon_errors.CAUSE_KEY
     assert client_errors.RETRY_KEY == daemon_errors.RETRY_KEY
+    assert client_errors.INTERNAL_CAUSE == daemon_errors.INTERNAL_CAUSE
 
     def subclasses(cls: type) -> list[type]:
         return [cls, *(s for sub in cls.__subclasses__() for s in subclasses(sub))]

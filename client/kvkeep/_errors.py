@@ -22,7 +22,7 @@ cause where causes share a status (the daemon names the cause in the trailing me
     │   ├── StoreUnreachableError         store-unreachable
     │   ├── CatalogUnavailableError       catalog-unavailable
     │   └── SessionElsewhereError         session-elsewhere (.retry_after: seconds)
-    └── InternalError                 INTERNAL, and any other status
+    └── InternalError                 INTERNAL (cause internal: the daemon's own), and any other status
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import grpc
 CAUSE_KEY = "kvkeep-error"
 #: The trailing-metadata key of the daemon's retry hint, in milliseconds.
 RETRY_KEY = "kvkeep-retry-after-ms"
+#: The cause the daemon names for an internal error of its own.
+INTERNAL_CAUSE = "internal"
 
 
 class KvkeepError(Exception):
@@ -157,7 +159,9 @@ class SessionElsewhereError(UnavailableError):
 
 
 class InternalError(KvkeepError):
-    """The daemon failed, or answered with a status kvkeep does not expect."""
+    """The daemon failed (``cause`` ``"internal"``), or answered with a status kvkeep does
+    not expect; without a cause, gRPC itself reported a broken connection so (a proxy that
+    cut a stream short)."""
 
     code = "INTERNAL"
 
@@ -216,6 +220,8 @@ def from_rpc_error(e: grpc.RpcError) -> KvkeepError:
     if by_cause is not None and issubclass(by_cause, cls):
         cls = by_cause
     error = cls(details or status.name, code=status.name)
+    if not error.cause:
+        error.cause = _cause(e)
     hint = _trailing(e, RETRY_KEY)
     if hint.isdigit():
         error.retry_after = int(hint) / 1000

@@ -8,7 +8,8 @@ done anything that a second would do twice:
 - a call refused with SessionElsewhereError: the daemon answers so only for a call whose
   effect it did not keep, and gives a hint of when to try again;
 - after a lost connection, or a daemon that is stopping (UnavailableError without a cause,
-  what a proxy answers when its daemon is gone): a call that reads, or that sets a state
+  what a proxy answers when its daemon is gone; InternalError without one, what gRPC
+  reports when a proxy cut a stream short): a call that reads, or that sets a state
   whatever the state was (rewind, restore), and a stream of which nothing has arrived (a
   daemon sends every token of a turn before it makes the turn durable) — once the client
   has been answered at its address at least once: until then nothing may be listening
@@ -24,7 +25,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from kvkeep._errors import KvkeepError, SessionElsewhereError, UnavailableError
+from kvkeep._errors import InternalError, KvkeepError, SessionElsewhereError, UnavailableError
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,16 @@ class Retry:
     def __post_init__(self) -> None:
         if not (self.wait >= 0 and self.first > 0 and self.most >= self.first):
             raise ValueError("Retry takes wait >= 0, first > 0 and most >= first")
+
+
+def lost_connection(error: KvkeepError) -> bool:
+    """Whether the error says the connection broke (or the daemon is stopping), rather than
+    what the daemon made of the call: the daemon names a cause for each error of its own."""
+    if error.cause:
+        return False
+    if isinstance(error, UnavailableError):
+        return error.code == "UNAVAILABLE"
+    return isinstance(error, InternalError) and error.code in ("INTERNAL", "UNKNOWN")
 
 
 #: What a client does unless told otherwise.
@@ -71,12 +82,7 @@ class Attempts:
             return None
         if isinstance(error, SessionElsewhereError):
             least = error.retry_after or 0.0
-        elif (
-            isinstance(error, UnavailableError)
-            and not error.cause
-            and error.code == "UNAVAILABLE"
-            and self.resend
-        ):
+        elif self.resend and lost_connection(error):
             least = 0.0
         else:
             return None

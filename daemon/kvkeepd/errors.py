@@ -2,7 +2,7 @@
 that share a status with others name their cause, sent as trailing metadata (CAUSE_KEY), so
 that each error means one thing to a client.
 
-    KvkeepError                      INTERNAL (generic message; details in the log)
+    KvkeepError                      INTERNAL, cause internal (generic message; details in the log)
     ├── InvalidRequest                INVALID_ARGUMENT
     ├── NotFound                      NOT_FOUND
     ├── AlreadyExists                 ALREADY_EXISTS
@@ -28,6 +28,9 @@ does not import grpc.
 
 #: The trailing-metadata key that carries an error's `cause`.
 CAUSE_KEY = "kvkeep-error"
+#: The cause of an INTERNAL error the daemon raised itself (gRPC reports some broken
+#: connections as INTERNAL: those carry no cause).
+INTERNAL_CAUSE = "internal"
 #: The trailing-metadata key of a retry hint: milliseconds after which trying again may work.
 RETRY_KEY = "kvkeep-retry-after-ms"
 

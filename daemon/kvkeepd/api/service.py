@@ -27,7 +27,7 @@ from kvkeepd.api.convert import (
     turn_from_pb,
 )
 from kvkeepd.api.wire import Requests
-from kvkeepd.errors import CAUSE_KEY, RETRY_KEY, InvalidRequest, KvkeepError, Unavailable
+from kvkeepd.errors import CAUSE_KEY, INTERNAL_CAUSE, RETRY_KEY, InvalidRequest, KvkeepError, Unavailable
 from kvkeepd.sessions.manager import SessionManager, SessionView
 from kvkeepd.sessions.tenants import Tenant
 
@@ -68,7 +68,12 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: BaseExcepti
             cause += ((RETRY_KEY, str(error.retry_after_ms)),)
         await context.abort(grpc.StatusCode[error.code], str(error), trailing_metadata=cause)
     log.error("internal error", exc_info=error)
-    await context.abort(grpc.StatusCode.INTERNAL, "internal error (see the daemon's log)")
+    # Named as the daemon's own: gRPC reports some broken connections as INTERNAL too (a
+    # proxy's stream cut short), which a client may send again; never this one.
+    internal = ((CAUSE_KEY, INTERNAL_CAUSE),)
+    await context.abort(
+        grpc.StatusCode.INTERNAL, "internal error (see the daemon's log)", trailing_metadata=internal
+    )
 
 
 #: A handler: the service, its request (decoded), the caller's tenant, the call's context.
