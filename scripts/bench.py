@@ -86,6 +86,8 @@ def daemon(*flags: str, state: Path | None = None) -> Iterator[tuple[str, Path]]
             "kvkeepd",
             "--address",
             "127.0.0.1:0",
+            "--http",
+            "off",
             "--state-dir",
             str(state / "s"),
             "--ready-file",

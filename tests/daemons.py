@@ -51,6 +51,7 @@ atexit.register(shutil.rmtree, PROBE_CACHE.parent, ignore_errors=True)
 #: logits with 1 or 2 threads, so nothing the tests check depends on it.
 TEST_DEFAULTS: dict[str, Any] = {
     "address": "127.0.0.1:0",
+    "http_address": "off",
     "slots": 4,
     "ctx_per_session": 1024,
     "threads": 1,
@@ -214,6 +215,8 @@ class DaemonProcess:
             str(model_path()),
             "--address",
             f"127.0.0.1:{port}",
+            "--http",
+            "off",
             "--ready-file",
             str(self.ready_file),
             "--state-dir",

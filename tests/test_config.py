@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from daemons import model_path
 
+from kvkeepd import cli
+from kvkeepd.config import resolution
 from kvkeepd.config import settings as config
 
 ORIGIN = re.compile(r"^#?\s*([a-z0-9-]+)\b.*#\s*(.+)$")
@@ -100,6 +102,20 @@ def test_every_setting_has_a_flag_a_variable_and_help() -> None:
         (["--disk-budget", "10XB"], {}, None, "disk-budget (flag --disk-budget): not an integer"),
         (["--kv-type", "q9"], {}, None, "kv-type (flag --kv-type): must be one of f16, q8_0, q4_0, got 'q9'"),
         (["--address", "0.0.0.0:50051"], {}, None, "address (flag --address): without auth-file"),
+        (
+            ["--address", "58052"],
+            {},
+            None,
+            "address (flag --address): must be host:port, got '58052' (for a port alone: --port 58052)",
+        ),
+        (
+            ["--http", "8081"],
+            {},
+            None,
+            "http (flag --http): must be host:port, got '8081' (for a port alone: --http-port 8081)",
+        ),
+        (["--host", "0.0.0.0"], {}, None, "host (flag --host): without auth-file the HTTP API listens"),
+        (["--port", "65536"], {}, None, "port (flag --port): must be in [0, 65535], got 65536"),
         (
             ["--tls-cert", "/nonexistent.pem"],
             {},
@@ -224,3 +240,51 @@ def test_the_store_key_is_a_secret_from_the_environment_or_a_file(tmp_path: Path
     (tmp_path / "bad").write_text("not a key")
     with pytest.raises(OSError, match="is not a store key"):
         store_key(state, file=tmp_path / "bad")
+
+
+def test_host_and_ports_or_whole_addresses_say_where_the_doors_listen(tmp_path: Path) -> None:
+    def listening(*args: str) -> tuple[str, str | None]:
+        settings = resolution.resolve(_flags(*args), {}).settings
+        return settings.grpc_listen, settings.http_listen
+
+    assert listening() == ("127.0.0.1:50051", "127.0.0.1:8080")  # the HTTP door is on by default
+    assert listening("--host", "localhost", "--port", "6000", "--http-port", "0") == (
+        "localhost:6000",
+        "localhost:0",
+    )
+    assert listening("--host", "::1") == ("[::1]:50051", "[::1]:8080")
+    assert listening("--address", "unix:/run/kvkeep.sock", "--http", "off") == ("unix:/run/kvkeep.sock", None)
+    assert listening("--address", "127.0.0.2:1", "--http", "127.0.0.3:2", "--port", "9") == (
+        "127.0.0.2:1",
+        "127.0.0.3:2",
+    )
+
+
+def _flags(*args: str) -> dict[str, object]:
+    """The flags of `kvkeep serve ARGS` by field, as click gives them to resolution.resolve."""
+    ctx = cli.serve.make_context("kvkeep serve", list(args))
+    return {k: v for k, v in ctx.params.items() if k not in ("config_file", "print_config", "ready_file")}
+
+
+def test_serve_help_shows_the_settings_in_sections_the_common_ones_first() -> None:
+    text = kvkeep_serve("--help").stdout
+    titles = [line.rstrip(":") for line in text.splitlines() if line and not line.startswith(" ")]
+    assert titles[titles.index("Model and engine") :] == [
+        "Model and engine",
+        "Sessions and memory",
+        "Storage",
+        "Network and security",
+        "Several daemons",
+        "Logging, shutdown and debugging",
+        "Other options",
+    ]
+    flags = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
+    assert flags[:2] == ["--model", "--chat-template-file"]
+    assert flags.index("--slots") < flags.index("--ram-cache") < flags.index("--state-dir")
+    assert (
+        flags.index("--host")
+        < flags.index("--port")
+        < flags.index("--http-port")
+        < flags.index("--auth-file")
+    )
+    assert flags[-1] == "--help"

@@ -17,6 +17,7 @@ from daemons import InProcessDaemon, model_path
 from kvkeepd import cli, urls
 from kvkeepd.config import resolution
 from kvkeepd.config import settings as config
+from kvkeepd.sessions.tenants import Quota, Tenants
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 UNIT = DEPLOY / "kvkeep.service"
@@ -68,7 +69,8 @@ def test_the_unit_starts_kvkeep_serve_with_valid_settings(tmp_path: Path) -> Non
     resolved = resolution.resolve(serve_flags(argv[2:]), {**env, "KVKEEP_MODEL": str(model_path())})
     settings = resolved.settings
     assert settings.state_dir == tmp_path / "state"
-    assert urls.is_local(settings.address)  # no auth file: loopback only
+    assert urls.is_local(settings.grpc_listen)  # no auth file: loopback only
+    assert settings.http_listen is not None and urls.is_local(settings.http_listen)
     # Stopping takes up to the grace period, then as long again plus 5 s for operations in
     # flight (SessionManager.shutdown), then saving: systemd must wait longer than that.
     (timeout,) = service["TimeoutStopSec"]
@@ -152,7 +154,12 @@ def test_the_container_runs_kvkeep_serve_as_a_user_with_valid_settings(tmp_path:
     here = {**env, "KVKEEP_MODEL": str(model_path()), "KVKEEP_AUTH_FILE": str(auth)}
     here["KVKEEP_STATE_DIR"] = str(tmp_path / "state")
     settings = resolution.resolve(serve_flags(argv[2:]), here).settings
-    assert not urls.is_local(settings.address) and settings.auth_file == auth
+    assert not urls.is_local(settings.grpc_listen) and settings.auth_file == auth
+    # Both doors listen beyond loopback, on the ports the image exposes.
+    assert settings.http_listen is not None and not urls.is_local(settings.http_listen)
+    (exposed,) = by_op["EXPOSE"]
+    ports = {settings.grpc_listen.rpartition(":")[2], settings.http_listen.rpartition(":")[2]}
+    assert set(exposed.split()) == ports
     # The build uses scripts/setup (and so its llama.cpp flags).
     assert any("scripts/setup --daemon" in line for line in logical_lines(CONTAINERFILE))
 
@@ -169,3 +176,11 @@ def test_the_containers_health_check_asks_a_real_daemon(daemon: InProcessDaemon)
 def test_an_unknown_flag_in_a_unit_would_be_refused() -> None:
     with pytest.raises(click.UsageError):
         serve_flags(["--slotz", "4"])
+
+
+def test_the_auth_file_the_deploy_files_name_has_an_example_that_loads() -> None:
+    example = DEPLOY / "auth.example.toml"
+    for path in (UNIT, CONTAINERFILE):
+        assert "deploy/auth.example.toml" in path.read_text()
+    tenants = Tenants.load(example, Quota())
+    assert sorted(tenants.names) == ["alice", "ci"]

@@ -313,6 +313,8 @@ def test_a_catalog_that_cannot_be_read_stops_the_start_with_one_line(tmp_path: P
         str(state_dir),
         "--address",
         "127.0.0.1:0",
+        "--http",
+        "off",
         "--threads",
         "1",
         "--log-level",

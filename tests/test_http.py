@@ -74,13 +74,27 @@ def chat(oai: openai.OpenAI, messages: list[dict[str, str]], **kw: Any) -> Any:
     return oai.chat.completions.create(model=MODEL, messages=messages, **{"temperature": 0, **kw})  # type: ignore[arg-type]
 
 
-def test_models_lists_the_loaded_model(oai: openai.OpenAI) -> None:
+def test_models_lists_the_loaded_model_and_any_name_reaches_it(
+    oai: openai.OpenAI, door: InProcessDaemon
+) -> None:
     assert [m.id for m in oai.models.list().data] == [MODEL]
     assert oai.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("gpt-4o")
-    with pytest.raises(openai.NotFoundError, match="this daemon serves"):
-        oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}])
+    # One model is served: whatever name a client has written in, it answers, by that name.
+    hi = [{"role": "user", "content": "Hi"}]
+    named = oai.chat.completions.create(model="gpt-4o", messages=hi, max_tokens=2, temperature=0)  # type: ignore[arg-type]
+    assert named.model == "gpt-4o" and named.choices[0].message.content
+    unnamed = raw(
+        door, "/chat/completions", {"messages": hi, "max_tokens": 2}, **{"content-type": "application/json"}
+    )
+    assert unnamed.status_code == 200 and unnamed.json()["model"] == MODEL
+
+
+def test_health_and_ready_answer_anyone(door: InProcessDaemon) -> None:
+    for path in ("/health", "/ready"):
+        r = httpx.get(base_url(door).removesuffix("/v1") + path, timeout=10)
+        assert (r.status_code, r.json()) == (200, {"status": "ok"})
 
 
 def test_chat_streamed_and_not_give_the_same_reply(oai: openai.OpenAI) -> None:
@@ -293,7 +307,6 @@ def test_bad_input_gets_a_4xx_and_the_daemon_goes_on(
         ({**ok, "session_id": "nope"}, 400, "malformed session id"),
         ({**ok, "persistent": True}, 400, "persistent goes with"),
         ({**ok, "session_id": "s_" + "0" * 24}, 404, "no session"),
-        ({**ok, "model": "gpt-4o"}, 404, "this daemon serves"),
         (b"x" * (BODY_LIMIT + 1), 413, "larger than the limit"),
     ]
     for body, status, words in cases:
@@ -453,5 +466,5 @@ def test_serve_http_flag_and_sigterm(spawn_daemon: Any) -> None:
     assert started.wait(120)
     assert d.terminate(timeout=60) == 0
     assert ended.wait(30)
-    assert "serving the OpenAI-compatible HTTP API" in d.log()
+    assert f"OpenAI-compatible HTTP on http://127.0.0.1:{port}/v1" in d.log()
     assert "Traceback" not in d.log()

@@ -39,7 +39,7 @@ def _start(*args: str, **popen: object) -> tuple[int, list[str], float]:
         "--address",
         "127.0.0.1:0",
         "--http",
-        "",
+        "off",
         *args,
     ]
     started = time.monotonic()
@@ -61,7 +61,7 @@ def test_a_busy_grpc_port_is_one_line_before_the_model_loads(busy_port: int, tmp
     assert status == 1
     assert lines == [
         f"error: cannot listen on 127.0.0.1:{busy_port} (gRPC): the port is in use (by another kvkeep "
-        "daemon, or another program); choose another address with --address"
+        "daemon, or another program); choose another with --port (or --address)"
     ]
 
 
@@ -70,7 +70,8 @@ def test_a_busy_http_port_is_one_line_before_the_model_loads(busy_port: int, tmp
     assert status == 1
     assert lines == [
         f"error: cannot listen on 127.0.0.1:{busy_port} (HTTP): the port is in use (by another kvkeep "
-        "daemon, or another program); choose another address with --http"
+        "daemon, or another program); choose another with --http-port (or --http), or turn the HTTP door "
+        "off with --http off"
     ]
 
 
@@ -134,7 +135,7 @@ def test_ctrl_c_while_starting_exits_130_without_a_traceback(tmp_path: Path) -> 
             "--address",
             "127.0.0.1:0",
             "--http",
-            "",
+            "off",
             "--state-dir",
             str(tmp_path / "s"),
             "--probe-cache",

@@ -246,3 +246,8 @@ class Info:
     """How the model writes tool calls: ``"hermes"``, ``"llama3"``, ``"mistral"`` or
     ``"generic"`` (its template renders no tools: the daemon writes them into the system
     prompt); ``""`` without a chat template."""
+    http_address: str = ""
+    """Where the OpenAI-compatible HTTP door listens (``host:port``, its API under ``/v1``);
+    ``""``: it is off."""
+    metrics_address: str = ""
+    """Where Prometheus metrics are served (``host:port``, ``/metrics``); ``""``: off."""

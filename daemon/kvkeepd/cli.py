@@ -17,6 +17,7 @@ import click
 
 from kvkeepd.config import resolution
 from kvkeepd.config import settings as config
+from kvkeepd.config.sections import SECTIONS
 from kvkeepd.config.settings import ConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -43,7 +44,29 @@ def setting_options(f: F) -> F:
     return f
 
 
-@click.command(context_settings={"max_content_width": 110})
+class SectionedCommand(click.Command):
+    """--help lists the settings in their sections (kvkeepd.config.sections), the common ones
+    first in each, then the flags that are no setting."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        by_key = {o.key: o.field for o in config.options()}
+        params = {p.name: p for p in self.get_params(ctx)}
+        shown: set[str] = set()
+        for section in SECTIONS:
+            rows = [_row(ctx, params[by_key[key]]) for key in section.keys if by_key.get(key) in params]
+            shown.update(by_key[key] for key in section.keys if key in by_key)
+            with formatter.section(section.title):
+                formatter.write_dl([r for r in rows if r is not None])
+        others = [_row(ctx, p) for name, p in params.items() if name not in shown]
+        with formatter.section("Other options"):
+            formatter.write_dl([r for r in others if r is not None])
+
+
+def _row(ctx: click.Context, param: click.Parameter) -> tuple[str, str] | None:
+    return param.get_help_record(ctx)
+
+
+@click.command(cls=SectionedCommand, context_settings={"max_content_width": 110})
 @click.option(
     "--config",
     "config_file",
@@ -88,6 +111,8 @@ def serve(config_file: Path | None, print_config: bool, ready_file: Path | None,
     logs.configure(settings.log_level, settings.log_json)
     try:
         asyncio.run(run_server(settings, ready_file))
+    except ConfigError as e:  # found at start: a file a setting names is not what it should be
+        raise click.UsageError(str(e)) from None
     except (OSError, AuthFileError, StateDirError, KvkeepError) as e:
         raise click.ClickException(str(e)) from None
 

@@ -35,6 +35,15 @@ class LateAnswerFilter(logging.Filter):
         return True
 
 
+class UvicornFilter(logging.Filter):
+    """uvicorn's own lines under the HTTP door's name: its start-up chatter (which the door's
+    own line says better) only at debug, its warnings and errors as the door's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.name = "kvkeepd.api.http.uvicorn"
+        return record.levelno >= logging.WARNING or logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
 def configure(level: str, as_json: bool) -> None:
     """Send all logs to stderr at `level`; llama.cpp's own chatter only shows at debug."""
     handler = logging.StreamHandler(sys.stderr)
@@ -46,3 +55,4 @@ def configure(level: str, as_json: bool) -> None:
     root.setLevel(level.upper())
     logging.getLogger("kvkeepd.llama_cpp").setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
     logging.getLogger("grpc._cython.cygrpc").addFilter(LateAnswerFilter())
+    logging.getLogger("uvicorn.error").addFilter(UvicornFilter())

@@ -15,20 +15,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.protobuf.message_factory import GetMessageClass
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lack it
-from grpc_reflection.v1alpha import reflection
 
+from kvkeepd.api.grpc_door import GRPC_CHANGE, SERVICE_NAME, build_server, server_credentials
 from kvkeepd.api.listen import bind, check_free
 from kvkeepd.api.metrics import serve_metrics
 from kvkeepd.api.service import KvKeepService
-from kvkeepd.api.wire import SERVICE
-from kvkeepd.config.settings import Settings
+from kvkeepd.config.settings import ConfigError, Settings
 from kvkeepd.engine.context import ContextConfig, ModelInfo
 from kvkeepd.engine.engine import Engine
 from kvkeepd.heap import keep_freed_memory
-from kvkeepd.limits import MAX_CONCURRENT_RPCS, MAX_STREAMS_PER_CONNECTION
 from kvkeepd.sessions.chat import ChatTemplate
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.tenants import AuthFileError, Quota, Tenants
@@ -50,15 +47,6 @@ if TYPE_CHECKING:
     from kvkeepd.api.http.door import HttpDoor
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME = SERVICE.full_name
-
-_HANDLERS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
 
 
 def engine_config(settings: Settings) -> ContextConfig:
@@ -177,95 +165,34 @@ def load_tenants(settings: Settings) -> Tenants:
     return Tenants.load(settings.auth_file, default)
 
 
-def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
-    """TLS credentials from the settings' PEM files (mutual TLS with a client CA), or None."""
-    if settings.tls_cert is None or settings.tls_key is None:
-        return None
-    ca = settings.tls_client_ca.read_bytes() if settings.tls_client_ca else None
-    return grpc.ssl_server_credentials(
-        [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
-        root_certificates=ca,
-        require_client_auth=ca is not None,
-    )
-
-
-def add_service(server: grpc.aio.Server, service: KvKeepService) -> None:
-    """Serve each method of the KvKeep service by the service's method of its name, which
-    takes its request's bytes: no deserializer, so that nothing of a request is parsed before
-    its caller is authenticated, and then only within its method's bounds (wire.py)."""
-    handlers = {
-        m.name: _HANDLERS[m.client_streaming, m.server_streaming](
-            getattr(service, m.name), response_serializer=GetMessageClass(m.output_type).SerializeToString
-        )
-        for m in SERVICE.methods
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-
-
-def build_server(
-    settings: Settings, service: KvKeepService, credentials: grpc.ServerCredentials | None = None
-) -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
-    """A gRPC server with the service, health and reflection, bound but not started.
-
-    Returns (server, health servicer, bound port; 0 for a unix socket).
-    """
-    limit = settings.max_message_bytes
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
-            # Dead peers are found (a ping every minute, 20 s to answer) and idle connections
-            # closed after 30 minutes; clients may not ping more often than every 10 s.
-            ("grpc.keepalive_time_ms", 60_000),
-            ("grpc.keepalive_timeout_ms", 20_000),
-            ("grpc.max_connection_idle_ms", 30 * 60_000),
-            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-            ("grpc.http2.max_ping_strikes", 3),
-            # Flow-control windows stay at their default: grown by BDP probing, they let
-            # gRPC buffer megabytes of a slow import's unread chunks per stream (measured:
-            # 10 parallel 150 MB imports grew RSS by 83-305 MiB with it, 29-33 MiB without).
-            ("grpc.http2.bdp_probe", 0),
-        ],
-        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
-    )
-    add_service(server, service)
-    health_servicer = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
-    try:
-        if credentials is not None:
-            port = server.add_secure_port(settings.address, credentials)
-        else:
-            port = server.add_insecure_port(settings.address)
-    except RuntimeError:  # gRPC's "Failed to bind"; its own log line says why
-        port = 0
-    if port == 0 and not settings.address.startswith("unix:"):
-        raise OSError(f"cannot listen on {settings.address} (gRPC); {GRPC_CHANGE}")
-    return server, health_servicer, port
-
-
 #: What to change when a door's address cannot be listened on.
-GRPC_CHANGE = "choose another address with --address"
-HTTP_CHANGE = "choose another address with --http"
+HTTP_CHANGE = "choose another with --http-port (or --http), or turn the HTTP door off with --http off"
 METRICS_CHANGE = "choose another address with --metrics-address"
 
 
 def check_addresses(settings: Settings) -> socket.socket | None:
     """Try every address the daemon will listen on, before anything heavy starts: OSError
     names a busy one. Returns the HTTP door's socket, bound (None without the door)."""
-    check_free(settings.address, "gRPC", GRPC_CHANGE)
+    check_free(settings.grpc_listen, "gRPC", GRPC_CHANGE)
     if settings.metrics_address:
         check_free(settings.metrics_address, "metrics", METRICS_CHANGE)
-    return bind(settings.http_address, "HTTP", HTTP_CHANGE) if settings.http_address else None
+    http = settings.http_listen
+    return bind(http, "HTTP", HTTP_CHANGE) if http is not None else None
+
+
+def on_port(address: str, port: int) -> str:
+    """`address` (host:port) with the port a listener was given (for port 0)."""
+    return f"{address.rpartition(':')[0]}:{port}"
+
+
+def template_source(settings: Settings) -> str | None:
+    """The chat template --chat-template-file gives (None: the model's own)."""
+    if settings.chat_template_file is None:
+        return None
+    try:
+        return settings.chat_template_file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("chat-template-file", f"cannot read {settings.chat_template_file}: {e}") from None
 
 
 def http_door(settings: Settings, manager: SessionManager) -> HttpDoor:
@@ -274,7 +201,7 @@ def http_door(settings: Settings, manager: SessionManager) -> HttpDoor:
         from kvkeepd.api.http.door import HttpDoor
     except ImportError as e:
         raise OSError(
-            f"--http needs the HTTP extra ({e.name} is missing): pip install 'kvkeep[http]'"
+            f"the HTTP door needs {e.name}: pip install 'kvkeep[daemon]' (or --http off for no door)"
         ) from None
     return HttpDoor(settings, manager)
 
@@ -319,7 +246,8 @@ class Daemon:
             if orphans:
                 log.info("removed %d blocks that no checkpoint was committed for", orphans)
             await asyncio.to_thread(stores.durable.sweep, settings.disk_budget, stores.disk.used)
-            template = await ChatTemplate.of_model(self.engine, settings.tool_format)
+            source = await asyncio.to_thread(template_source, settings)
+            template = await ChatTemplate.of_model(self.engine, settings.tool_format, source)
             tenants = await asyncio.to_thread(load_tenants, settings)
             manager = SessionManager(self.engine, settings, stores, template, tenants, clock=self.clock)
             await manager.start()
@@ -328,8 +256,16 @@ class Daemon:
             if settings.metrics_address:
                 self._metrics = serve_metrics(settings.metrics_address, manager)
                 self.metrics_port = int(self._metrics.server_port)
+
             credentials = await asyncio.to_thread(server_credentials, settings)
-            self._service = KvKeepService(manager, str(settings.model_path), fp)
+            http = settings.http_listen
+            self._service = KvKeepService(
+                manager,
+                str(settings.model_path),
+                fp,
+                http_address=on_port(http, http_socket.getsockname()[1]) if http and http_socket else "",
+                metrics_address=on_port(settings.metrics_address, self.metrics_port) if self._metrics else "",
+            )
             # A unix socket is created owner-only: the umask is in force while gRPC binds it.
             old_umask = os.umask(0o177)
             try:
@@ -362,17 +298,28 @@ class Daemon:
             )
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "serving %s (%s) on %s: %d slots x %d tokens, %s mode, %s memory; %s",
+            "serving %s (%s): %d slots x %d tokens, %s mode, %s memory; %s",
             info.description,
             fp[:12],
-            self.address,
             settings.slots,
             info.n_ctx_seq,
             "exact" if info.exact else "compact",
             info.memory,
             info.layout_note,
         )
+        for line in self.listening():
+            log.info("%s", line)
         return self.port
+
+    def listening(self) -> list[str]:
+        """Where each door listens, one line each (logged once serving)."""
+        lines = [f"gRPC (kvkeep CLI and SDK) on {self.address}"]
+        if self._http is not None:
+            lines.append(f"OpenAI-compatible HTTP on http://{self._http.address}/v1 (health: /health)")
+        if self._metrics is not None:
+            address = on_port(self.settings.metrics_address, self.metrics_port)
+            lines.append(f"Prometheus metrics on http://{address}/metrics")
+        return lines
 
     async def reload_tenants(self) -> None:
         """Read the auth file again (SIGHUP); a file that cannot be used keeps the old one."""
@@ -388,9 +335,10 @@ class Daemon:
 
     @property
     def address(self) -> str:
-        if self.settings.address.startswith("unix:"):
-            return self.settings.address
-        return f"{self.settings.address.rsplit(':', 1)[0]}:{self.port}"
+        listen = self.settings.grpc_listen
+        if listen.startswith("unix:"):
+            return listen
+        return f"{listen.rsplit(':', 1)[0]}:{self.port}"
 
     async def stop(self) -> None:
         """Health NOT_SERVING, refuse new work, drain for the grace period, free the model."""

@@ -2,24 +2,73 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
+from pathlib import Path
 
 import click
 
+from kvkeep._types import Info
 from kvkeep.cli._context import State, fail
-from kvkeep.cli._output import echo_fields, echo_json
+from kvkeep.cli._output import echo_fields, echo_json, format_size
 
 
 @click.command()
 @click.pass_obj
 def info(state: State) -> None:
-    """Show the daemon's model, limits and counters."""
+    """Show the daemon's model, engine, doors, sessions and counters (--json: every field)."""
     result = state.client().info()
     if state.as_json:
         echo_json(result)
     else:
-        echo_fields([(f.name, getattr(result, f.name)) for f in dataclasses.fields(result)])
+        echo_fields(_readable(result, state.address))
+
+
+def _readable(i: Info, address: str) -> list[tuple[str, object]]:
+    """GetInfo as a person reads it: a few lines, each about one thing."""
+    model = Path(i.model_path).name if i.model_path else ""
+    template = "none (run completes text; chat refuses)"
+    if i.has_chat_template:
+        template = f"yes, tool calls as {i.tool_format}" if i.tool_format else "yes"
+    device = i.backend or "CPU"
+    if i.device and i.device_memory_total:
+        device += (
+            f" ({i.device}, {format_size(i.device_memory_free)} free of {format_size(i.device_memory_total)})"
+        )
+    mode = i.mode + (f": {i.mode_note}" if i.mode_note else "")
+    return [
+        ("daemon", f"kvkeep {i.version} at {address}"),
+        (
+            "model",
+            f"{i.model_description}{f' ({model})' if model else ''}, fingerprint {i.model_fingerprint[:12]}",
+        ),
+        (
+            "memory",
+            f"{i.architecture}, {i.memory_type}; checkpoints carry state: {_yes(i.checkpoints_carry_state)}",
+        ),
+        ("chat template", template),
+        ("mode", mode),
+        ("engine", f"{i.slots} slots x {i.ctx_per_session} tokens, KV {i.kv_type}, on {device}"),
+        ("HTTP (OpenAI)", f"http://{i.http_address}/v1" if i.http_address else "off"),
+        ("metrics", f"http://{i.metrics_address}/metrics" if i.metrics_address else "off"),
+        (
+            "sessions",
+            f"{i.sessions} ({i.sessions_hot} in slots, {i.sessions_warm} parked, {i.sessions_cold} stored); "
+            f"{i.slots_in_use} of {i.slots} slots in use",
+        ),
+        (
+            "tokens",
+            f"{i.tokens_evaluated} evaluated, {i.tokens_reused} reused, {i.tokens_generated} generated; "
+            f"{i.swap_ins} swap-ins in {i.swap_in_seconds_total:.2f} s",
+        ),
+        (
+            "limits",
+            f"prompts up to {i.max_prompt_tokens} tokens; checkpoint blocks of {i.block_tokens} tokens",
+        ),
+    ]
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
 
 
 @click.command(

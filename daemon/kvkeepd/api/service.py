@@ -15,6 +15,7 @@ import grpc
 
 from kvkeep.v1 import kvkeep_pb2 as pb
 from kvkeepd import __version__
+from kvkeepd.api.access import Access
 from kvkeepd.api.convert import (
     checkpoint_to_pb,
     chunk_to_pb,
@@ -86,12 +87,22 @@ def unary(fn: Handler[Awaitable[Resp]]) -> Callable[[KvKeepService, Any, Any], A
 
     @functools.wraps(fn)
     async def wrapper(self: KvKeepService, received: Any, context: Any) -> Resp:
+        access = Access("grpc", fn.__name__)
+        status = "CANCELLED"
         try:
             tenant, request = self.admit(fn.__name__, received, context)
-            return await fn(self, request, tenant, context)
+            access.tenant, access.session = tenant.name, getattr(request, "session_id", "")
+            response = await fn(self, request, tenant, context)
+            session = getattr(response, "session", None)
+            access.session = access.session or getattr(session, "session_id", "")
+            status = "OK"
+            return response
         except Exception as e:
+            status = _status(e)
             await _abort(context, e)
             raise  # unreachable: abort raises
+        finally:
+            access.done(status)
 
     return wrapper
 
@@ -104,24 +115,49 @@ def streaming(
 
     @functools.wraps(fn)
     async def wrapper(self: KvKeepService, received: Any, context: Any) -> AsyncGenerator[Resp, None]:
+        access = Access("grpc", fn.__name__)
+        status = "CANCELLED"
         try:
             tenant, request = self.admit(fn.__name__, received, context)
+            access.tenant, access.session = tenant.name, getattr(request, "session_id", "")
             async with contextlib.aclosing(fn(self, request, tenant, context)) as stream:
                 async for item in stream:
+                    chunk = getattr(item, "chunk", None)
+                    if chunk is not None and chunk.HasField("usage"):
+                        access.tokens(chunk.usage.prompt_tokens, chunk.usage.generated_tokens)
                     yield item
+            status = "OK"
         except Exception as e:
+            status = _status(e)
             await _abort(context, e)
+        finally:
+            access.done(status)
 
     return wrapper
+
+
+def _status(error: BaseException) -> str:
+    """The status a failed call ends with, as the access log names it."""
+    return error.code if isinstance(error, KvkeepError) and type(error) is not KvkeepError else "INTERNAL"
 
 
 class KvKeepService:
     """The kvkeep.v1.KvKeep service over a SessionManager; server.add_service serves it."""
 
-    def __init__(self, manager: SessionManager, model_path: str, fingerprint: str) -> None:
+    def __init__(
+        self,
+        manager: SessionManager,
+        model_path: str,
+        fingerprint: str,
+        http_address: str = "",
+        metrics_address: str = "",
+    ) -> None:
         self.manager = manager
         self.model_path = model_path
         self.fingerprint = fingerprint
+        # Where the other doors listen ("" where off), for GetInfo.
+        self.http_address = http_address
+        self.metrics_address = metrics_address
         self.accepting = True
         self.requests = Requests(
             prompt_limit=manager.settings.prompt_limit,
@@ -191,6 +227,8 @@ class KvKeepService:
             pinned_transfers=m.engine.pinned,
             **device_fields(m.engine.devices),
             tool_format=m.template.toolkit.format if m.template is not None else "",
+            http_address=self.http_address,
+            metrics_address=self.metrics_address,
         )
 
     @unary

@@ -53,6 +53,26 @@ class Spec:
     secret: bool = False
 
 
+class ConfigError(ValueError):
+    """A setting is missing, malformed or out of bounds; raised before anything heavy starts.
+
+    `key` names the setting as the outside sees it (`ctx-per-session`), `origin` where the
+    value came from (`flag --ctx-per-session`, `environment KVKEEP_...`, `file PATH`)."""
+
+    def __init__(self, key: str, problem: str, origin: str = "") -> None:
+        super().__init__(key, problem, origin)
+        self.key = key
+        self.problem = problem
+        self.origin = origin
+
+    def at(self, origin: str) -> ConfigError:
+        return ConfigError(self.key, self.problem, origin)
+
+    def __str__(self) -> str:
+        where = f" ({self.origin})" if self.origin else ""
+        return f"{self.key}{where}: {self.problem}"
+
+
 def spec(help: str, **bounds: Any) -> dict[str, Spec]:
     """The metadata of a setting's field: its help and the other fields of Spec."""
     return {_SPEC: Spec(help, **bounds)}

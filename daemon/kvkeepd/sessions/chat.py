@@ -24,6 +24,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kvkeepd.config.option import ConfigError
 from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import FailedPrecondition, InvalidRequest
 from kvkeepd.toolcall import AUTO_FORMAT, Tool, ToolCall
@@ -73,15 +74,23 @@ class ChatTemplate:
     """A compiled chat template and the tool-call model of its format (`toolkit`)."""
 
     @staticmethod
-    async def of_model(engine: Engine, tool_format: str = AUTO_FORMAT) -> ChatTemplate | None:
-        """The loaded model's template, with its BOS and EOS texts and its tool format: the
-        one named, or the one its source speaks (None: it has none). A template that does not
-        render tools, calls and results as its format has them takes the generic format
-        (named, it is refused: FailedPrecondition)."""
+    async def of_model(
+        engine: Engine, tool_format: str = AUTO_FORMAT, source: str | None = None
+    ) -> ChatTemplate | None:
+        """The loaded model's template (or `source`, one given in its place), with the model's
+        BOS and EOS texts and its tool format: the one named, or the one its source speaks
+        (None: there is no template). A template that does not render tools, calls and results
+        as its format has them takes the generic format (named, it is refused:
+        FailedPrecondition). ConfigError if `source` is no Jinja template."""
         model = engine.info
-        if model is None or not model.chat_template:
+        if source is None and model is not None:
+            source = model.chat_template
+        if model is None or not source:
             return None
-        source = model.chat_template
+        try:
+            ImmutableSandboxedEnvironment().parse(source)
+        except TemplateError as e:
+            raise ConfigError("chat-template-file", f"not a Jinja template: {e}") from None
         bos, eos, (specials, control) = await asyncio.wrap_future(
             engine.call(
                 lambda e: (

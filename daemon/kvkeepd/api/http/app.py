@@ -23,8 +23,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Message as AsgiMessage
 from starlette.types import Receive, Scope, Send
 
+from kvkeepd.api.access import Access
 from kvkeepd.api.http.bodies import Reply, domain_error, error, sse
 from kvkeepd.api.http.keep import SessionKeep
 from kvkeepd.api.http.schema import NEW_SESSION, ChatCompletionRequest, CompletionRequest, GenerationBody
@@ -53,9 +55,14 @@ async def _nothing() -> None:
 class OpenAiDoor:
     """The door's handlers over a SessionManager; `asgi` is the ASGI application."""
 
-    def __init__(self, manager: SessionManager, model_id: str, body_limit: int) -> None:
+    def __init__(
+        self, manager: SessionManager, model_id: str, body_limit: int, aliases: Sequence[str] = ()
+    ) -> None:
         self.manager = manager
         self.model_id = model_id
+        #: What /v1/models lists: the model's id, then other names it goes by. A request may
+        #: name any model: one is served.
+        self.names = (model_id, *(a for a in aliases if a != model_id))
         self.body_limit = body_limit
         self.keep = SessionKeep(manager)
         self.accepting = True
@@ -67,6 +74,8 @@ class OpenAiDoor:
                 Route("/v1/completions", self._endpoint(self.completions, "prompt"), methods=["POST"]),
                 Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self._endpoint(self.model), methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/ready", self.health, methods=["GET"]),
             ],
             exception_handlers={HTTPException: self._http_error},
         )
@@ -78,9 +87,23 @@ class OpenAiDoor:
             status, body = domain_error(Unavailable("too many requests at once; retry"))
             await JSONResponse(body, status)(scope, receive, send)
             return
+        if scope["type"] != "http" or scope["path"] in ("/health", "/ready"):  # probes: no line each
+            await self._app(scope, receive, send)
+            return
+        # The access log's line (kvkeepd.api.access): handlers fill it in through request.state.
+        access = Access("http", f"{scope['method']} {scope['path'][:200]}")
+        scope.setdefault("state", {})["access"] = access
+        answered = "-"
+
+        async def send_noting_status(message: AsgiMessage) -> None:
+            nonlocal answered
+            if message["type"] == "http.response.start":
+                answered = str(message["status"])
+            await send(message)
+
         self.in_flight += 1
         try:
-            await self._app(scope, receive, send)
+            await self._app(scope, receive, send_noting_status)
         except asyncio.CancelledError:
             # NOTE: once the daemon stops, uvicorn cancels the requests that outlive the grace
             # period. The cancellation has passed through the request (its generation was
@@ -90,6 +113,7 @@ class OpenAiDoor:
                 raise
         finally:
             self.in_flight -= 1
+            access.done(answered)
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -132,7 +156,9 @@ class OpenAiDoor:
     def _tenant(self, request: Request) -> Tenant:
         if not self.accepting:
             raise Unavailable("the daemon is shutting down")
-        return self.manager.tenants.resolve(request.headers.get("authorization"))
+        tenant = self.manager.tenants.resolve(request.headers.get("authorization"))
+        _access(request).tenant = tenant.name
+        return tenant
 
     async def _parse(self, request: Request, model: type[B]) -> B:
         declared = request.headers.get("content-length", "")
@@ -143,25 +169,31 @@ class OpenAiDoor:
             body += piece
             if len(body) > self.body_limit:
                 raise BodyTooLarge
-        parsed = model.model_validate_json(bytes(body))
-        if parsed.model != self.model_id:
-            raise NotFound(f"no model {parsed.model[:80]!r}; this daemon serves {self.model_id!r}")
-        return parsed
+        return model.model_validate_json(bytes(body))
 
     # ---- models ------------------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
         self._tenant(request)
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [self._model_card(n) for n in self.names]})
 
     async def model(self, request: Request) -> Response:
         self._tenant(request)
-        if request.path_params["model_id"] != self.model_id:
+        if request.path_params["model_id"] not in self.names:
             raise NotFound(f"no model {request.path_params['model_id'][:80]!r}")
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card(request.path_params["model_id"]))
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "kvkeep"}
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "kvkeep"}
+
+    # ---- health ------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        """/health and /ready, as llama-server's: 200 while serving, 503 once stopping. Open
+        to anyone (as a load balancer's probe is), and says nothing of tenants."""
+        if not self.accepting:
+            return JSONResponse(error("unavailable_error", "the daemon is shutting down"), 503)
+        return JSONResponse({"status": "ok"})
 
     # ---- chat --------------------------------------------------------------------------------
 
@@ -179,20 +211,24 @@ class OpenAiDoor:
             if found is not None:
                 # The whole conversation: if another request moved the session on meanwhile,
                 # the flow keeps what still matches.
-                stream = m.converse(found[0].session_id, tenant, messages=messages, whole=True, turn=turn)
+                session_id = found[0].session_id
+                stream = m.converse(session_id, tenant, messages=messages, whole=True, turn=turn)
             else:
                 session, rest = await self._new_chat_session(tenant, messages, turn, persistent=False)
                 self.keep.add(tenant, session)
-                stream = m.converse(session.session_id, tenant, messages=rest, whole=False, turn=turn)
+                session_id = session.session_id
+                stream = m.converse(session_id, tenant, messages=rest, whole=False, turn=turn)
         elif req.session_id == NEW_SESSION:
             session, rest = await self._new_chat_session(tenant, messages, turn, persistent=req.persistent)
             on_fail = self._closer(session, tenant)
-            stream = m.converse(session.session_id, tenant, messages=rest, whole=False, turn=turn)
-            req.session_id = session.session_id
+            session_id = req.session_id = session.session_id
+            stream = m.converse(session_id, tenant, messages=rest, whole=False, turn=turn)
         else:
             self.keep.release(tenant, req.session_id)
-            stream = m.converse(req.session_id, tenant, messages=messages, whole=False, turn=turn)
-        reply = self._reply("chat", req.session_id)
+            session_id = req.session_id
+            stream = m.converse(session_id, tenant, messages=messages, whole=False, turn=turn)
+        _access(request).session = session_id
+        reply = self._reply("chat", req.session_id, req.model)
         top = req.top_logprobs or 0
         if req.stream:
             render: Render = lambda c, first: reply.chat_chunk(c, top, first)  # noqa: E731
@@ -239,10 +275,11 @@ class OpenAiDoor:
         else:
             self.keep.release(tenant, req.session_id)
             session_id = req.session_id
+        _access(request).session = session_id
         stream = self.manager.generate(
             session_id, tenant, prompt=prompt, prompt_token_ids=token_ids, parse_special=False, turn=turn
         )
-        reply = self._reply("text", req.session_id)
+        reply = self._reply("text", req.session_id, req.model)
         top = req.logprobs or 0
         if req.stream:
             render: Render = lambda c, _first: reply.completion_chunk(c, top)  # noqa: E731
@@ -252,9 +289,11 @@ class OpenAiDoor:
 
     # ---- responses ---------------------------------------------------------------------------
 
-    def _reply(self, kind: str, session_id: str | None) -> Reply:
+    def _reply(self, kind: str, session_id: str | None, model: str) -> Reply:
+        """A reply's shape; it names the model as the request did (llama-server does so too)."""
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        return Reply(kind, prefix + secrets.token_hex(12), int(time.time()), self.model_id, session_id)
+        name = model or self.model_id
+        return Reply(kind, prefix + secrets.token_hex(12), int(time.time()), name, session_id)
 
     def _closer(self, session: Session, tenant: Tenant) -> Callable[[], Awaitable[None]]:
         """Close a session made for a request that failed before the client learnt its id."""
@@ -269,7 +308,7 @@ class OpenAiDoor:
         self, request: Request, stream: AsyncIterator[Chunk], on_fail: Callable[[], Awaitable[None]]
     ) -> list[Chunk]:
         async def collect() -> list[Chunk]:
-            return [c async for c in stream]
+            return [c async for c in _counted(request, stream)]
 
         try:
             return await _unless_left(request, collect())
@@ -286,7 +325,7 @@ class OpenAiDoor:
         include_usage: bool,
         on_fail: Callable[[], Awaitable[None]],
     ) -> Response:
-        it = aiter(stream)
+        it = aiter(_counted(request, stream))
         try:
             first = await _unless_left(request, anext(it))
         except (KvkeepError, ClientDisconnect):
@@ -319,6 +358,21 @@ class OpenAiDoor:
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
         )
+
+
+def _access(request: Request) -> Access:
+    """The access log's line of this request (a stand-in for one the door did not make)."""
+    access = request.scope.get("state", {}).get("access")
+    return access if isinstance(access, Access) else Access("http", request.url.path)
+
+
+async def _counted(request: Request, stream: AsyncIterator[Chunk]) -> AsyncGenerator[Chunk, None]:
+    """The stream, its usage noted in the request's access line once the last chunk passes."""
+    async with contextlib.aclosing(aiter(stream)) as chunks:  # type: ignore[type-var]
+        async for chunk in chunks:
+            if chunk.usage is not None:
+                _access(request).tokens(chunk.usage.prompt_tokens, chunk.usage.generated_tokens)
+            yield chunk
 
 
 async def _unless_left(request: Request, work: Awaitable[T]) -> T:

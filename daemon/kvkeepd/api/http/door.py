@@ -66,14 +66,14 @@ class HttpDoor:
             if self._task.done():
                 sock.close()
                 self._task.result()
-                raise OSError(f"the HTTP door did not start on {s.http_address}")
+                raise OSError(f"the HTTP door did not start on {self.address}")
             await asyncio.sleep(0.01)
-        log.info("serving the OpenAI-compatible HTTP API on %s", self.address)
+        log.debug("uvicorn serves the HTTP door on %s", self.address)
         return self.port
 
     @property
     def address(self) -> str:
-        return f"{self.settings.http_address.rpartition(':')[0]}:{self.port}"
+        return f"{(self.settings.http_listen or '').rpartition(':')[0]}:{self.port}"
 
     def refuse(self) -> None:
         """New requests get 503 from now on."""

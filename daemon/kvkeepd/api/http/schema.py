@@ -110,7 +110,8 @@ class StreamOptions(_Body):
 class GenerationBody(_Body):
     """What chat and legacy completions share."""
 
-    model: str
+    # Any name: the daemon serves one model, whatever a client calls it (as llama-server does).
+    model: str = ""
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
