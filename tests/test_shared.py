@@ -1,9 +1,13 @@
 """Several daemons, one population of sessions: two daemons (subprocesses, separate state
-directories) share a Redis catalog and a Redis block store on loopback. Any daemon continues
-any persistent session exactly; a session has one writer at a time (a lease with a fencing
-token); a daemon paused or killed mid-generation loses the session to the other, which goes
-on from the last acknowledged turn; a catalog server that stops makes requests UNAVAILABLE
-until it is back, and nothing acknowledged is lost.
+directories, the store key given as a file to one and in the environment to the other)
+share a Redis catalog and a Redis block store on loopback. Any daemon continues any
+persistent session exactly, from its head and the turn records on the catalog's server
+after a kill; every daemon lists the tenant's sessions and which daemon holds each; one
+daemon at a time expires the sessions no daemon holds; a session swapped out to storage
+lets its lease go; a session has one writer at a time (a lease with a fencing token); a
+daemon paused or killed mid-generation loses the session to the other, which goes on from
+the last acknowledged turn; a catalog server that stops makes requests UNAVAILABLE until
+it is back, and nothing acknowledged is lost.
 """
 
 from __future__ import annotations
