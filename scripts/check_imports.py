@@ -21,9 +21,17 @@ RULES = {
     "grpc_health": {"daemon/kvkeepd/api/grpc_door.py", "daemon/kvkeepd/server.py"},
     "grpc_reflection": {"daemon/kvkeepd/api/grpc_door.py"},
     # The HTTP door's stack (an optional extra) stays inside its package.
-    "starlette": {"daemon/kvkeepd/api/http/app.py"},
+    "starlette": {
+        "daemon/kvkeepd/api/http/app.py",
+        "daemon/kvkeepd/api/http/responses.py",
+        "daemon/kvkeepd/api/http/waiting.py",
+    },
     "uvicorn": {"daemon/kvkeepd/api/http/door.py", "daemon/kvkeepd/api/http/guard.py"},
-    "pydantic": {"daemon/kvkeepd/api/http/app.py", "daemon/kvkeepd/api/http/schema.py"},
+    "pydantic": {
+        "daemon/kvkeepd/api/http/app.py",
+        "daemon/kvkeepd/api/http/schema.py",
+        "daemon/kvkeepd/api/http/response_schema.py",
+    },
 }
 # The same for the SDK: LangChain (an optional extra) only in its integration.
 CLIENT_RULES = {

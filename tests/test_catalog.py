@@ -114,6 +114,28 @@ def test_deletes_clear_heads_references_and_sessions(catalog: Catalog) -> None:
     assert sorted(catalog.unreferenced()) == [(key(1), 10), (key(2), 5), (key(3), 7)]
 
 
+def test_a_stored_response_commits_with_its_checkpoint_and_goes_with_it(catalog: Catalog) -> None:
+    s = sid()
+    old, new = row(s, "response", "acme", at=10.0), row(s, "response", "acme", at=20.0)
+    catalog.add_checkpoint(old, b"m1", [(key(1), 10)], now=10.0, response=b'{"r": 1}')
+    catalog.add_checkpoint(new, b"m2", [(key(1), 10), (key(2), 20)], now=20.0, response=b'{"r": 2}')
+    plain = row(s, "explicit", "acme", at=5.0)
+    catalog.add_checkpoint(plain, b"m3", [], now=5.0)
+    assert catalog.response(new.checkpoint_id) == (new, b'{"r": 2}')
+    assert catalog.response(plain.checkpoint_id) is None and catalog.get(plain.checkpoint_id) is not None
+    assert catalog.old_responses(15.0, 10) == [old.checkpoint_id]
+    assert catalog.old_responses(25.0, 10) == [old.checkpoint_id, new.checkpoint_id]
+    assert catalog.old_responses(25.0, 1) == [old.checkpoint_id]
+    assert catalog.delete(old.checkpoint_id)
+    assert catalog.response(old.checkpoint_id) is None
+    assert catalog.old_responses(25.0, 10) == [new.checkpoint_id]
+    # Its blocks: the one only it referenced is unreferenced now, the shared one is not.
+    assert catalog.forget_blocks([key(1), key(2)]) == []
+    catalog.delete(new.checkpoint_id)
+    assert sorted(catalog.forget_blocks([key(1), key(2)])) == [key(1), key(2)]
+    assert catalog.old_responses(25.0, 10) == []
+
+
 def test_only_unreferenced_blocks_are_forgotten_least_recently_used_first(catalog: Catalog) -> None:
     s = sid()
     old, kept = row(s, at=1.0), row(s, at=2.0)

@@ -251,3 +251,5 @@ class Info:
     ``""``: it is off."""
     metrics_address: str = ""
     """Where Prometheus metrics are served (``host:port``, ``/metrics``); ``""``: off."""
+    response_ttl_seconds: float = 0.0
+    """Seconds a stored response (the HTTP door's ``/v1/responses``) is kept; 0: until deleted."""

@@ -648,6 +648,7 @@ class GetInfoResponse(_message.Message):
     TOOL_FORMAT_FIELD_NUMBER: _builtins.int
     HTTP_ADDRESS_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
+    RESPONSE_TTL_SECONDS_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     model_path: _builtins.str
     model_fingerprint: _builtins.str
@@ -716,6 +717,10 @@ class GetInfoResponse(_message.Message):
     HTTP door (its API under /v1) and the Prometheus metrics (/metrics).
     """
     metrics_address: _builtins.str
+    response_ttl_seconds: _builtins.float
+    """Seconds a stored response of the HTTP door's /v1/responses is kept (0: until deleted);
+    its state also counts in the disk budget and the tenant's stored-bytes quota.
+    """
     def __init__(
         self,
         *,
@@ -759,10 +764,11 @@ class GetInfoResponse(_message.Message):
         tool_format: _builtins.str = ...,
         http_address: _builtins.str = ...,
         metrics_address: _builtins.str = ...,
+        response_ttl_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "backend", b"backend", "block_tokens", b"block_tokens", "checkpoints_carry_state", b"checkpoints_carry_state", "ctx_per_session", b"ctx_per_session", "device", b"device", "device_memory_free", b"device_memory_free", "device_memory_total", b"device_memory_total", "docks", b"docks", "gpu_layers", b"gpu_layers", "has_chat_template", b"has_chat_template", "http_address", b"http_address", "kv_stream_bytes", b"kv_stream_bytes", "kv_type", b"kv_type", "max_prompt_tokens", b"max_prompt_tokens", "memory_type", b"memory_type", "metrics_address", b"metrics_address", "mode", b"mode", "mode_note", b"mode_note", "model_description", b"model_description", "model_fingerprint", b"model_fingerprint", "model_path", b"model_path", "n_ctx_train", b"n_ctx_train", "n_vocab", b"n_vocab", "pinned_transfers", b"pinned_transfers", "sessions", b"sessions", "sessions_cold", b"sessions_cold", "sessions_docked", b"sessions_docked", "sessions_hot", b"sessions_hot", "sessions_warm", b"sessions_warm", "slots", b"slots", "slots_in_use", b"slots_in_use", "state_note", b"state_note", "swap_in_seconds_total", b"swap_in_seconds_total", "swap_ins", b"swap_ins", "tokens_evaluated", b"tokens_evaluated", "tokens_generated", b"tokens_generated", "tokens_reused", b"tokens_reused", "tool_format", b"tool_format", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "backend", b"backend", "block_tokens", b"block_tokens", "checkpoints_carry_state", b"checkpoints_carry_state", "ctx_per_session", b"ctx_per_session", "device", b"device", "device_memory_free", b"device_memory_free", "device_memory_total", b"device_memory_total", "docks", b"docks", "gpu_layers", b"gpu_layers", "has_chat_template", b"has_chat_template", "http_address", b"http_address", "kv_stream_bytes", b"kv_stream_bytes", "kv_type", b"kv_type", "max_prompt_tokens", b"max_prompt_tokens", "memory_type", b"memory_type", "metrics_address", b"metrics_address", "mode", b"mode", "mode_note", b"mode_note", "model_description", b"model_description", "model_fingerprint", b"model_fingerprint", "model_path", b"model_path", "n_ctx_train", b"n_ctx_train", "n_vocab", b"n_vocab", "pinned_transfers", b"pinned_transfers", "response_ttl_seconds", b"response_ttl_seconds", "sessions", b"sessions", "sessions_cold", b"sessions_cold", "sessions_docked", b"sessions_docked", "sessions_hot", b"sessions_hot", "sessions_warm", b"sessions_warm", "slots", b"slots", "slots_in_use", b"slots_in_use", "state_note", b"state_note", "swap_in_seconds_total", b"swap_in_seconds_total", "swap_ins", b"swap_ins", "tokens_evaluated", b"tokens_evaluated", "tokens_generated", b"tokens_generated", "tokens_reused", b"tokens_reused", "tool_format", b"tool_format", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvkeepd.heap import heap_usage
 from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.sessions.responses import SOURCES as RESUME_SOURCES
 
 
 class ManagerCollector:
@@ -68,6 +69,17 @@ class ManagerCollector:
             "(shared by turns that end together).",
             value=c.journal_syncs,
         )
+        resumes = CounterMetricFamily(
+            "kvkeep_response_resumes",
+            "Stored responses continued (previous_response_id), by where their state came from: the "
+            "session kept in place (slot, dock, ram, disk), the response's whole state kept in RAM "
+            "(ram), its blocks (disk, shared), or nowhere (evaluated).",
+            labels=["source"],
+        )
+        counted = dict(c.response_resumes)
+        for source in RESUME_SOURCES:
+            resumes.add_metric([source], counted.get(source, 0))
+        yield resumes
         tokens = CounterMetricFamily("kvkeep_tokens", "Tokens by what happened to them.", labels=["kind"])
         for kind, n in (
             ("evaluated", c.tokens_evaluated),

@@ -72,7 +72,8 @@ class NetworkSettings:
         default="",
         metadata=spec(
             "Where the OpenAI-compatible HTTP door listens (/v1/chat/completions, /v1/completions, "
-            "/v1/models, /health), host:port in the place of --host and --http-port; off: no HTTP door.",
+            "/v1/models, /v1/responses, /health), host:port in the place of --host and --http-port; "
+            "off: no HTTP door.",
             key="http",
             shown="HOST:HTTP-PORT",
         ),

@@ -100,6 +100,7 @@ SECTIONS: tuple[Section, ...] = tuple(
                 "max-message-bytes",
                 "http-read-timeout",
                 "http-connections-per-peer",
+                "response-ttl",
                 "metrics-address",
             ),
         ),

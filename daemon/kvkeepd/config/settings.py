@@ -301,6 +301,14 @@ class Settings(NetworkSettings):
             low=0,
         ),
     )
+    response_ttl: float = field(
+        default=30 * 24 * 3600.0,
+        metadata=spec(
+            "Seconds a stored response of the HTTP door's /v1/responses is kept (its checkpoint and "
+            "record; then deleted, and the blocks only it referenced with it); 0: until deleted.",
+            low=0,
+        ),
+    )
     sweep_interval: float = field(
         default=10.0,
         metadata=spec("Seconds between passes of the expiry and budget sweeper.", low=0.05, high=3600),

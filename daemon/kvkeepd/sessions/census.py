@@ -30,10 +30,12 @@ class Census:
         ops: Ops,
         tokens_reused: Callable[[], int],
         unloaded: set[str],
+        resumes: Callable[[], Mapping[str, int]],
     ) -> None:
         """`sessions`: the registry (read); `tokens_reused`: prompt tokens attached from the
         prefix cache so far; `unloaded`: persistent sessions of the catalog not loaded at
-        start (kept up to date by their owner)."""
+        start (kept up to date by their owner); `resumes`: stored responses resumed so
+        far, by where their state came from."""
         self.sessions = sessions
         self.residency = residency
         self.engine = engine
@@ -41,6 +43,7 @@ class Census:
         self.ops = ops
         self.tokens_reused = tokens_reused
         self.unloaded = unloaded
+        self.resumes = resumes
 
     def tenant_counters(self, tenant: Tenant) -> Counters:
         """The counters of one tenant's sessions and requests."""
@@ -85,6 +88,7 @@ class Census:
             journal_syncs=self.stores.journal.syncs,
             whole_bytes=residency.wholes.nbytes,
             whole_hits=residency.wholes.hits,
+            response_resumes=tuple(sorted(self.resumes().items())),
         )
 
     async def problems(self, deep: bool = True) -> list[str]:

@@ -2,8 +2,9 @@
 
 Every `sweep_interval` seconds, one pass runs as an operation (ops.py): sessions idle past
 `--idle-ttl` (ephemeral) or `--persistent-ttl` (persistent) are closed as a client's close
-would; with a shared catalog, the persistent sessions that no daemon holds expire there too,
-by whichever one daemon has the cluster's expiry duty (leases.py: one at a time, another
+would; stored responses older than `--response-ttl` are deleted; with a shared catalog, the
+persistent sessions that no daemon holds, and the stored responses, expire there by
+whichever one daemon has the cluster's expiry duty (leases.py: one at a time, another
 taking over when it dies), and the blocks that saves cut short left in a shared store are
 collected by the holder of the collector duty (storage/collector.py); parked state beyond
 the RAM budget spills to disk, and unreferenced blocks beyond the disk budget are dropped.
@@ -30,8 +31,8 @@ log = logging.getLogger(__name__)
 EXPIRED_PER_SWEEP = 100
 #: The duty of collecting orphaned blocks of a shared store.
 COLLECTOR_DUTY = "collector"
-#: The duty (leases.py) of expiring what no daemon holds: persistent sessions now; stored
-#: responses, or anything else that outlives its daemon, would be expired by the same one.
+#: The duty (leases.py) of expiring what no daemon holds: persistent sessions and stored
+#: responses.
 EXPIRY_DUTY = "expiry"
 
 
@@ -46,15 +47,18 @@ class Sweeper:
         stores: Stores,
         leases: Leases,
         close: Callable[[Session], Awaitable[None]],
+        expire_responses: Callable[[float], Awaitable[int]],
     ) -> None:
-        """`close`: closes a session as a client's close would; `leases`: whose duty
-        leases say which daemon expires the sessions no daemon holds."""
+        """`close`: closes a session as a client's close would; `expire_responses`: deletes
+        the stored responses older than --response-ttl as of a time; `leases`: whose duty
+        leases say which daemon expires what no daemon holds."""
         self.host = host
         self.settings = settings
         self.residency = residency
         self.stores = stores
         self.leases = leases
         self.close = close
+        self.expire_responses = expire_responses
 
     async def sweep(self) -> None:
         """One pass of the sweeper: expire idle sessions, keep RAM and disk within budget."""
@@ -72,9 +76,13 @@ class Sweeper:
                     "session %s expired after %.0f s idle", session.session_id, now - session.last_used_at
                 )
                 await self.close(session)
-        shared_expiry = durable.catalog.shared and settings.persistent_ttl > 0
-        if shared_expiry and await self.leases.duty(EXPIRY_DUTY, settings.sweep_interval):
-            await self._expire_unheld(now - settings.persistent_ttl)
+        expiring = settings.persistent_ttl > 0 or settings.response_ttl > 0
+        if not durable.catalog.shared:
+            await self._expire_responses(now)
+        elif expiring and await self.leases.duty(EXPIRY_DUTY, settings.sweep_interval):
+            if settings.persistent_ttl > 0:
+                await self._expire_unheld(now - settings.persistent_ttl)
+            await self._expire_responses(now)
         shared_store = durable.catalog.shared and durable.store.remote
         if shared_store and await self.leases.duty(COLLECTOR_DUTY, settings.sweep_interval):
             try:
@@ -98,6 +106,12 @@ class Sweeper:
             return
         for session_id in expired:
             log.info("session %s expired in the shared catalog (idle, held by no daemon)", session_id)
+
+    async def _expire_responses(self, now: float) -> None:
+        try:
+            await self.expire_responses(now)
+        except KvkeepError as e:
+            log.warning("stored responses were not expired: %s", e)
 
     async def run(self) -> None:
         """Sweep every `sweep_interval` seconds until cancelled."""

@@ -43,6 +43,7 @@ from kvkeepd.sessions.lifecycle import Lifecycle
 from kvkeepd.sessions.persistence import Persistence
 from kvkeepd.sessions.prefix import PrefixCache
 from kvkeepd.sessions.residency import Residency
+from kvkeepd.sessions.responses import Responses
 from kvkeepd.sessions.session import Counters, Session
 from kvkeepd.sessions.tenants import Tenant, Tenants
 from kvkeepd.state.manifest import Snapshot
@@ -145,8 +146,24 @@ class SessionManager:
             persistence=self.persistence,
             leases=self.leases,
         )
+        self.responses = Responses(
+            self,
+            settings=settings,
+            residency=self.residency,
+            persistence=self.persistence,
+            lifecycle=self.lifecycle,
+            checkpointing=self.checkpoints,
+            conversations=self.conversations,
+            template=template,
+        )
         self.sweeper = Sweeper(
-            self, settings, self.residency, stores, self.leases, self.lifecycle.close_session
+            self,
+            settings,
+            self.residency,
+            stores,
+            self.leases,
+            self.lifecycle.close_session,
+            self.responses.expire,
         )
         # Persistent sessions of the catalog that were not loaded at start (Census.problems).
         self.unloaded: set[str] = set()
@@ -158,6 +175,7 @@ class SessionManager:
             self.ops,
             lambda: self.conversations.tokens_reused,
             self.unloaded,
+            lambda: self.responses.resumes,
         )
         self.counters = Counters()
         self.invariant_violations = 0

@@ -115,6 +115,24 @@ class Persistence:
         )
         return row
 
+    async def save_response(
+        self, session: Session, kv: SeqKv | None, checkpoint_id: str, record: bytes
+    ) -> CheckpointRow:
+        """A stored response: the session's state `kv` as a durable checkpoint (kind
+        "response", labelled with the response's id), committed with its record."""
+        snap = session.snapshot("", self.settings.block_tokens)
+        row, _ = await store_write(
+            self.durable.save,
+            snap,
+            kv,
+            kind="response",
+            now=self.clock(),
+            boundary=session.boundary,
+            checkpoint_id=checkpoint_id,
+            response=record,
+        )
+        return row
+
     def ram_bound(self, session: Session, kv: SeqKv | None) -> int:
         """The most RAM an ephemeral session's checkpoint with state `kv` takes."""
         n_bytes = kv.nbytes if kv is not None else 0
@@ -143,9 +161,10 @@ class Persistence:
     ) -> Loaded:
         """The tenant's checkpoint, read and checked; `store`: where `find` found it, and
         `snap`: its manifest from that store, if known; `wholes`: where an ephemeral
-        checkpoint's whole state may be kept (its blocks are then not read)."""
+        checkpoint's (or a stored response's) whole state may be kept (its blocks are then
+        not read)."""
         store = store or await self.find(checkpoint_id, tenant)
-        whole = wholes.get(checkpoint_id) if wholes is not None and store is self.volatile else None
+        whole = wholes.get(checkpoint_id) if wholes is not None else None
         return await asyncio.to_thread(store.load, checkpoint_id, self.clock(), snap, whole)
 
     async def tenant_checkpoints(self, tenant: Tenant) -> list[CheckpointRow]:

@@ -395,6 +395,13 @@ class Residency(Placements):
         if kv is not None and not session.persistent:
             self.wholes.put(checkpoint_id, session.session_id, kv, self.settings.ram_cache - self.ram_bytes())
 
+    def keep_response(self, checkpoint_id: str, kv: kvstate.SeqKv | None) -> None:
+        """Keep a stored response's whole state where the RAM budget has room for it, so
+        that a branch from it loads it as it is: it outlives the session it was saved from
+        (its own owner), and goes when the response is deleted or RAM needs the room."""
+        if kv is not None:
+            self.wholes.put(checkpoint_id, checkpoint_id, kv, self.settings.ram_cache - self.ram_bytes())
+
     async def reserve_ram(self, n: int, keep: Session, what: str) -> None:
         """Make room for `n` bytes of RAM, or Busy naming `what` would not fit."""
         if not await self.make_room(n, keep):

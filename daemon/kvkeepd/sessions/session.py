@@ -176,3 +176,5 @@ class Counters:
     # restores and forks that loaded one (sessions/wholes.py).
     whole_bytes: int = 0
     whole_hits: int = 0
+    # Stored responses resumed, by where their state came from (sessions/responses.py).
+    response_resumes: tuple[tuple[str, int], ...] = ()

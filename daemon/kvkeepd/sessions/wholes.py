@@ -41,6 +41,9 @@ class StateCache:
         self.nbytes += len(kv.raw)
         return True
 
+    def __contains__(self, checkpoint_id: str) -> bool:
+        return checkpoint_id in self._states
+
     def get(self, checkpoint_id: str) -> SeqKv | None:
         """The checkpoint's whole state, if kept (it becomes the most recently used)."""
         found = self._states.get(checkpoint_id)

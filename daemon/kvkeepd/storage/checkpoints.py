@@ -50,6 +50,10 @@ _WRITERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvkeep-write")
 CHECKPOINT_ID_PREFIX = "c_"
 
 
+def new_checkpoint_id() -> str:
+    return CHECKPOINT_ID_PREFIX + secrets.token_hex(12)
+
+
 @dataclass(frozen=True)
 class Loaded:
     """A checkpoint read back: its snapshot and state (None: evaluate the tokens again)."""
@@ -114,6 +118,8 @@ class CheckpointStore:
         fence: int = 0,
         foreign_layout: str | None = None,
         boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None,
+        checkpoint_id: str = "",
+        response: bytes | None = None,
     ) -> tuple[CheckpointRow, Snapshot]:
         """Write the snapshot's missing pieces, then commit its manifest. Returns the row
         and the snapshot as stored (with its piece keys).
@@ -121,7 +127,9 @@ class CheckpointStore:
         `boundary`: sliding-window and recurrent sections at an earlier block boundary of the
         same history (the system prompt's), stored and referenced too, so that the prefix
         cache finds the whole state there (see prefix.py). `fence`: the lease token a head
-        write is conditioned on (Catalog.add_checkpoint)."""
+        write is conditioned on (Catalog.add_checkpoint). `checkpoint_id`: the id to commit
+        it under (a new one if empty); `response`: a stored response's record, committed
+        with it."""
         n_kv = kv.n if kv is not None else 0
         full, window, rec = self.plan(snap.tokens, n_kv, snap.block_tokens, snap.salt)
         extra: list[tuple[Piece, Callable[[], bytes]]] = []
@@ -164,7 +172,7 @@ class CheckpointStore:
                 )
                 sizes = [(key, written[key][0] if key in written else claim.sizes[key]) for key in unique]
                 row = CheckpointRow(
-                    checkpoint_id=CHECKPOINT_ID_PREFIX + secrets.token_hex(12),
+                    checkpoint_id=checkpoint_id or new_checkpoint_id(),
                     session_id=snap.session_id,
                     label=snap.label,
                     kind=kind,
@@ -175,7 +183,14 @@ class CheckpointStore:
                     tenant=snap.tenant,
                 )
                 self.catalog.add_checkpoint(
-                    row, data, sizes, now, head_of=head_of, fence=fence, claimed_at=claim.at
+                    row,
+                    data,
+                    sizes,
+                    now,
+                    head_of=head_of,
+                    fence=fence,
+                    claimed_at=claim.at,
+                    response=response,
                 )
             except BaseException:
                 # Blocks this save wrote that no committed checkpoint knows: reclaimed now (best
@@ -415,6 +430,18 @@ class CheckpointStore:
     def delete(self, checkpoint_id: str) -> None:
         if not self.catalog.delete(checkpoint_id):
             raise NotFound(f"no checkpoint {checkpoint_id}")
+
+    def delete_with_blocks(self, checkpoint_id: str) -> int:
+        """Delete a checkpoint and the blocks that only it referenced (not left for the
+        sweeper: what is deleted goes now). Returns the blocks deleted; NotFound if there was
+        no such checkpoint."""
+        snap = self.snapshot(checkpoint_id)
+        self.delete(checkpoint_id)
+        with self._lock:
+            gone = self.catalog.forget_blocks(snap.piece_keys())
+            for key in gone:
+                self.store.delete(key)
+        return len(gone)
 
     def sweep(self, budget_bytes: int, used: Callable[[], int] | None = None) -> int:
         """Drop unreferenced blocks, least recently used first, until the store (or what

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP door: /v1/chat/completions, /v1/completions and /v1/models.
+"""The OpenAI-compatible HTTP door: /v1/chat/completions, /v1/completions, /v1/models and
+/v1/responses (responses.py).
 
 Handlers translate, as the gRPC servicer does: an OpenAI body in, a call to the
 SessionManager's flows, an OpenAI body (or a stream of server-sent events) out. Callers are
@@ -29,7 +30,9 @@ from starlette.types import Receive, Scope, Send
 from kvkeepd.api.access import Access
 from kvkeepd.api.http.bodies import Reply, domain_error, error, sse
 from kvkeepd.api.http.keep import SessionKeep
+from kvkeepd.api.http.responses import ResponsesDoor
 from kvkeepd.api.http.schema import NEW_SESSION, ChatCompletionRequest, CompletionRequest, GenerationBody
+from kvkeepd.api.http.waiting import access, counted, unless_left
 from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound, Unavailable
 from kvkeepd.limits import MAX_CONCURRENT_RPCS
 from kvkeepd.sessions.manager import SessionManager
@@ -68,8 +71,14 @@ class OpenAiDoor:
         self.accepting = True
         self.in_flight = 0
         self.created = int(time.time())
+        self.responses = ResponsesDoor(manager, model_id, tenant=self._tenant, body=self._body)
+        stored = "/v1/responses/{response_id}"
         self._app = Starlette(
             routes=[
+                Route("/v1/responses", self._endpoint(self.responses.create), methods=["POST"]),
+                Route(stored, self._endpoint(self.responses.retrieve), methods=["GET"]),
+                Route(stored, self._endpoint(self.responses.delete), methods=["DELETE"]),
+                Route(stored + "/input_items", self._endpoint(self.responses.input_items), methods=["GET"]),
                 Route("/v1/chat/completions", self._endpoint(self.chat_completions), methods=["POST"]),
                 Route("/v1/completions", self._endpoint(self.completions, "prompt"), methods=["POST"]),
                 Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
@@ -157,10 +166,14 @@ class OpenAiDoor:
         if not self.accepting:
             raise Unavailable("the daemon is shutting down")
         tenant = self.manager.tenants.resolve(request.headers.get("authorization"))
-        _access(request).tenant = tenant.name
+        access(request).tenant = tenant.name
         return tenant
 
     async def _parse(self, request: Request, model: type[B]) -> B:
+        return model.model_validate_json(await self._body(request))
+
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, read within the body limit."""
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.body_limit:
             raise BodyTooLarge
@@ -169,7 +182,7 @@ class OpenAiDoor:
             body += piece
             if len(body) > self.body_limit:
                 raise BodyTooLarge
-        return model.model_validate_json(bytes(body))
+        return bytes(body)
 
     # ---- models ------------------------------------------------------------------------------
 
@@ -227,7 +240,7 @@ class OpenAiDoor:
             self.keep.release(tenant, req.session_id)
             session_id = req.session_id
             stream = m.converse(session_id, tenant, messages=messages, whole=False, turn=turn)
-        _access(request).session = session_id
+        access(request).session = session_id
         reply = self._reply("chat", req.session_id, req.model)
         top = req.top_logprobs or 0
         if req.stream:
@@ -275,7 +288,7 @@ class OpenAiDoor:
         else:
             self.keep.release(tenant, req.session_id)
             session_id = req.session_id
-        _access(request).session = session_id
+        access(request).session = session_id
         stream = self.manager.generate(
             session_id, tenant, prompt=prompt, prompt_token_ids=token_ids, parse_special=False, turn=turn
         )
@@ -308,10 +321,10 @@ class OpenAiDoor:
         self, request: Request, stream: AsyncIterator[Chunk], on_fail: Callable[[], Awaitable[None]]
     ) -> list[Chunk]:
         async def collect() -> list[Chunk]:
-            return [c async for c in _counted(request, stream)]
+            return [c async for c in counted(request, stream)]
 
         try:
-            return await _unless_left(request, collect())
+            return await unless_left(request, collect())
         except (KvkeepError, ClientDisconnect):
             await on_fail()
             raise
@@ -325,9 +338,9 @@ class OpenAiDoor:
         include_usage: bool,
         on_fail: Callable[[], Awaitable[None]],
     ) -> Response:
-        it = aiter(_counted(request, stream))
+        it = aiter(counted(request, stream))
         try:
-            first = await _unless_left(request, anext(it))
+            first = await unless_left(request, anext(it))
         except (KvkeepError, ClientDisconnect):
             await on_fail()
             raise
@@ -360,53 +373,14 @@ class OpenAiDoor:
         )
 
 
-def _access(request: Request) -> Access:
-    """The access log's line of this request (a stand-in for one the door did not make)."""
-    access = request.scope.get("state", {}).get("access")
-    return access if isinstance(access, Access) else Access("http", request.url.path)
-
-
-async def _counted(request: Request, stream: AsyncIterator[Chunk]) -> AsyncGenerator[Chunk, None]:
-    """The stream, its usage noted in the request's access line once the last chunk passes."""
-    async with contextlib.aclosing(aiter(stream)) as chunks:  # type: ignore[type-var]
-        async for chunk in chunks:
-            if chunk.usage is not None:
-                _access(request).tokens(chunk.usage.prompt_tokens, chunk.usage.generated_tokens)
-            yield chunk
-
-
-async def _unless_left(request: Request, work: Awaitable[T]) -> T:
-    """What `work` gives, unless the client leaves first: then `work` is cancelled, which
-    stops its generation as a stream's reader that leaves does (within one engine step), and
-    ClientDisconnect. uvicorn goes on running a request whose client left; only the
-    application learns of it, by the ASGI message `http.disconnect`."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_left(request.receive))
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            # Until the generation has been told to stop and its stream is closed.
-            await asyncio.wait((task,))
-    if task.cancelled():
-        raise ClientDisconnect
-    return task.result()
-
-
-async def _left(receive: Receive) -> None:
-    """Return once the client has gone (its request's body already read)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 def _describe(e: ValidationError) -> tuple[str, str, str | None]:
     """The first problem of a body, naming the field: the message, OpenAI's code for it and
     the top-level field (`param`)."""
     first = e.errors()[0]
     loc = first.get("loc", ())
     where = ".".join(str(p) for p in loc)
+    if first.get("type") == "extra_forbidden":
+        return f"unknown parameter {where[:80]!r}", "unknown_parameter", where or None
     more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
     code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
     return (

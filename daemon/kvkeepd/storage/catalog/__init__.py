@@ -1,7 +1,8 @@
-"""The checkpoint catalog: persistent sessions, their heads and leases, checkpoints and
-block references. `Catalog` is what the rest of the daemon uses, and its rows are the values
-it answers with; `SqliteCatalog` (catalog/sqlite.py) is the embedded one, `RedisCatalog`
-(catalog/redis.py) the one several daemons share.
+"""The checkpoint catalog: persistent sessions, their heads and leases, checkpoints (stored
+responses among them, each with its record) and block references. `Catalog` is what the rest
+of the daemon uses, and its rows are the values it answers with; `SqliteCatalog`
+(catalog/sqlite.py) is the embedded one, `RedisCatalog` (catalog/redis.py) the one several
+daemons share.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ class CheckpointRow:
     checkpoint_id: str
     session_id: str
     label: str
-    kind: str  # "head" (autosave), "explicit", "imported"
+    kind: str  # "head" (autosave), "explicit", "imported", "response"
     n_tokens: int
     bytes_written: int
     bytes_referenced: int
@@ -95,18 +96,29 @@ class Catalog(Protocol):
         head_of: str | None = None,
         fence: int = 0,
         claimed_at: float = 0.0,
+        response: bytes | None = None,
     ) -> str | None:
         """Commit a checkpoint and its references. With head_of, it becomes that session's
         head and the previous head is deleted; its id is returned. With a fence (a lease's
         token), the head moves only if no daemon took the session's lease since: Fenced
         otherwise, and nothing is written. `claimed_at`: its Claim's `at`; a claim older
         than the collector's grace period is refused (StaleClaim), as its blocks may be
-        collected."""
+        collected. With `response` (a stored response's record, kind "response"), the
+        record commits with it and is deleted with it."""
         ...
 
     def get(self, checkpoint_id: str) -> tuple[CheckpointRow, bytes] | None: ...
 
     def checkpoints(self, session_id: str, include_heads: bool = False) -> list[CheckpointRow]: ...
+
+    def response(self, checkpoint_id: str) -> tuple[CheckpointRow, bytes] | None:
+        """A stored response's checkpoint row and record, or None if there is none."""
+        ...
+
+    def old_responses(self, created_before: float, limit: int) -> list[str]:
+        """Up to `limit` stored responses' checkpoint ids made before `created_before`,
+        oldest first."""
+        ...
 
     def tenant_checkpoints(self, tenant: str) -> list[CheckpointRow]:
         """A tenant's explicit and imported checkpoints, oldest first."""

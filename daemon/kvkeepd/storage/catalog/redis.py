@@ -17,7 +17,9 @@ catalog needs one server (or a primary), not a cluster:
     P:sessions-used      zset: SID by its head's save (expiry reads it)
     P:tenant-sessions:T  zset: the tenant's SIDs by their head's save (listings read it)
     P:index-version      set once the two above index every session
-    P:ckpt:CID           hash: the row's fields and the manifest
+    P:ckpt:CID           hash: the row's fields and the manifest (and a stored response's
+                         record)
+    P:responses          zset: stored responses' CIDs by creation (expiry reads it)
     P:ckpts:SID          set: the session's checkpoint ids
     P:tenant:TENANT      set: the tenant's explicit and imported checkpoint ids
     P:tenant-all:TENANT  set: all the tenant's checkpoint ids (heads too: stored bytes)
@@ -174,10 +176,12 @@ class RedisCatalog:
         head_of: str | None = None,
         fence: int = 0,
         claimed_at: float = 0.0,
+        response: bytes | None = None,
     ) -> str | None:
         args: list[Any] = [self.prefix, row.checkpoint_id, manifest, repr(now), head_of or "", str(fence)]
         args += [repr(claimed_at), repr(self.grace)]
         args += [_text(getattr(row, f)) for f in _FIELDS]
+        args.append(response if response is not None else b"")
         for key, size in blocks:
             args += [key, str(size)]
         found = self._call(self._add, args=args)
@@ -210,6 +214,19 @@ class RedisCatalog:
             return None
         manifest: bytes = found[-1]
         return self._row(checkpoint_id, found[:-1]), bytes(manifest)
+
+    def response(self, checkpoint_id: str) -> tuple[CheckpointRow, bytes] | None:
+        found: list[Any] = self._call(self._db.hmget, self._k("ckpt", checkpoint_id), [*_FIELDS, "response"])
+        if found[0] is None or found[-1] is None:
+            return None
+        record: bytes = found[-1]
+        return self._row(checkpoint_id, found[:-1]), bytes(record)
+
+    def old_responses(self, created_before: float, limit: int) -> list[str]:
+        found = self._call(
+            self._db.zrangebyscore, self._k("responses"), "-inf", f"({created_before!r}", start=0, num=limit
+        )
+        return [_str(cid) for cid in found]
 
     def _rows(self, ids: Iterable[Any]) -> list[CheckpointRow]:
         names = [_str(i) for i in ids]

@@ -20,6 +20,7 @@ local function delete_ckpt(P, cid)
     end
   end
   redis.call('DEL', P .. ':refs:' .. cid, ck)
+  redis.call('ZREM', P .. ':responses', cid)
   redis.call('SREM', P .. ':ckpts:' .. f[1], cid)
   redis.call('SREM', P .. ':tenant:' .. f[2], cid)
   redis.call('SREM', P .. ':tenant-all:' .. f[2], cid)
@@ -52,16 +53,17 @@ end
 """
 
 # ARGV: prefix, cid, manifest, now, head_of, fence, claimed_at, grace, then the row's fields
-# (in the order of redis_catalog._FIELDS), then block key and size pairs. Returns {'ok', old
-# head or ''}, {'fenced'}, or {'stale'} when its blocks were claimed (CLAIM) more than `grace`
-# seconds ago by the server's clock (the collector may have taken them for orphans).
+# (in the order of redis_catalog._FIELDS), a stored response's record ('' for none), then
+# block key and size pairs. Returns {'ok', old head or ''}, {'fenced'}, or {'stale'} when its
+# blocks were claimed (CLAIM) more than `grace` seconds ago by the server's clock (the
+# collector may have taken them for orphans).
 ADD = (
     _DELETE
     + """
 local P, cid, manifest, now, head_of, fence = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local claimed_at, grace = tonumber(ARGV[7]), tonumber(ARGV[8])
-local sid, label, kind, n_tokens, written, referenced, created_at, tenant =
-  ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15], ARGV[16]
+local sid, label, kind, n_tokens, written, referenced, created_at, tenant, response =
+  ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15], ARGV[16], ARGV[17]
 local ck = P .. ':ckpt:' .. cid
 if redis.call('EXISTS', ck) == 1 then return {'ok', ''} end
 if head_of ~= '' and fenced(P, head_of, fence) then return {'fenced'} end
@@ -74,7 +76,11 @@ redis.call('SADD', P .. ':tenant-all:' .. tenant, cid)
 if kind == 'explicit' or kind == 'imported' then redis.call('SADD', P .. ':tenant:' .. tenant, cid) end
 if kind == 'explicit' then redis.call('HINCRBY', P .. ':explicit', sid, 1) end
 redis.call('INCRBY', P .. ':manifest-bytes', string.len(manifest))
-for i = 17, #ARGV, 2 do
+if response ~= '' then
+  redis.call('HSET', ck, 'response', response)
+  redis.call('ZADD', P .. ':responses', created_at, cid)
+end
+for i = 18, #ARGV, 2 do
   local b = ARGV[i]
   if redis.call('HSETNX', P .. ':blocks', b, ARGV[i + 1]) == 1 then
     redis.call('INCRBY', P .. ':block-bytes', ARGV[i + 1])

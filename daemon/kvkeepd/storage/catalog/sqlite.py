@@ -55,6 +55,12 @@ CREATE TABLE IF NOT EXISTS blocks (
     size INTEGER NOT NULL,
     last_used REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS responses (
+    checkpoint_id TEXT PRIMARY KEY,
+    created_at REAL NOT NULL,
+    record BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_created ON responses (created_at);
 """
 
 
@@ -152,10 +158,12 @@ class SqliteCatalog:
         head_of: str | None = None,
         fence: int = 0,
         claimed_at: float = 0.0,
+        response: bytes | None = None,
     ) -> str | None:
         """Commit a checkpoint and its references. With head_of, it becomes that session's
         head and the previous head is deleted; its id is returned. (One daemon's: its
-        store's lock orders saves and sweeps, so claims need no checking.)"""
+        store's lock orders saves and sweeps, so claims need no checking.) With `response`,
+        the stored response's record commits with it."""
         with self._transaction():
             self._db.execute(
                 f"INSERT INTO checkpoints ({_COLUMNS}, manifest) VALUES (?,?,?,?,?,?,?,?,?,?)",
@@ -173,6 +181,11 @@ class SqliteCatalog:
                 ),
             )
             self._manifest_bytes += len(manifest)
+            if response is not None:
+                self._db.execute(
+                    "INSERT INTO responses (checkpoint_id, created_at, record) VALUES (?,?,?)",
+                    (row.checkpoint_id, row.created_at, response),
+                )
             for key, size in blocks:
                 self._db.execute(
                     "INSERT INTO blocks (block, size, last_used) VALUES (?,?,?) "
@@ -207,6 +220,7 @@ class SqliteCatalog:
     def _delete(self, checkpoint_id: str) -> None:
         self._forget_manifests("checkpoint_id", checkpoint_id)
         self._db.execute("DELETE FROM refs WHERE checkpoint_id = ?", (checkpoint_id,))
+        self._db.execute("DELETE FROM responses WHERE checkpoint_id = ?", (checkpoint_id,))
         self._db.execute("DELETE FROM checkpoints WHERE checkpoint_id = ?", (checkpoint_id,))
 
     def get(self, checkpoint_id: str) -> tuple[CheckpointRow, bytes] | None:
@@ -228,6 +242,28 @@ class SqliteCatalog:
                 (session_id, *kinds),
             ).fetchall()
         return [CheckpointRow(*r) for r in rows]
+
+    def response(self, checkpoint_id: str) -> tuple[CheckpointRow, bytes] | None:
+        """A stored response's checkpoint row and record, or None."""
+        columns = ", ".join(f"c.{c.strip()}" for c in _COLUMNS.split(","))
+        with self._reading():
+            found = self._db.execute(
+                f"SELECT {columns}, r.record FROM responses r JOIN checkpoints c USING (checkpoint_id) "
+                "WHERE r.checkpoint_id = ?",
+                (checkpoint_id,),
+            ).fetchone()
+        if found is None:
+            return None
+        return CheckpointRow(*found[:-1]), bytes(found[-1])
+
+    def old_responses(self, created_before: float, limit: int) -> list[str]:
+        """Stored responses' checkpoint ids made before `created_before`, oldest first."""
+        with self._reading():
+            rows = self._db.execute(
+                "SELECT checkpoint_id FROM responses WHERE created_at < ? ORDER BY created_at LIMIT ?",
+                (created_before, limit),
+            ).fetchall()
+        return [r[0] for r in rows]
 
     def tenant_checkpoints(self, tenant: str) -> list[CheckpointRow]:
         """A tenant's explicit and imported checkpoints, oldest first."""
@@ -261,11 +297,12 @@ class SqliteCatalog:
     def delete_session(self, session_id: str, fence: int = 0) -> None:
         """Forget a session, its head (if persistent) and all its checkpoints."""
         with self._transaction():
-            self._db.execute(
-                "DELETE FROM refs WHERE checkpoint_id IN "
-                "(SELECT checkpoint_id FROM checkpoints WHERE session_id = ?)",
-                (session_id,),
-            )
+            for table in ("refs", "responses"):
+                self._db.execute(
+                    f"DELETE FROM {table} WHERE checkpoint_id IN "
+                    "(SELECT checkpoint_id FROM checkpoints WHERE session_id = ?)",
+                    (session_id,),
+                )
             self._forget_manifests("session_id", session_id)
             self._db.execute("DELETE FROM checkpoints WHERE session_id = ?", (session_id,))
             self._db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))

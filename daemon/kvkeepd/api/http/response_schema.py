@@ -1,0 +1,247 @@
+"""The request body of OpenAI's Responses API (`POST /v1/responses`), as a typed model, and
+what it means for the session layer: the messages its input items add, a Turn, and whether
+it is stored.
+
+Every field OpenAI defines is either honoured, or refused with a 400 that names it when it
+asks for something kvkeep does not do (reasoning, background runs, prompt templates, input
+that is not text...); a field OpenAI does not define is refused as OpenAI refuses it
+("unknown parameter"). Fields that change nothing here are accepted: `user`,
+`safety_identifier`, `prompt_cache_key`, `prompt_cache_retention`, `service_tier`,
+`max_tool_calls` (it bounds built-in tools, and there are none), `stream_options`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvkeepd.errors import InvalidRequest
+from kvkeepd.limits import MAX_LOGPROBS
+from kvkeepd.values import Message, SamplingOverrides, SamplingParams, Turn
+
+# Roles of input messages and the template role each becomes.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Content parts that are text, by the roles that send them.
+TEXT_PARTS = ("input_text", "output_text")
+# What `include` may ask for.
+LOGPROBS = "message.output_text.logprobs"
+# OpenAI's bounds on metadata: 16 pairs, keys of 64 characters, values of 512.
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
+
+
+class _Body(BaseModel):
+    # strict: "1" is no number and 1 is no boolean; ints are still accepted as floats.
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class ResponseCreate(_Body):
+    """`POST /v1/responses`."""
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    # An extension: the sampler's seed (the same state and seed give the same reply).
+    seed: Annotated[int, Field(ge=0)] | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    include: list[str] | None = None
+    # Changes nothing here.
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    service_tier: str | None = None
+    max_tool_calls: Annotated[int, Field(ge=0)] | None = None
+    # Refused when they ask for something.
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    context_management: Any = None
+    moderation: Any = None
+    image: Any = None
+    access_programs: Any = None
+    prompt_cache_options: Any = None
+    background_options: Any = None
+
+    def checked(self) -> ResponseSpec:
+        """What the request asks for, checked now: before any session is touched."""
+        self._refuse_unsupported()
+        self._check_metadata()
+        sampling = SamplingOverrides.of(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+        sampling.apply(SamplingParams())  # a value no sampler can use is refused here
+        logprobs = LOGPROBS in (self.include or ())
+        turn = Turn(
+            max_tokens=self.max_output_tokens,
+            sampling=sampling,
+            logprobs=max(1, self.top_logprobs or 0) if logprobs else 0,
+            json_schema=self.json_schema(),
+        )
+        items = input_items(self.input)
+        return ResponseSpec(
+            instructions=self.instructions or None,
+            items=items,
+            messages=tuple(messages_of(items)),
+            turn=turn,
+            store=self.store is not False,
+            stream=self.stream is True,
+            logprobs=logprobs,
+        )
+
+    def _refuse_unsupported(self) -> None:
+        if self.reasoning and any(v is not None for v in self.reasoning.values()):
+            raise InvalidRequest("reasoning is not supported: the model does not reason apart from its reply")
+        if self.background:
+            raise InvalidRequest("background responses are not supported: stream the response instead")
+        refused = {
+            "conversation": "conversations are not supported: continue with previous_response_id",
+            "prompt": "prompt templates are not supported: give input and instructions",
+            "context_management": "context_management is not supported: use truncation",
+            "moderation": "moderation is not supported",
+            "image": "image options are not supported: the input and output are text",
+            "access_programs": "access_programs is not supported",
+            "prompt_cache_options": "prompt_cache_options is not supported: what is stored is reused",
+            "background_options": "background responses are not supported",
+        }
+        for name, why in refused.items():
+            if getattr(self, name) is not None:
+                raise InvalidRequest(why)
+        if self.tools or self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequest("tools are not supported: give no tools")
+        for name in self.include or ():
+            if name != LOGPROBS:
+                raise InvalidRequest(f"include {name[:80]!r} is not supported: only {LOGPROBS!r}")
+        if self.top_logprobs and LOGPROBS not in (self.include or ()):
+            raise InvalidRequest(f"top_logprobs needs include: [{LOGPROBS!r}]")
+        options = self.stream_options or {}
+        if set(options) - {"include_obfuscation"}:
+            raise InvalidRequest("stream_options takes include_obfuscation only")
+
+    def _check_metadata(self) -> None:
+        meta = self.metadata or {}
+        if len(meta) > METADATA_PAIRS:
+            raise InvalidRequest(f"metadata has at most {METADATA_PAIRS} pairs")
+        for k, v in meta.items():
+            if len(k) > METADATA_KEY or len(v) > METADATA_VALUE:
+                raise InvalidRequest(
+                    f"metadata keys have at most {METADATA_KEY} characters, values {METADATA_VALUE}"
+                )
+
+    def json_schema(self) -> str:
+        """The JSON schema `text.format` asks for ("" for text)."""
+        text = self.text or {}
+        if set(text) - {"format", "verbosity"}:
+            raise InvalidRequest("text takes format and verbosity")
+        if text.get("verbosity") not in (None, "medium"):
+            raise InvalidRequest("text.verbosity is not supported (the model's own is medium)")
+        fmt = text.get("format") or {"type": "text"}
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return ""
+        if kind == "json_object":
+            return '{"type": "object"}'
+        if kind == "json_schema":
+            assert isinstance(fmt, dict)
+            schema = fmt.get("schema")
+            if not isinstance(schema, dict):
+                raise InvalidRequest("text.format json_schema needs schema, an object")
+            if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+                raise InvalidRequest("text.format json_schema needs a name")
+            return json.dumps(schema)
+        raise InvalidRequest(
+            f"text.format {str(kind)[:40]!r} is not supported: text, json_object or json_schema"
+        )
+
+
+@dataclass(frozen=True)
+class ResponseSpec:
+    """A checked request: its input items (as OpenAI lists them, each with an id), the
+    messages they add, its turn, and whether it is stored and streamed."""
+
+    instructions: str | None
+    items: tuple[dict[str, Any], ...]
+    messages: tuple[Message, ...]
+    turn: Turn
+    store: bool
+    stream: bool
+    logprobs: bool
+
+
+def input_items(given: str | list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """The input as OpenAI's input items list it (a text is one user message), each with an
+    id (the client's, or a new one); InvalidRequest for an item kvkeep cannot take."""
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    return tuple(_item(i, item) for i, item in enumerate(given))
+
+
+def _item(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    where = f"input[{i}]"
+    if kind != "message":
+        raise InvalidRequest(f"{where}: items of type {str(kind)[:40]!r} are not supported")
+    role = item.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}")
+    extra = set(item) - {"type", "role", "content", "id", "status"}
+    if extra:
+        raise InvalidRequest(f"{where}: unknown parameter {sorted(extra)[0][:40]!r}")
+    text = _text(item.get("content"), where, role)
+    part = "output_text" if role == "assistant" else "input_text"
+    content = [
+        {"type": part, "text": text, "annotations": []}
+        if part == "output_text"
+        else {"type": part, "text": text}
+    ]
+    return {
+        "id": _id(item.get("id"), "msg_"),
+        "type": "message",
+        "role": role,
+        "content": content,
+        "status": "completed",
+    }
+
+
+def _text(content: Any, where: str, role: str) -> str:
+    """A message's content as text: a string, or parts that are all text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}.content must be a string or a list of parts")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise InvalidRequest(
+                f"{where}.content[{j}]: content of type {str(kind)[:40]!r} is not supported: "
+                "input_text or output_text"
+            )
+        out.append(part["text"])
+    return "".join(out)
+
+
+def _id(given: Any, prefix: str) -> str:
+    if isinstance(given, str) and 0 < len(given) <= 128:
+        return given
+    return prefix + secrets.token_hex(12)
+
+
+def messages_of(items: tuple[dict[str, Any], ...]) -> list[Message]:
+    """The messages the input items add to the conversation."""
+    return [Message(ROLES[item["role"]], "".join(p["text"] for p in item["content"])) for item in items]

@@ -1,0 +1,165 @@
+"""OpenAI's Responses API on the HTTP door: `POST /v1/responses`, `GET` and `DELETE
+/v1/responses/{id}`, `GET /v1/responses/{id}/input_items`.
+
+Handlers translate: a body in, the SessionManager's stored responses (sessions/responses.py),
+a body or a stream of events out. What is stored with a response is its response object and
+input items as these handlers shape them (response_shapes.py), so a retrieval, a listing or
+a replayed stream answers from the record alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvkeepd.api.http.bodies import domain_error
+from kvkeepd.api.http.response_schema import LOGPROBS, ResponseCreate
+from kvkeepd.api.http.response_shapes import ResponseShape, listing, replay
+from kvkeepd.api.http.waiting import counted, unless_left
+from kvkeepd.errors import InvalidRequest, KvkeepError
+from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.sessions.responses import ResponseRequest, new_response_id
+from kvkeepd.sessions.tenants import Tenant
+from kvkeepd.values import Chunk
+
+log = logging.getLogger(__name__)
+
+#: Input items a listing gives at most, and by default (OpenAI's bounds).
+MAX_PAGE, PAGE = 100, 20
+STREAM_HEADERS = {"cache-control": "no-cache"}
+
+
+class ResponsesDoor:
+    """The Responses API's handlers; `tenant` resolves a request's caller, `body` reads its
+    body within the door's limit. A request may name any model: one is served."""
+
+    def __init__(
+        self,
+        manager: SessionManager,
+        model_id: str,
+        *,
+        tenant: Callable[[Request], Tenant],
+        body: Callable[[Request], Awaitable[bytes]],
+    ) -> None:
+        self.manager = manager
+        self.model_id = model_id
+        self.tenant = tenant
+        self.body = body
+
+    async def create(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        body = ResponseCreate.model_validate_json(await self.body(request))
+        spec = body.checked()
+        shape = ResponseShape(new_response_id(), int(time.time()), self.model_id, body, spec)
+        wanted = ResponseRequest(
+            response_id=shape.response_id,
+            previous_response_id=body.previous_response_id or "",
+            instructions=spec.instructions,
+            messages=spec.messages,
+            turn=spec.turn,
+            store=spec.store,
+            context_policy="truncate" if body.truncation == "auto" else "error",
+        )
+        stream = counted(request, self.manager.responses.answer(tenant, wanted, shape.document))
+        if spec.stream:
+            return await self._events(request, stream, shape)
+
+        async def collect() -> list[Chunk]:
+            return [c async for c in stream]
+
+        chunks = await unless_left(request, collect())
+        return JSONResponse(shape.response(chunks))
+
+    async def _events(self, request: Request, stream: AsyncIterator[Chunk], shape: ResponseShape) -> Response:
+        it = aiter(stream)
+        # The first chunk before the response starts: errors until then get their status.
+        first = await unless_left(request, anext(it))
+
+        async def events() -> AsyncGenerator[bytes, None]:
+            chunks: list[Chunk] = []
+            chunk = first
+            try:
+                for e in shape.opening():
+                    yield e
+                while True:
+                    chunks.append(chunk)
+                    for e in shape.delta(chunk):
+                        yield e
+                    if chunk.finish_reason is not None:
+                        break
+                    chunk = await anext(it)
+                for e in shape.closing(chunks):
+                    yield e
+            except Exception as e:
+                if not isinstance(e, KvkeepError) or type(e) is KvkeepError:
+                    log.error("internal error", exc_info=e)
+                _, error = domain_error(e if isinstance(e, KvkeepError) else KvkeepError())
+                for ev in shape.failure(error["error"]["code"], error["error"]["message"], chunks):
+                    yield ev
+            finally:
+                # A client that left stops the generation (within one engine step).
+                if isinstance(it, AsyncGenerator):
+                    await it.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=STREAM_HEADERS)
+
+    async def retrieve(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        query = request.query_params
+        for name in [*query.getlist("include"), *query.getlist("include[]")]:
+            if name != LOGPROBS:
+                raise InvalidRequest(f"include {name[:80]!r} is not supported: only {LOGPROBS!r}")
+        stream = _flag(query.get("stream"), "stream")
+        after = _number(query.get("starting_after"), "starting_after", -1)
+        record = await self.manager.responses.lookup(request.path_params["response_id"], tenant)
+        if stream:
+            return StreamingResponse(
+                _aiter(replay(record.document, after)), media_type="text/event-stream", headers=STREAM_HEADERS
+            )
+        return JSONResponse(record.document["response"])
+
+    async def delete(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        response_id = request.path_params["response_id"]
+        await self.manager.responses.delete(response_id, tenant)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def input_items(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        query = request.query_params
+        limit = _number(query.get("limit"), "limit", PAGE)
+        if not 1 <= limit <= MAX_PAGE:
+            raise InvalidRequest(f"limit must be in [1, {MAX_PAGE}]")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidRequest("order must be asc or desc")
+        record = await self.manager.responses.lookup(request.path_params["response_id"], tenant)
+        items: list[dict[str, Any]] = record.document["input"]
+        return JSONResponse(listing(items, after=query.get("after", ""), limit=limit, order=order))
+
+
+def _flag(value: str | None, name: str) -> bool:
+    if value in (None, "", "false", "0"):
+        return False
+    if value in ("true", "1"):
+        return True
+    raise InvalidRequest(f"{name} must be true or false")
+
+
+def _number(value: str | None, name: str, default: int) -> int:
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer") from None
+
+
+async def _aiter(events: Any) -> AsyncGenerator[bytes, None]:
+    for e in events:
+        yield e
