@@ -57,7 +57,7 @@ def oai(door: InProcessDaemon) -> Iterator[openai.OpenAI]:
         yield c
 
 
-def create(oai: openai.OpenAI, input_text: str, **kw: Any) -> Any:
+def create(oai: openai.OpenAI, input_text: str | list[dict[str, Any]], **kw: Any) -> Any:
     args = {"model": MODEL, "instructions": INSTRUCTIONS, "max_output_tokens": 12, "temperature": 0, **kw}
     return oai.responses.create(input=input_text, **args)
 
@@ -196,7 +196,11 @@ def test_structured_output_by_text_format(oai: openai.OpenAI) -> None:
     [
         ("reasoning", {"effort": "high"}, "reasoning"),
         ("background", True, "background"),
-        ("tools", [{"type": "web_search"}], "tools"),
+        ("tools", [{"type": "web_search"}], "web_search"),
+        ("tools", [{"type": "function", "name": "bad name"}], "name"),
+        ("tool_choice", {"type": "allowed_tools", "mode": "auto", "tools": []}, "tool_choice"),
+        ("tool_choice", "required", "needs tools"),
+        ("input", [{"type": "function_call_output", "output": "x"}], "call_id"),
         ("include", ["reasoning.encrypted_content"], "include"),
         ("text", {"format": {"type": "grammar"}}, "text.format"),
         ("text", {"verbosity": "low"}, "verbosity"),
@@ -217,6 +221,65 @@ def test_what_cannot_be_honoured_is_400(door: InProcessDaemon, field: str, value
     answer = httpx.post(base_url(door) + "/responses", json=body, timeout=60)
     assert answer.status_code == 400, answer.text
     assert says in answer.json()["error"]["message"]
+
+
+WEATHER = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    }
+]
+
+
+def test_an_agent_step_calls_a_tool_and_its_output_continues_the_response(oai: openai.OpenAI) -> None:
+    args = {"tools": WEATHER, "max_output_tokens": 60, "parallel_tool_calls": False}
+    called = create(oai, "What is the weather in Paris?", tool_choice="required", **args)
+    assert called.status == "completed" and called.output_text == ""
+    [call] = called.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.id.startswith("fc_")
+    assert set(json.loads(call.arguments)) == {"city"}
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"celsius": 18}'}
+    answered = create(oai, [result], previous_response_id=called.id, **args)  # type: ignore[arg-type]
+    assert answered.output[0].type == "message" and answered.output_text
+    assert answered.usage.input_tokens_details.cached_tokens >= called.usage.total_tokens - 1
+    assert [i.type for i in oai.responses.input_items.list(answered.id)] == ["function_call_output"]
+    # A branch from the call (its checkpoint) answers alike.
+    again = create(oai, [result], previous_response_id=called.id, **args)  # type: ignore[arg-type]
+    assert again.output_text == answered.output_text
+    # The conversation resent whole, with the call as an item (nothing stored), is answered.
+    item = {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}
+    resent = create(
+        oai,
+        [{"role": "user", "content": "What is the weather in Paris?"}, item, result],  # type: ignore[arg-type]
+        store=False,
+        **args,
+    )
+    assert resent.status in ("completed", "incomplete") and resent.output[0].type == "message"
+    # Streamed: the call's item, its arguments in pieces, and the helper's parsed arguments.
+    with oai.responses.stream(
+        model=MODEL, input="What is the weather in Rome?", tool_choice="required", **args
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [e.item.type for e in added] == ["function_call"]
+    pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert pieces == done.arguments == final.output[0].arguments
+    assert final.output[0].parsed_arguments == json.loads(pieces)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    replayed = list(oai.responses.retrieve(final.id, stream=True))
+    assert [e.type for e in replayed if e.type != "response.function_call_arguments.delta"] == [
+        e.type for e in events if e.type != "response.function_call_arguments.delta"
+    ]
 
 
 def test_unknown_responses_are_404_and_any_model_is_the_one_served(oai: openai.OpenAI) -> None:

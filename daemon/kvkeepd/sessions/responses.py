@@ -210,7 +210,7 @@ class Responses:
                 put(chunk)
                 return
             # Every token goes out before the commit, the end after it (durability.md).
-            if chunk.text or chunk.token_ids:
+            if chunk.text or chunk.token_ids or chunk.tool_calls:
                 put(_without_end(chunk))
             last.append(_end_of(chunk))
 
@@ -248,6 +248,7 @@ class Responses:
                 (),
                 persistent=False,
                 context_policy=request.context_policy,
+                tools=request.turn.tools or (),
             )
             return session, None, False
         base = await self.lookup(request.previous_response_id, tenant)
@@ -277,7 +278,7 @@ class Responses:
         under the new ones (the session keeps what still matches, token by token)."""
         if base is None or base.instructions == request.instructions:
             return list(request.messages), False
-        held = [Message(m.role, m.content) for m in session.messages]
+        held = [m.message() for m in session.messages]
         if base.instructions is not None and held and held[0].role == "system":
             held = held[1:]
         lead = [Message("system", request.instructions)] if request.instructions is not None else []
@@ -411,4 +412,4 @@ def _without_end(chunk: Chunk) -> Chunk:
 
 
 def _end_of(chunk: Chunk) -> Chunk:
-    return replace(chunk, text="", token_ids=(), logprobs=())
+    return replace(chunk, text="", token_ids=(), logprobs=(), tool_calls=())

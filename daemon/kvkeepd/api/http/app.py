@@ -75,7 +75,7 @@ class OpenAiDoor:
         stored = "/v1/responses/{response_id}"
         self._app = Starlette(
             routes=[
-                Route("/v1/responses", self._endpoint(self.responses.create), methods=["POST"]),
+                Route("/v1/responses", self._endpoint(self.responses.create, "input"), methods=["POST"]),
                 Route(stored, self._endpoint(self.responses.retrieve), methods=["GET"]),
                 Route(stored, self._endpoint(self.responses.delete), methods=["DELETE"]),
                 Route(stored + "/input_items", self._endpoint(self.responses.input_items), methods=["GET"]),

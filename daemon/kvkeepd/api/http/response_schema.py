@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.limits import MAX_LOGPROBS
+from kvkeepd.toolcall import Tool, ToolCall, ToolChoice
 from kvkeepd.values import Message, SamplingOverrides, SamplingParams, Turn
 
 # Roles of input messages and the template role each becomes.
@@ -92,6 +93,10 @@ class ResponseCreate(_Body):
             sampling=sampling,
             logprobs=max(1, self.top_logprobs or 0) if logprobs else 0,
             json_schema=self.json_schema(),
+            # A previous response's tools are not carried over (OpenAI's rule): none given, none.
+            tools=tuple(_tool(i, t) for i, t in enumerate(self.tools or ())),
+            tool_choice=_choice(self.tool_choice),
+            parallel_tool_calls=self.parallel_tool_calls is not False,
         )
         items = input_items(self.input)
         return ResponseSpec(
@@ -106,9 +111,13 @@ class ResponseCreate(_Body):
 
     def _refuse_unsupported(self) -> None:
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise InvalidRequest("reasoning is not supported: the model does not reason apart from its reply")
+            raise InvalidRequest(
+                "reasoning is not supported: the model does not reason apart from its reply", "reasoning"
+            )
         if self.background:
-            raise InvalidRequest("background responses are not supported: stream the response instead")
+            raise InvalidRequest(
+                "background responses are not supported: stream the response instead", "background"
+            )
         refused = {
             "conversation": "conversations are not supported: continue with previous_response_id",
             "prompt": "prompt templates are not supported: give input and instructions",
@@ -121,35 +130,34 @@ class ResponseCreate(_Body):
         }
         for name, why in refused.items():
             if getattr(self, name) is not None:
-                raise InvalidRequest(why)
-        if self.tools or self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequest("tools are not supported: give no tools")
+                raise InvalidRequest(why, name)
         for name in self.include or ():
             if name != LOGPROBS:
-                raise InvalidRequest(f"include {name[:80]!r} is not supported: only {LOGPROBS!r}")
+                raise InvalidRequest(f"include {name[:80]!r} is not supported: only {LOGPROBS!r}", "include")
         if self.top_logprobs and LOGPROBS not in (self.include or ()):
-            raise InvalidRequest(f"top_logprobs needs include: [{LOGPROBS!r}]")
+            raise InvalidRequest(f"top_logprobs needs include: [{LOGPROBS!r}]", "top_logprobs")
         options = self.stream_options or {}
         if set(options) - {"include_obfuscation"}:
-            raise InvalidRequest("stream_options takes include_obfuscation only")
+            raise InvalidRequest("stream_options takes include_obfuscation only", "stream_options")
 
     def _check_metadata(self) -> None:
         meta = self.metadata or {}
         if len(meta) > METADATA_PAIRS:
-            raise InvalidRequest(f"metadata has at most {METADATA_PAIRS} pairs")
+            raise InvalidRequest(f"metadata has at most {METADATA_PAIRS} pairs", "metadata")
         for k, v in meta.items():
             if len(k) > METADATA_KEY or len(v) > METADATA_VALUE:
                 raise InvalidRequest(
-                    f"metadata keys have at most {METADATA_KEY} characters, values {METADATA_VALUE}"
+                    f"metadata keys have at most {METADATA_KEY} characters, values {METADATA_VALUE}",
+                    "metadata",
                 )
 
     def json_schema(self) -> str:
         """The JSON schema `text.format` asks for ("" for text)."""
         text = self.text or {}
         if set(text) - {"format", "verbosity"}:
-            raise InvalidRequest("text takes format and verbosity")
+            raise InvalidRequest("text takes format and verbosity", "text")
         if text.get("verbosity") not in (None, "medium"):
-            raise InvalidRequest("text.verbosity is not supported (the model's own is medium)")
+            raise InvalidRequest("text.verbosity is not supported (the model's own is medium)", "text")
         fmt = text.get("format") or {"type": "text"}
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind == "text":
@@ -160,12 +168,12 @@ class ResponseCreate(_Body):
             assert isinstance(fmt, dict)
             schema = fmt.get("schema")
             if not isinstance(schema, dict):
-                raise InvalidRequest("text.format json_schema needs schema, an object")
+                raise InvalidRequest("text.format json_schema needs schema, an object", "text")
             if not isinstance(fmt.get("name"), str) or not fmt["name"]:
-                raise InvalidRequest("text.format json_schema needs a name")
+                raise InvalidRequest("text.format json_schema needs a name", "text")
             return json.dumps(schema)
         raise InvalidRequest(
-            f"text.format {str(kind)[:40]!r} is not supported: text, json_object or json_schema"
+            f"text.format {str(kind)[:40]!r} is not supported: text, json_object or json_schema", "text"
         )
 
 
@@ -194,43 +202,78 @@ def input_items(given: str | list[dict[str, Any]]) -> tuple[dict[str, Any], ...]
 def _item(i: int, item: dict[str, Any]) -> dict[str, Any]:
     kind = item.get("type", "message")
     where = f"input[{i}]"
-    if kind != "message":
-        raise InvalidRequest(f"{where}: items of type {str(kind)[:40]!r} are not supported")
+    if kind == "message":
+        return _message_item(where, item)
+    if kind == "function_call":
+        _only(where, item, {"type", "call_id", "name", "arguments", "id", "status"})
+        call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+        if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
+            raise InvalidRequest(
+                f"{where}: a function_call has a call_id, a name and arguments (text)", "input"
+            )
+        return {
+            "id": _id(item.get("id"), "fc_"),
+            "type": "function_call",
+            "call_id": call_id,
+            "name": name,
+            "arguments": arguments,
+            "status": "completed",
+        }
+    if kind == "function_call_output":
+        _only(where, item, {"type", "call_id", "output", "id", "status"})
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str):
+            raise InvalidRequest(f"{where}: a function_call_output names its call_id", "input")
+        output = item.get("output")
+        text = output if isinstance(output, str) else _text(output, where + ".output")
+        return {
+            "id": _id(item.get("id"), "fco_"),
+            "type": "function_call_output",
+            "call_id": call_id,
+            "output": text,
+            "status": "completed",
+        }
+    raise InvalidRequest(f"{where}: items of type {str(kind)[:40]!r} are not supported", "input")
+
+
+def _message_item(where: str, item: dict[str, Any]) -> dict[str, Any]:
     role = item.get("role")
     if not isinstance(role, str) or role not in ROLES:
-        raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}")
-    extra = set(item) - {"type", "role", "content", "id", "status"}
-    if extra:
-        raise InvalidRequest(f"{where}: unknown parameter {sorted(extra)[0][:40]!r}")
-    text = _text(item.get("content"), where, role)
-    part = "output_text" if role == "assistant" else "input_text"
-    content = [
-        {"type": part, "text": text, "annotations": []}
-        if part == "output_text"
-        else {"type": part, "text": text}
-    ]
+        raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}", "input")
+    _only(where, item, {"type", "role", "content", "id", "status"})
+    text = _text(item.get("content"), where + ".content")
+    part: dict[str, Any] = {"type": "input_text", "text": text}
+    if role == "assistant":
+        part = {"type": "output_text", "text": text, "annotations": []}
     return {
         "id": _id(item.get("id"), "msg_"),
         "type": "message",
         "role": role,
-        "content": content,
+        "content": [part],
         "status": "completed",
     }
 
 
-def _text(content: Any, where: str, role: str) -> str:
-    """A message's content as text: a string, or parts that are all text."""
+def _only(where: str, item: dict[str, Any], known: set[str]) -> None:
+    extra = set(item) - known
+    if extra:
+        raise InvalidRequest(f"{where}: unknown parameter {sorted(extra)[0][:40]!r}", "input")
+
+
+def _text(content: Any, where: str) -> str:
+    """Content as text: a string, or parts that are all text."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidRequest(f"{where}.content must be a string or a list of parts")
+        raise InvalidRequest(f"{where} must be a string or a list of parts", "input")
     out = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise InvalidRequest(
-                f"{where}.content[{j}]: content of type {str(kind)[:40]!r} is not supported: "
-                "input_text or output_text"
+                f"{where}[{j}]: content of type {str(kind)[:40]!r} is not supported: "
+                "input_text or output_text",
+                "input",
             )
         out.append(part["text"])
     return "".join(out)
@@ -243,5 +286,56 @@ def _id(given: Any, prefix: str) -> str:
 
 
 def messages_of(items: tuple[dict[str, Any], ...]) -> list[Message]:
-    """The messages the input items add to the conversation."""
-    return [Message(ROLES[item["role"]], "".join(p["text"] for p in item["content"])) for item in items]
+    """The messages the input items add to the conversation: an assistant's message and the
+    function calls that follow it are one message, as a chat template has them; each call's
+    output is a tool message."""
+    out: list[Message] = []
+    for item in items:
+        if item["type"] == "function_call":
+            call = ToolCall(item["call_id"], item["name"], item["arguments"])
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant":
+                out[-1] = Message("assistant", last.content, (*last.tool_calls, call))
+            else:
+                out.append(Message("assistant", "", (call,)))
+        elif item["type"] == "function_call_output":
+            out.append(Message("tool", item["output"], tool_call_id=item["call_id"]))
+        else:
+            out.append(Message(ROLES[item["role"]], "".join(p["text"] for p in item["content"])))
+    return out
+
+
+def _tool(i: int, given: dict[str, Any]) -> Tool:
+    """A function tool, as the Responses API gives it (flat: name, description, parameters)."""
+    kind = given.get("type")
+    if kind != "function":
+        raise InvalidRequest(
+            f"tools[{i}]: tools of type {str(kind)[:40]!r} are not supported: function", "tools"
+        )
+    _only(f"tools[{i}]", given, {"type", "name", "description", "parameters", "strict"})
+    name, description, parameters = given.get("name"), given.get("description"), given.get("parameters")
+    if not isinstance(name, str):
+        raise InvalidRequest(f"tools[{i}] needs a name", "tools")
+    if description is not None and not isinstance(description, str):
+        raise InvalidRequest(f"tools[{i}].description must be a string", "tools")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise InvalidRequest(f"tools[{i}].parameters must be a JSON schema (an object)", "tools")
+    # `strict` false asks for less than kvkeep gives: every call is held to its parameters.
+    return Tool(name, description or "", "" if parameters is None else json.dumps(parameters))
+
+
+def _choice(given: str | dict[str, Any] | None) -> ToolChoice | None:
+    """OpenAI's tool_choice: a mode, or {"type": "function", "name": ...}."""
+    if given is None:
+        return None
+    if isinstance(given, str):
+        return ToolChoice.of(given)
+    if (
+        given.get("type") == "function"
+        and set(given) <= {"type", "name"}
+        and isinstance(given.get("name"), str)
+    ):
+        return ToolChoice.of("function", given["name"])
+    raise InvalidRequest(
+        'tool_choice must be auto, none, required or {"type": "function", "name": ...}', "tool_choice"
+    )

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvkeepd.api.http.bodies import FINISH
 from kvkeepd.api.http.response_schema import ResponseCreate, ResponseSpec
+from kvkeepd.toolcall import CallDelta, join_deltas
 from kvkeepd.values import Chunk, GeneratedToken, SamplingParams, Usage
 
 
@@ -47,10 +48,26 @@ def logprobs(tokens: Sequence[GeneratedToken], top: int) -> list[dict[str, Any]]
     ]
 
 
+#: The key of a reply's message among its output items (calls are keyed by their index).
+MESSAGE = -1
+
+
+def order(chunks: Sequence[Chunk]) -> list[int]:
+    """A reply's output items in the order they began: its message (MESSAGE) where it has
+    text, each call by its index; a reply with neither is one empty message. Within a chunk,
+    its text comes first (a call's syntax follows the text before it)."""
+    out: list[int] = []
+    for c in chunks:
+        if c.text and MESSAGE not in out:
+            out.append(MESSAGE)
+        out += [d.index for d in c.tool_calls if d.index not in out]
+    return out or [MESSAGE]
+
+
 @dataclass
 class ResponseShape:
-    """Everything one response's bodies share: its id, times, the request's echoed fields;
-    and the sequence numbers of its events."""
+    """Everything one response's bodies share: its id, times, the request's echoed fields,
+    its output items' ids; and, streamed, the items opened so far and the events' numbers."""
 
     response_id: str
     created_at: int
@@ -58,7 +75,14 @@ class ResponseShape:
     body: ResponseCreate
     spec: ResponseSpec
     message_id: str = field(default_factory=lambda: "msg_" + secrets.token_hex(12))
+    call_ids: dict[int, str] = field(default_factory=dict)
+    opened: list[int] = field(default_factory=list)
     number: int = 0
+
+    def item_id(self, key: int) -> str:
+        if key == MESSAGE:
+            return self.message_id
+        return self.call_ids.setdefault(key, "fc_" + secrets.token_hex(12))
 
     # ---- the response object -------------------------------------------------------------
 
@@ -97,22 +121,44 @@ class ResponseShape:
         }
         if chunks:
             last = chunks[-1]
-            finish = FINISH.get(last.finish_reason or "", "stop")
-            complete = finish == "stop"
+            complete = FINISH.get(last.finish_reason or "", "stop") in ("stop", "tool_calls")
             out["status"] = status or ("completed" if complete else "incomplete")
             if not complete:
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
-            out["output"] = [self.message(chunks, "completed" if complete else "incomplete")]
+            out["output"] = self.output(chunks, "completed" if complete else "incomplete")
             out["usage"] = usage(last.usage or Usage())
         return out
 
-    def message(self, chunks: Sequence[Chunk], status: str) -> dict[str, Any]:
+    def output(self, chunks: Sequence[Chunk], status: str) -> list[dict[str, Any]]:
+        calls = join_deltas((), (d for c in chunks for d in c.tool_calls))
+        items = []
+        for key in order(chunks):
+            if key == MESSAGE:
+                tokens = [g for c in chunks for g in c.logprobs]
+                part = self.part("".join(c.text for c in chunks), tokens)
+                items.append(self.message_item(status, [part]))
+            else:
+                call = calls[key]
+                items.append(self.call_item(key, call.call_id, call.name, call.arguments, status))
+        return items
+
+    def message_item(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.message_id,
             "type": "message",
             "status": status,
             "role": "assistant",
-            "content": [self.part("".join(c.text for c in chunks), [g for c in chunks for g in c.logprobs])],
+            "content": content,
+        }
+
+    def call_item(self, key: int, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+        return {
+            "id": self.item_id(key),
+            "type": "function_call",
+            "call_id": call_id,
+            "name": name,
+            "arguments": arguments,
+            "status": status,
         }
 
     def part(self, text: str, tokens: Sequence[GeneratedToken]) -> dict[str, Any]:
@@ -132,92 +178,127 @@ class ResponseShape:
         return out
 
     def opening(self) -> Iterator[bytes]:
-        """The events before the first delta."""
+        """The events before the reply's first piece."""
         started = self.response(None)
         yield self._event("response.created", response=started)
         yield self._event("response.in_progress", response=started)
-        item = {
-            "id": self.message_id,
-            "type": "message",
-            "status": "in_progress",
-            "role": "assistant",
-            "content": [],
-        }
-        yield self._event("response.output_item.added", output_index=0, item=item)
-        yield self._event(
-            "response.content_part.added",
-            item_id=self.message_id,
-            output_index=0,
-            content_index=0,
-            part=self.part("", []),
-        )
+
+    def _open(self, key: int, call: CallDelta | None = None) -> Iterator[bytes]:
+        """An output item begins: its message (and its one part), or a call."""
+        index = len(self.opened)
+        self.opened.append(key)
+        if key == MESSAGE:
+            item = self.message_item("in_progress", [])
+            yield self._event("response.output_item.added", output_index=index, item=item)
+            yield self._event(
+                "response.content_part.added",
+                item_id=self.message_id,
+                output_index=index,
+                content_index=0,
+                part=self.part("", []),
+            )
+        else:
+            assert call is not None
+            item = self.call_item(key, call.call_id, call.name, "", "in_progress")
+            yield self._event("response.output_item.added", output_index=index, item=item)
 
     def delta(self, chunk: Chunk) -> Iterator[bytes]:
+        """The events of one piece of the reply."""
         if chunk.text:
+            if MESSAGE not in self.opened:
+                yield from self._open(MESSAGE)
             lp = logprobs(chunk.logprobs, self.body.top_logprobs or 0) if self.spec.logprobs else []
             yield self._event(
                 "response.output_text.delta",
                 item_id=self.message_id,
-                output_index=0,
+                output_index=self.opened.index(MESSAGE),
                 content_index=0,
                 delta=chunk.text,
                 logprobs=lp,
             )
+        for d in chunk.tool_calls:
+            if d.index not in self.opened:
+                yield from self._open(d.index, d)
+            if d.arguments:
+                yield self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=self.item_id(d.index),
+                    output_index=self.opened.index(d.index),
+                    delta=d.arguments,
+                )
 
     def closing(self, chunks: Sequence[Chunk]) -> Iterator[bytes]:
-        """The events after the last delta."""
+        """The events after the reply's last piece: each item done, then the response."""
         final = self.response(chunks)
-        item = final["output"][0]
-        part = item["content"][0]
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        yield self._event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"])
-        yield self._event("response.content_part.done", **where, part=part)
-        yield self._event("response.output_item.done", output_index=0, item=item)
+        if not self.opened:
+            yield from self._open(MESSAGE)
+        for index, item in enumerate(final["output"]):
+            yield from _done(index, item, self._event)
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         yield self._event(kind, response=final)
 
-    def failure(self, code: str, message: str, chunks: Sequence[Chunk]) -> Iterator[bytes]:
+    def failure(self, code: str, message: str) -> Iterator[bytes]:
         """The events of a stream that failed after it began."""
         yield self._event("error", code=code, message=message, param=None)
         failed = self.response(None, "failed")
-        failed["error"] = {"code": "server_error" if code == "server_error" else code, "message": message}
+        failed["error"] = {"code": code, "message": message}
         yield self._event("response.failed", response=failed)
 
 
+def _done(index: int, item: dict[str, Any], emit: Any) -> Iterator[bytes]:
+    """The events that finish an output item."""
+    if item["type"] == "message":
+        for c, part in enumerate(item["content"]):
+            where = {"item_id": item["id"], "output_index": index, "content_index": c}
+            yield emit("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"])
+            yield emit("response.content_part.done", **where, part=part)
+    else:
+        where = {"item_id": item["id"], "output_index": index}
+        yield emit(
+            "response.function_call_arguments.done", **where, arguments=item["arguments"], name=item["name"]
+        )
+    yield emit("response.output_item.done", output_index=index, item=item)
+
+
 def replay(document: dict[str, Any], after: int = -1) -> Iterator[bytes]:
-    """A stored response's events, as a stream of it gave them (a message's text in one
-    delta): those numbered after `after`."""
+    """A stored response's events, as a stream of it gave them (each item's text or
+    arguments in one delta): those numbered after `after`."""
     final = document["response"]
     started = {**final, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
-    events: list[tuple[str, dict[str, Any]]] = [
-        ("response.created", {"response": started}),
-        ("response.in_progress", {"response": started}),
-    ]
+    events: list[bytes] = []
+
+    def emit(kind: str, **fields: Any) -> bytes:
+        events.append(event(kind, len(events), **fields))
+        return events[-1]
+
+    emit("response.created", response=started)
+    emit("response.in_progress", response=started)
     for index, item in enumerate(final["output"]):
-        events.append(
-            (
+        if item["type"] == "message":
+            emit(
                 "response.output_item.added",
-                {"output_index": index, "item": {**item, "status": "in_progress", "content": []}},
+                output_index=index,
+                item={**item, "status": "in_progress", "content": []},
             )
-        )
-        for c, part in enumerate(item.get("content", [])):
-            where = {"item_id": item["id"], "output_index": index, "content_index": c}
-            events.append(
-                ("response.content_part.added", {**where, "part": {**part, "text": "", "logprobs": []}})
+            for c, part in enumerate(item["content"]):
+                where = {"item_id": item["id"], "output_index": index, "content_index": c}
+                emit("response.content_part.added", **where, part={**part, "text": "", "logprobs": []})
+                emit("response.output_text.delta", **where, delta=part["text"], logprobs=part["logprobs"])
+        else:
+            emit(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "status": "in_progress", "arguments": ""},
             )
-            events.append(
-                ("response.output_text.delta", {**where, "delta": part["text"], "logprobs": part["logprobs"]})
+            emit(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=index,
+                delta=item["arguments"],
             )
-            events.append(
-                ("response.output_text.done", {**where, "text": part["text"], "logprobs": part["logprobs"]})
-            )
-            events.append(("response.content_part.done", {**where, "part": part}))
-        events.append(("response.output_item.done", {"output_index": index, "item": item}))
-    kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-    events.append((kind, {"response": final}))
-    for number, (name, fields) in enumerate(events):
-        if number > after:
-            yield event(name, number, **fields)
+        list(_done(index, item, emit))
+    emit("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
+    yield from events[after + 1 :]
 
 
 def listing(items: list[dict[str, Any]], *, after: str, limit: int, order: str) -> dict[str, Any]:

@@ -98,8 +98,8 @@ class ResponsesDoor:
             except Exception as e:
                 if not isinstance(e, KvkeepError) or type(e) is KvkeepError:
                     log.error("internal error", exc_info=e)
-                _, error = domain_error(e if isinstance(e, KvkeepError) else KvkeepError())
-                for ev in shape.failure(error["error"]["code"], error["error"]["message"], chunks):
+                _, error = domain_error(e if isinstance(e, KvkeepError) else KvkeepError(), "input")
+                for ev in shape.failure(error["error"]["code"], error["error"]["message"]):
                     yield ev
             finally:
                 # A client that left stops the generation (within one engine step).
