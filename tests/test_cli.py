@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pty
 import signal
+import struct
 import subprocess
 import sys
+import termios
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ import testmodels
 from checkpoint_helpers import own_daemon
 from click.testing import CliRunner, Result
 from daemons import GREEDY
+from tqdm import tqdm
 
 import kvkeep
 from kvkeep.cli import DEFAULT_MAX_TOKENS, main
@@ -220,6 +224,8 @@ def test_fork_an_imported_checkpoint_without_a_session(
 def _cli_on_a_terminal(*args: str) -> tuple[int, str, str]:
     """Run the CLI in a subprocess whose stderr is a terminal: (status, stdout, terminal output)."""
     controller, terminal = pty.openpty()
+    # A terminal as a person has one: 100 columns (a pty starts with none).
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
     try:
         proc = subprocess.run(
             [sys.executable, "-c", "from kvkeep.cli import main; main()", *args],
@@ -257,13 +263,16 @@ def test_export_and_import_show_progress_on_a_terminal(
     assert rc == 0, terminal
     size = path.stat().st_size
     assert out.startswith("wrote ")
-    assert "exporting" in terminal and str(size) in terminal
+    assert "exporting" in terminal and "100%" in terminal
 
     rc, out, terminal = _cli_on_a_terminal("--address", daemon_address, "checkpoint", "import", str(path))
     assert rc == 0, terminal
     imported = out.strip()
     assert imported.startswith("c_")
-    assert "importing" in terminal and f"{size}/{size}" in terminal and "100%" in terminal
+    assert "importing" in terminal and "100%" in terminal
+    # The total is the file's size, known before the import: 0 of it, then all of it.
+    human = tqdm.format_sizeof(size, divisor=1024)
+    assert f"0.00/{human}" in terminal and f"{human}/{human}" in terminal
 
     # Not on a terminal: no bar, only the result.
     again = kv("checkpoint", "export", checkpoint.checkpoint_id, str(tmp_path / "quiet.kvkeep"))
@@ -338,3 +347,14 @@ def test_ctrl_c_stops_a_reply_quietly_with_status_130(daemon_address: str, clien
     assert proc.stderr.read() == b""
     # The reply's session was closed all the same.
     assert {s.session_id for s in client.list_sessions()} == sessions_before
+
+
+def test_a_terminal_sees_the_prompt_evaluated_until_the_first_token(daemon_address: str) -> None:
+    rc, out, terminal = _cli_on_a_terminal(
+        "--address", daemon_address, "run", "--max-tokens", "2", "--temperature", "0", "Hello"
+    )
+    assert rc == 0, terminal
+    assert out.strip()  # the reply, on stdout
+    assert "evaluating the prompt 00:0" in terminal
+    # The line is cleared once the reply begins (spaces over it), before what follows.
+    assert terminal.endswith("\r" + " " * len("evaluating the prompt 00:00") + "\r[length]\r\n")

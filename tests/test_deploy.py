@@ -62,6 +62,7 @@ def serve_flags(args: list[str]) -> dict[str, object]:
 def test_the_unit_starts_kvkeep_serve_with_valid_settings(tmp_path: Path) -> None:
     service = unit_service()
     (exec_start,) = service["ExecStart"]
+    exec_start = exec_start.replace("${CACHE_DIRECTORY}", str(tmp_path / "cache"))
     argv = shlex.split(exec_start.replace("${STATE_DIRECTORY}", str(tmp_path / "state")))
     assert argv[0].endswith("/bin/kvkeep") and argv[1] == "serve"
     env = dict(a.split("=", 1) for v in service["Environment"] for a in shlex.split(v))
@@ -69,6 +70,7 @@ def test_the_unit_starts_kvkeep_serve_with_valid_settings(tmp_path: Path) -> Non
     resolved = resolution.resolve(serve_flags(argv[2:]), {**env, "KVKEEP_MODEL": str(model_path())})
     settings = resolved.settings
     assert settings.state_dir == tmp_path / "state"
+    assert settings.probe_cache == str(tmp_path / "cache" / "probes.json")
     assert urls.is_local(settings.grpc_listen)  # no auth file: loopback only
     assert settings.http_listen is not None and urls.is_local(settings.http_listen)
     # Stopping takes up to the grace period, then as long again plus 5 s for operations in

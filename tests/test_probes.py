@@ -15,7 +15,7 @@ from daemons import InProcessDaemon, model_path
 from kvkeepd.engine import probes
 from kvkeepd.engine.context import ContextConfig
 
-KEPT = "exactness probe: the result of"
+KEPT = "exactness probe: not run again, its result of"
 PROBE = {"tokens": 260, "chunks": [1, 36]}
 BUILD = {"version": "0.3.36", "devices": [["CPU", "a CPU"]]}
 
@@ -90,18 +90,25 @@ def test_an_unwritable_place_only_costs_the_next_start_a_probe(
     assert prober.calls == 1 and "cannot keep the exactness probe's result" in caplog.text
 
 
-def test_a_daemon_started_again_reuses_its_probe(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The default place is the state directory; the second start finds the first's result."""
-    state_dir = tmp_path / "state"
+def test_a_daemon_started_again_reuses_its_probe_whatever_its_state_dir(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default place is the user's cache directory: a second start, on a new state
+    directory, finds the first's result there."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for start in range(2):
         with caplog.at_level(logging.INFO, "kvkeepd.engine.probes"):
             caplog.clear()
-            d = InProcessDaemon.with_settings(state_dir, slots=2, ctx_per_session=512, probe_cache="")
+            d = InProcessDaemon.with_settings(
+                tmp_path / f"state{start}", slots=2, ctx_per_session=512, probe_cache=""
+            )
             try:
                 assert d.daemon is not None and d.daemon.engine.info is not None
                 assert d.daemon.engine.info.exact
             finally:
                 d.stop()
         assert (KEPT in caplog.text) == (start == 1)
-    kept = json.loads((state_dir / "probes.json").read_text())
+        assert ("exactness probe: passed in" in caplog.text) == (start == 0)
+    kept = json.loads((tmp_path / "cache" / "kvkeep" / "probes.json").read_text())
     assert [e["found"] for e in kept.values()] == [None]
+    assert not (tmp_path / "state0" / "probes.json").exists()

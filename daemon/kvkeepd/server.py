@@ -22,7 +22,7 @@ from kvkeepd.api.grpc_door import GRPC_CHANGE, SERVICE_NAME, build_server, serve
 from kvkeepd.api.listen import bind, check_free
 from kvkeepd.api.metrics import serve_metrics
 from kvkeepd.api.service import KvKeepService
-from kvkeepd.config.settings import ConfigError, Settings
+from kvkeepd.config.settings import ConfigError, Settings, user_cache_dir
 from kvkeepd.engine.context import ContextConfig, ModelInfo
 from kvkeepd.engine.engine import Engine
 from kvkeepd.heap import keep_freed_memory
@@ -69,7 +69,7 @@ def probe_cache(settings: Settings) -> Path | None:
     """The file of the exactness probe's results (see probes.py); None: probe every start."""
     if settings.probe_cache == "none":
         return None
-    return Path(settings.probe_cache) if settings.probe_cache else settings.state_dir / "probes.json"
+    return Path(settings.probe_cache) if settings.probe_cache else user_cache_dir() / "probes.json"
 
 
 def durable_catalog(settings: Settings, state: StateDir, key: bytes) -> Catalog:
@@ -238,7 +238,8 @@ class Daemon:
         try:
             http_socket = await asyncio.to_thread(check_addresses, settings)
             fp = await asyncio.to_thread(fingerprint, settings.model_path, state.path)
-            log.info("loading %s", settings.model_path)
+            size = settings.model_path.stat().st_size
+            log.info("loading the model %s (%.0f MiB)", settings.model_path, size / (1 << 20))
             info = await asyncio.to_thread(self.engine.start)
             stores = await asyncio.to_thread(checkpoint_stores, settings, state, info, fp, self.clock)
             self._journal = stores.journal

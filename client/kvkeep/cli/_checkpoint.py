@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-from collections.abc import Callable, Iterator
-from typing import BinaryIO, cast
 
 import click
 
@@ -14,49 +10,7 @@ from kvkeep._client import Session
 from kvkeep._files import open_destination
 from kvkeep.cli._context import State
 from kvkeep.cli._output import echo_json, format_size, format_time, table
-
-
-@contextlib.contextmanager
-def _progress(label: str, total: int | None) -> Iterator[Callable[[int], None] | None]:
-    """A bar of bytes moved on stderr when it is a terminal (None otherwise): update(n)."""
-    if not sys.stderr.isatty():
-        yield None
-        return
-    # Without a length (an export's size is known only at its end) the bar pulses.
-    unknown: Iterator[int] = iter(int, 1)
-    with click.progressbar(
-        unknown if total is None else None,
-        length=total,
-        label=label,
-        file=sys.stderr,
-        show_pos=True,
-        show_percent=total is not None,
-        show_eta=total is not None,
-    ) as bar:
-        yield bar.update
-
-
-class _Counted:
-    """A binary file whose reads and writes report their sizes."""
-
-    def __init__(self, f: BinaryIO, update: Callable[[int], None]) -> None:
-        self._f = f
-        self._update = update
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._f.read(n)
-        self._update(len(data))
-        return data
-
-    def write(self, data: bytes) -> int:
-        written = self._f.write(data)
-        self._update(written)
-        return written
-
-
-def _counted(f: BinaryIO, update: Callable[[int], None]) -> BinaryIO:
-    # The SDK only reads or writes the file it is given; a counting wrapper is enough.
-    return cast(BinaryIO, _Counted(f, update))
+from kvkeep.cli._progress import counted, moving_bytes
 
 
 @click.group("checkpoint")
@@ -129,12 +83,17 @@ def checkpoint_delete(state: State, checkpoint_id: str) -> None:
 @click.pass_obj
 def checkpoint_export(state: State, checkpoint_id: str, file: str) -> None:
     """Write a checkpoint to FILE, self-contained, for import elsewhere."""
-    with _progress("exporting", None) as update:
+    client = state.client()
+    # The export's size is known at its end only; the blocks it carries are most of it.
+    total = next(
+        (c.bytes_referenced for c in client.list_checkpoints() if c.checkpoint_id == checkpoint_id), None
+    )
+    with moving_bytes("exporting", total or None) as update:
         if update is None:
-            written = state.client().export_checkpoint(checkpoint_id, file)
+            written = client.export_checkpoint(checkpoint_id, file)
         else:
             with open_destination(file) as f:
-                written = state.client().export_checkpoint(checkpoint_id, _counted(f, update))
+                written = client.export_checkpoint(checkpoint_id, counted(f, update))
     if state.as_json:
         echo_json({"checkpoint_id": checkpoint_id, "path": file, "bytes": written})
     else:
@@ -146,8 +105,8 @@ def checkpoint_export(state: State, checkpoint_id: str, file: str) -> None:
 @click.pass_obj
 def checkpoint_import(state: State, file: str) -> None:
     """Load an exported checkpoint and print its id."""
-    with _progress("importing", os.path.getsize(file)) as update, open(file, "rb") as f:
-        checkpoint = state.client().import_checkpoint(f if update is None else _counted(f, update))
+    with moving_bytes("importing", os.path.getsize(file)) as update, open(file, "rb") as f:
+        checkpoint = state.client().import_checkpoint(f if update is None else counted(f, update))
     if state.as_json:
         echo_json(checkpoint)
     else:

@@ -14,6 +14,7 @@ import click
 from kvkeep._convert import join_chunks
 from kvkeep._types import Chunk
 from kvkeep.cli._context import State
+from kvkeep.cli._progress import waiting
 
 
 def echo_json(value: Any) -> None:
@@ -60,12 +61,15 @@ def one_line(text: str, width: int = 100) -> str:
 
 
 def _print_stream(stream: Iterator[Chunk]) -> None:
-    """Echo a reply as it arrives, then why it ended unless it ended normally."""
+    """Echo a reply as it arrives, then why it ended unless it ended normally. Until its first
+    token, a terminal shows how long the prompt has been evaluated for."""
     chunks: list[Chunk] = []
     try:
-        for chunk in stream:
-            click.echo(chunk.text, nl=False)
-            chunks.append(chunk)
+        with waiting("evaluating the prompt") as done:
+            for chunk in stream:
+                done()
+                click.echo(chunk.text, nl=False)
+                chunks.append(chunk)
     finally:
         # End the line even when Ctrl-C cut the reply short.
         text = "".join(c.text for c in chunks)

@@ -39,6 +39,13 @@ def _default_state_dir() -> Path:
     return Path(base) / "kvkeep"
 
 
+def user_cache_dir() -> Path:
+    """kvkeep's directory in the user's cache ($XDG_CACHE_HOME, else ~/.cache): what can be
+    made again, kept across state directories (the probe's results, downloaded models)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvkeep"
+
+
 def _cpu_count() -> int:
     return min(os.cpu_count() or 1, 512)
 
@@ -171,13 +178,13 @@ class Settings(NetworkSettings):
         ),
     )
     probe_cache: str = field(
-        default="",
+        default_factory=lambda: str(user_cache_dir() / "probes.json"),
         metadata=spec(
             "Where the start-up exactness probe's results are kept, by llama.cpp build, model file, "
-            "context settings, CPU and devices (a daemon started again on the same ones skips the "
-            "probe): empty for probes.json in the state directory, a file several daemons may "
-            "share, or 'none' to probe at every start.",
-            shown="probes.json in the state directory",
+            "context settings, CPU and devices (a daemon started again on the same ones, whatever "
+            "its state directory, skips the probe): a file several daemons may share, or 'none' to "
+            "probe at every start.",
+            shown="$XDG_CACHE_HOME/kvkeep/probes.json",
         ),
     )
     tool_format: str = field(

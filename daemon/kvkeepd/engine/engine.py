@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -150,7 +151,9 @@ class Engine:
 
     def _main(self, ready: concurrent.futures.Future[ModelInfo]) -> None:
         try:
+            started = time.monotonic()
             self._ctx = LlamaContext(self.config)
+            log.info("model loaded in %.1f s", time.monotonic() - started)
             info = self._ctx.info()
             note = probes.exact(self._ctx)
             info = dataclasses.replace(info, exact=note is None, exact_note=note or "")

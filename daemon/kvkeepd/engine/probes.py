@@ -152,16 +152,16 @@ def cached(path: Path | None, key: str, probe: Callable[[], str | None]) -> str 
     from the file at `path` when it holds one, else probed and written there. With no path,
     always probed."""
     if path is None:
-        return probe()
+        return _timed(probe, "at every start (--probe-cache none)")
     entries = _read(path)
     entry = entries.get(key)
     kept = entry.get("found", 0) if isinstance(entry, dict) else 0
     if kept is None or isinstance(kept, str):
         assert entry is not None
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(entry.get("at", 0))))
-        log.info("exactness probe: the result of %s, kept in %s", when, path)
+        log.info("exactness probe: not run again, its result of %s is kept in %s", when, path)
         return kept
-    found = probe()
+    found = _timed(probe, f"once for this llama.cpp build, model and settings, kept in {path}")
     entries[key] = {"found": found, "at": time.time()}
     newest = sorted(entries.items(), key=lambda kv: float(kv[1].get("at", 0)), reverse=True)
     try:
@@ -169,6 +169,24 @@ def cached(path: Path | None, key: str, probe: Callable[[], str | None]) -> str 
         write_private(path, json.dumps(dict(newest[:MAX_ENTRIES]), indent=1).encode())
     except OSError as e:  # unwritable: the next start probes again
         log.warning("cannot keep the exactness probe's result in %s: %s", path, e)
+    return found
+
+
+def _timed(probe: Callable[[], str | None], kept: str) -> str | None:
+    """Run the probe, saying what it checks before and how long it took after."""
+    log.info(
+        "exactness probe: checking that a token's logits do not depend on how it is batched "
+        "(%d tokens, seconds on a small model; %s)",
+        2 * PROBE_TOKENS,
+        kept,
+    )
+    started = time.monotonic()
+    found = probe()
+    log.info(
+        "exactness probe: %s in %.1f s",
+        "found a dependence" if found else "passed",
+        time.monotonic() - started,
+    )
     return found
 
 

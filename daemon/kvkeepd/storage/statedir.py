@@ -12,7 +12,8 @@ by an fsync of the directory that holds it.
       kvkeep-state        what the directory is, and its format ("kvkeep state 1")
       store.key           the HMAC key of manifests
       fingerprints.json   model fingerprints by path, size and mtime
-      probes.json         the exactness probe's results (unless --probe-cache puts them elsewhere)
+      probes.json         the exactness probe's results, where --probe-cache put them before
+                          (now in the user's cache directory by default)
       catalog.db(-wal, -shm)
       journal             persistent sessions' turns since their heads
       blocks/             persistent sessions' and checkpoints' KV blocks (tmp/, and one
