@@ -27,6 +27,8 @@ RULES = {
         "daemon/kvkeepd/api/http/waiting.py",
     },
     "uvicorn": {"daemon/kvkeepd/api/http/door.py", "daemon/kvkeepd/api/http/guard.py"},
+    # Models from the Hugging Face Hub (--model hf:..., kvkeep pull), fetched before the daemon starts.
+    "huggingface_hub": {"daemon/kvkeepd/hub.py"},
     "pydantic": {
         "daemon/kvkeepd/api/http/app.py",
         "daemon/kvkeepd/api/http/schema.py",
@@ -56,7 +58,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvkeepd.engine", "kvkeepd.storage"),
     ("kvkeepd.sessions",),
     ("kvkeepd.api",),
-    ("kvkeepd.server",),
+    ("kvkeepd.server", "kvkeepd.hub"),
     ("kvkeepd.cli",),
     ("kvkeepd.__main__",),
 )

@@ -7,6 +7,7 @@ the daemon serves, a bad setting included, is one `error:` line on stderr and a 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ import click
 
 from kvkeepd.config import resolution
 from kvkeepd.config import settings as config
+from kvkeepd.config.models import hf_ref
 from kvkeepd.config.sections import SECTIONS
 from kvkeepd.config.settings import ConfigError
 
@@ -109,8 +111,22 @@ def serve(config_file: Path | None, print_config: bool, ready_file: Path | None,
     from kvkeepd.sessions.tenants import AuthFileError
 
     logs.configure(settings.log_level, settings.log_json)
+    names: tuple[str, ...] = ()
+    ref = hf_ref(settings.model_path)
+    if ref is not None:
+        from kvkeepd.hub import HubError, fetch
+
+        try:
+            path = fetch(ref, settings.model_cache)
+        except HubError as e:
+            raise click.ClickException(str(e)) from None
+        try:
+            settings = dataclasses.replace(settings, model_path=path).validate()
+        except ConfigError as e:
+            raise click.ClickException(f"{ref}: {e.problem}") from None
+        names = (f"{ref.repo_id}:{ref.quant}" if ref.quant else ref.repo_id,)
     try:
-        asyncio.run(run_server(settings, ready_file))
+        asyncio.run(run_server(settings, ready_file, names))
     except ConfigError as e:  # found at start: a file a setting names is not what it should be
         raise click.UsageError(str(e)) from None
     except (OSError, AuthFileError, StateDirError, KvkeepError) as e:

@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -195,7 +195,7 @@ def template_source(settings: Settings) -> str | None:
         raise ConfigError("chat-template-file", f"cannot read {settings.chat_template_file}: {e}") from None
 
 
-def http_door(settings: Settings, manager: SessionManager) -> HttpDoor:
+def http_door(settings: Settings, manager: SessionManager, names: Sequence[str]) -> HttpDoor:
     """The OpenAI-compatible HTTP door (imported only when asked for: an optional extra)."""
     try:
         from kvkeepd.api.http.door import HttpDoor
@@ -203,15 +203,19 @@ def http_door(settings: Settings, manager: SessionManager) -> HttpDoor:
         raise OSError(
             f"the HTTP door needs {e.name}: pip install 'kvkeep[daemon]' (or --http off for no door)"
         ) from None
-    return HttpDoor(settings, manager)
+    return HttpDoor(settings, manager, names)
 
 
 class Daemon:
     """The whole daemon, startable and stoppable from any event loop (tests use this)."""
 
-    def __init__(self, settings: Settings, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, settings: Settings, clock: Callable[[], float] = time.time, names: Sequence[str] = ()
+    ) -> None:
         self.settings = settings
         self.clock = clock
+        # Other names the model goes by (hf:OWNER/REPO:QUANT's), beside its file's.
+        self.names = tuple(names)
         self.engine = Engine(engine_config(settings))
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -275,7 +279,7 @@ class Daemon:
             finally:
                 os.umask(old_umask)
             if http_socket is not None:
-                self._http = http_door(settings, manager)
+                self._http = http_door(settings, manager, self.names)
                 self.http_port = await self._http.start(http_socket)
                 http_socket = None  # the door's now
         except BaseException as e:
@@ -385,9 +389,10 @@ class Daemon:
                 await self._health.set(name, status)
 
 
-async def serve(settings: Settings, ready_file: Path | None = None) -> None:
-    """Run the daemon until SIGTERM/SIGINT, then shut down in order."""
-    daemon = Daemon(settings)
+async def serve(settings: Settings, ready_file: Path | None = None, names: Sequence[str] = ()) -> None:
+    """Run the daemon until SIGTERM/SIGINT, then shut down in order. `names`: other names the
+    model goes by (its Hub reference), beside its file's."""
+    daemon = Daemon(settings, names=names)
     port = await daemon.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

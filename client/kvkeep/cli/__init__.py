@@ -12,7 +12,7 @@ from kvkeep import __version__
 from kvkeep.cli._chat import chat, run
 from kvkeep.cli._checkpoint import checkpoint_group
 from kvkeep.cli._context import Main, State, global_options, with_global_options
-from kvkeep.cli._daemon import info, serve
+from kvkeep.cli._daemon import info, pull, serve
 from kvkeep.cli._options import DEFAULT_MAX_TOKENS
 from kvkeep.cli._session import session_group
 
@@ -52,5 +52,7 @@ def main(
 for command in (info, run, chat, session_group, checkpoint_group):
     with_global_options(command)
     main.add_command(command)
-# `kvkeep serve` takes the daemon's own options (its --address is where it listens).
+# `kvkeep serve` takes the daemon's own options (its --address is where it listens); `kvkeep
+# pull` talks to the Hub, not to a daemon.
 main.add_command(serve)
+main.add_command(pull)

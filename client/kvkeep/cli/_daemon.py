@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from pathlib import Path
 
 import click
@@ -91,3 +92,44 @@ def serve(ctx: click.Context) -> None:
             fail(needs)
         click.echo(f"note: {needs}", err=True)
     daemon_cli.main(ctx.args, prog_name="kvkeep serve")
+
+
+@click.command()
+@click.argument("model", metavar="hf:OWNER/REPO[:QUANT]")
+@click.option(
+    "--model-cache",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="KVKEEP_MODEL_CACHE",
+    help="Where models are kept, as `kvkeep serve --model-cache`.  [default: $XDG_CACHE_HOME/kvkeep/models]",
+)
+def pull(model: str, model_cache: Path | None) -> None:
+    """Download a GGUF model from the Hugging Face Hub (or HF_ENDPOINT's mirror) into the model
+    cache, and print its path; `kvkeep serve --model hf:...` then starts at once.
+
+    QUANT picks a file by its quantization (Q4_K_M, the default where there is one) or names
+    it (a .gguf file name). A download cut short goes on from where it stopped; a file whose
+    SHA-256 is not the Hub's is removed.
+    """
+    try:
+        models = importlib.import_module("kvkeepd.config.models")
+        settings = importlib.import_module("kvkeepd.config.settings")
+        hub = importlib.import_module("kvkeepd.hub")
+        importlib.import_module("huggingface_hub")
+    except ImportError as e:
+        missing = f"no module {e.name!r}"
+        fail(f"kvkeep pull needs the daemon's dependencies ({missing}): pip install 'kvkeep[daemon]'")
+    try:
+        ref = models.hf_ref(model)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="MODEL") from None
+    if ref is None:
+        raise click.BadParameter(
+            f"a model on the Hub is hf:OWNER/REPO[:QUANT], got {model!r}", param_hint="MODEL"
+        )
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("kvkeepd.hub").setLevel(logging.INFO)
+    try:
+        path = hub.fetch(ref, model_cache or settings.user_cache_dir() / "models")
+    except hub.HubError as e:
+        fail(str(e))
+    click.echo(str(path))

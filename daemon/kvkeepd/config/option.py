@@ -42,6 +42,8 @@ class Spec:
     unit: str = ""
     # A path that must name an existing file.
     file: bool = False
+    # A prefix of values that stand for a file fetched at start instead (`hf:`).
+    fetched: str = ""
     # The name of flag, variable and file key, when not the field's (`model` for model_path).
     key: str = ""
     # How --help shows a default computed at start (the CPU count, a path), or what an
@@ -173,7 +175,8 @@ class Option:
                 return f"must be {self.bounds()}, got {_number(value)}"
         # An empty path is one not given (the model's, when none is installed): the
         # settings' own validation says so.
-        if s.file and isinstance(value, Path) and value != Path("") and not value.is_file():
+        fetched = bool(s.fetched) and str(value).startswith(s.fetched)
+        if s.file and isinstance(value, Path) and value != Path("") and not fetched and not value.is_file():
             return f"no file {value}"
         return ""
 

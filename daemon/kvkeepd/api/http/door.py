@@ -8,7 +8,7 @@ import contextlib
 import logging
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import uvicorn
 
@@ -31,9 +31,9 @@ class _Server(uvicorn.Server):
 class HttpDoor:
     """The HTTP door of a daemon: started after the manager, stopped before it shuts down."""
 
-    def __init__(self, settings: Settings, manager: SessionManager) -> None:
+    def __init__(self, settings: Settings, manager: SessionManager, names: Sequence[str] = ()) -> None:
         self.settings = settings
-        self.door = OpenAiDoor(manager, settings.model_path.stem, settings.max_message_bytes)
+        self.door = OpenAiDoor(manager, settings.model_path.stem, settings.max_message_bytes, names)
         self.port = 0
         self.peers = Peers(settings.http_connections_per_peer, descriptor_share())
         self._server: _Server | None = None
