@@ -52,6 +52,8 @@ atexit.register(shutil.rmtree, PROBE_CACHE.parent, ignore_errors=True)
 TEST_DEFAULTS: dict[str, Any] = {
     "address": "127.0.0.1:0",
     "http_address": "off",
+    # Replies without max_tokens run to the context's end, as the tests were written for.
+    "default_max_tokens": 0,
     "slots": 4,
     "ctx_per_session": 1024,
     "threads": 1,
@@ -227,6 +229,8 @@ class DaemonProcess:
             str(TEST_DEFAULTS["ctx_per_session"]),
             "--threads",
             str(TEST_DEFAULTS["threads"]),
+            "--default-max-tokens",
+            str(TEST_DEFAULTS["default_max_tokens"]),
             "--check-invariants",
             "--probe-cache",
             str(PROBE_CACHE),

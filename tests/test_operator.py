@@ -119,3 +119,21 @@ def test_a_chat_template_file_that_is_not_jinja_is_one_line(tmp_path: Path, spaw
         d.start()
     last = d.log().splitlines()[-1]
     assert last.startswith("error: chat-template-file: not a Jinja template: ")
+
+
+def test_a_reply_without_max_tokens_stops_at_the_daemons_default(tmp_path: Path) -> None:
+    with (
+        own_daemon(tmp_path / "s", default_max_tokens=8) as d,
+        kvkeep.Client(d.address, timeout=60) as client,
+    ):
+        session = client.create_session(sampling=GREEDY)
+        counting = "Count from 1 to 2000: 1, 2, 3,"
+        capped = session.chat(counting)
+        assert (capped.finish_reason, len(capped.token_ids)) == ("length", 8)
+        session.close()
+        # A request's own max_tokens wins (the same prompt, in a session of its own).
+        session = client.create_session(sampling=GREEDY)
+        asked = session.chat(counting, max_tokens=12)
+        assert asked.token_ids[:8] == capped.token_ids
+        assert len(asked.token_ids) > 8
+        session.close()

@@ -270,6 +270,9 @@ class GenerationRequest:
     params: SamplingParams
     stop: tuple[str, ...]
     logprobs: int = 0
+    # Where a reply stops when max_tokens says nothing (the daemon's --default-max-tokens;
+    # None: at the end of the context). Unlike max_tokens, no room is kept for it.
+    default_max_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ SECTIONS: tuple[Section, ...] = tuple(
             (
                 "slots",
                 "ctx-per-session",
+                "default-max-tokens",
                 "max-prompt-tokens",
                 "max-queue",
                 "ram-cache",

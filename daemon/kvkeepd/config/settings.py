@@ -211,6 +211,16 @@ class Settings(NetworkSettings):
             choices=(AUTO_FORMAT, *FORMATS),
         ),
     )
+    default_max_tokens: int = field(
+        default=512,
+        metadata=spec(
+            "Most tokens a reply takes when its request names no max_tokens (0: until the model "
+            "ends it or the session's context is full, as llama-server's and Ollama's default). "
+            "A reply that runs to the end of the context leaves the session full.",
+            low=0,
+            high=1 << 20,
+        ),
+    )
     max_prompt_tokens: int = field(
         default=0, metadata=spec("Largest prompt in tokens (0: the session's context).", low=0, high=1 << 20)
     )

@@ -157,7 +157,7 @@ class Job:
             reason = "tool_calls" if self.calls is not None and self.calls.calls else "eos"
         elif self._stop.matched:
             reason = "stop"
-        elif req.max_tokens is not None and len(self.generated) >= req.max_tokens:
+        elif (limit := req.max_tokens or req.default_max_tokens) is not None and len(self.generated) >= limit:
             reason = "length"
         elif len(state.tokens) >= ctx_limit:
             reason = "context_full"

@@ -380,6 +380,7 @@ class Conversations:
             params=turn.sampling.apply(session.params),
             stop=session.stop + check_stop(turn.stop),
             logprobs=turn.logprobs,
+            default_max_tokens=self.settings.default_max_tokens or None,
         )
 
     async def _grammar(
