@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP door (`kvkeep serve --http ADDRESS`, the `kvkeep[http]` extra).
+"""The OpenAI-compatible HTTP door (on by default beside gRPC: `kvkeep serve --http-port N`, `--http off`).
 
 app.py      the Starlette application: routes, auth, errors
 schema.py   request bodies and what they mean for the session layer
