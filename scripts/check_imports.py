@@ -37,7 +37,10 @@ RULES = {
 }
 # The same for the SDK: LangChain (an optional extra) only in its integration.
 CLIENT_RULES = {
-    "langchain_core": {"client/kvkeep/integrations/langchain.py"},
+    "langchain_core": {
+        f"client/kvkeep/integrations/langchain/{name}.py"
+        for name in ("__init__", "_chat", "_history", "_messages")
+    },
 }
 
 

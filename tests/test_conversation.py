@@ -56,7 +56,11 @@ def test_a_whole_conversation_keeps_what_matches(client: kvkeep.Client) -> None:
     cont = session.chat(more, whole=True, max_tokens=4)
     assert cont.usage.reused_tokens >= before - 1
     with pytest.raises(kvkeep.InvalidRequestError, match="adds no message"):
-        session.chat(list(more[:2]), whole=True)
+        session.chat([*more, Message("assistant", cont.text)], whole=True)
+    # An earlier point of the conversation: its reply is made again, as a fresh session's.
+    again = session.chat(list(more[:2]), whole=True, max_tokens=8)
+    assert again.text == first.text and again.usage.reused_tokens > 0
+    assert roles(session) == [*((m.role, m.content) for m in more[:2]), ("assistant", first.text)]
     for s in (session, fresh):
         s.close()
 

@@ -8,7 +8,15 @@ from collections.abc import Callable
 
 import pytest
 from daemons import GREEDY, DaemonProcess
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from pydantic import BaseModel, Field
 
 import kvkeep
 from kvkeep import Message
@@ -116,8 +124,11 @@ def test_streaming_stop_and_asyncio(daemon_address: str, client: kvkeep.Client) 
 
 
 def test_unsupported_messages_are_refused(daemon_address: str) -> None:
-    with pytest.raises(ValueError, match="tool"):
-        make(daemon_address).invoke([HumanMessage("Hi"), ToolMessage("42", tool_call_id="t1")])
+    with pytest.raises(ValueError, match="function"):
+        make(daemon_address).invoke([HumanMessage("Hi"), FunctionMessage("42", name="f")])
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(ValueError, match="image_url"):
+        make(daemon_address).invoke([HumanMessage([{"type": "text", "text": "What is this?"}, image])])
 
 
 def test_a_message_history_in_a_persistent_session(
@@ -143,3 +154,50 @@ def test_a_message_history_in_a_persistent_session(
     again.clear()
     assert again.messages == []
     assert KvkeepChatMessageHistory(history.session_id, address=d.address).messages == []
+
+
+class Weather(BaseModel):
+    """The weather of a city."""
+
+    city: str = Field(max_length=16)
+    celsius: int = Field(ge=-50, le=50)
+
+
+def test_tools_calls_their_chunks_and_results(daemon_address: str, client: kvkeep.Client) -> None:
+    chat = make(daemon_address, max_tokens=60)
+    bound = chat.bind_tools([Weather], tool_choice="any")
+    ask: list[BaseMessage] = [SystemMessage(SYSTEM), HumanMessage("Weather in Paris?")]
+    reply = bound.invoke(ask)
+    assert isinstance(reply, AIMessage) and len(reply.tool_calls) == 1
+    call = reply.tool_calls[0]
+    assert call["name"] == "Weather" and Weather(**call["args"])
+    assert reply.response_metadata["finish_reason"] == "tool_calls"
+    # The model's name, for LangChain's usage callbacks and tracing.
+    name = reply.response_metadata["model_name"]
+    assert name and chat._get_ls_params()["ls_model_name"] == name
+    # Streamed: the call's chunks, its name and id first, join into the same call.
+    chunks = list(bound.stream(ask))
+    assert chunks[0].tool_call_chunks == [] or chunks[0].tool_call_chunks[0]["name"] == "Weather"
+    pieces = [c for chunk in chunks for c in chunk.tool_call_chunks]
+    assert pieces[0]["name"] == "Weather" and pieces[0]["id"] == call["id"] and len(pieces) >= 3
+    joined = chunks[0]
+    for chunk in chunks[1:]:
+        joined += chunk
+    assert joined.tool_calls == reply.tool_calls
+    # The result goes back as a ToolMessage; the session holds the call and evaluates only it.
+    n = client.session(chat.session_id or "").info().n_tokens
+    answer = chat.bind_tools([Weather]).invoke(
+        [*ask, reply, ToolMessage('{"celsius": 21}', tool_call_id=call["id"])]
+    )
+    assert answer.content and not answer.tool_calls
+    assert usage(answer)["cached"] >= n - 1
+    client.session(chat.session_id or "").close()
+
+
+def test_structured_output_by_json_schema(daemon_address: str) -> None:
+    chat = make(daemon_address, max_tokens=40)
+    weather = chat.with_structured_output(Weather, method="json_schema").invoke("Weather in Paris?")
+    assert isinstance(weather, Weather)
+    raw = chat.with_structured_output(Weather.model_json_schema(), method="json_schema", include_raw=True)
+    out = raw.invoke("Weather in Rome?")
+    assert out["parsing_error"] is None and Weather(**out["parsed"]) and isinstance(out["raw"], AIMessage)

@@ -17,15 +17,18 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 from checkpoint_helpers import SPAWN_ARGS
+from click.testing import CliRunner
 from daemons import DaemonProcess, InProcessDaemon
 
 import kvkeep
 from kvkeep import Message, Tool, ToolCall
+from kvkeep.cli import main
 from kvkeepd.errors import CorruptCheckpoint
 from kvkeepd.limits import MAX_TOOLS
 from kvkeepd.state.manifest import Snapshot, decode, encode
@@ -350,3 +353,18 @@ def test_manifests_carry_tools_calls_and_the_open_call() -> None:
 
         with pytest.raises(CorruptCheckpoint):
             decode(remac(edit_manifest(data, edit), key), key, 100)
+
+
+def test_cli_run_with_tools(daemon_address: str, tmp_path: Path) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(
+        json.dumps([{"type": "function", "function": {"name": WEATHER.name, "parameters": WEATHER_SCHEMA}}])
+    )
+    args = ["run", "Weather in Paris?", "--seed", "3", "--tools", str(tools), "--tool-choice", "required"]
+    result = CliRunner().invoke(main, ["--address", daemon_address, *args, "--max-tokens", "60"])
+    assert result.exit_code == 0, result.output
+    calls = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert calls and all(c["name"] == "get_weather" for c in calls)
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_SCHEMA)
+    bad = CliRunner().invoke(main, ["--address", daemon_address, "run", "Hi", "--tool-choice", "none"])
+    assert bad.exit_code != 0 and "--tools" in bad.output

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any, TextIO
 
 import click
 
 from kvkeep._errors import KvkeepError
+from kvkeep._types import Tool
 from kvkeep.cli._context import State, describe, error_line, fail
 from kvkeep.cli._options import max_tokens_option, sampling_options, sampling_params, token_limit
 from kvkeep.cli._output import show_reply
@@ -44,6 +46,18 @@ def _read_line(interactive: bool) -> str | None:
     type=click.File(),
     help="The reply is JSON valid under this schema (a file).",
 )
+@click.option(
+    "--tools",
+    "tools_file",
+    type=click.File(),
+    help="Tools the model may call: a JSON list of OpenAI function tools, or of "
+    "{name, description, parameters} (a file). Each call is printed as a JSON line.",
+)
+@click.option(
+    "--tool-choice",
+    default=None,
+    help="With --tools: auto (the default), none, required, or a tool's name to call.",
+)
 @click.pass_obj
 def run(
     state: State,
@@ -55,6 +69,8 @@ def run(
     stop: tuple[str, ...],
     grammar_file: TextIO | None,
     schema_file: TextIO | None,
+    tools_file: TextIO | None,
+    tool_choice: str | None,
 ) -> None:
     """Answer PROMPT (- reads it from stdin) in a new session, closed afterwards.
 
@@ -67,8 +83,13 @@ def run(
         raise click.UsageError("give --grammar or --json-schema, not both")
     grammar = grammar_file.read() if grammar_file is not None else None
     json_schema = schema_file.read() if schema_file is not None else None
+    tools = _tools(tools_file) if tools_file is not None else None
+    if tool_choice is not None and tools is None:
+        raise click.UsageError("--tool-choice goes with --tools")
     chat = _has_chat_template(state)
     if not chat:
+        if tools is not None:
+            fail("the model has no chat template: it cannot be given tools")
         click.echo("the model has no chat template: completing the text", err=True)
     session = state.client().create_session(system, sampling=sampling_params(temperature, seed))
     options: dict[str, Any] = {
@@ -77,6 +98,8 @@ def run(
         "grammar": grammar,
         "json_schema": json_schema,
     }
+    if tools is not None:
+        options.update(tools=tools, tool_choice=tool_choice)
     try:
         show_reply(
             state, session.chat_stream(prompt, **options) if chat else session.generate(prompt, **options)
@@ -134,3 +157,21 @@ def chat(
             failed = True
     if failed:
         raise click.exceptions.Exit(1)
+
+
+def _tools(file: TextIO) -> list[Tool]:
+    """The tools of a --tools file: OpenAI's function tools, or {name, description,
+    parameters} objects."""
+    try:
+        given = json.load(file)
+    except ValueError as e:
+        raise click.UsageError(f"--tools: {file.name} is not JSON: {e}") from None
+    if not isinstance(given, list) or not all(isinstance(t, dict) for t in given):
+        raise click.UsageError("--tools takes a JSON list of tools")
+    tools = []
+    for t in given:
+        f = t.get("function", t) if t.get("type") == "function" else t
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise click.UsageError("--tools: every tool needs a name")
+        tools.append(Tool(f["name"], str(f.get("description", "")), f.get("parameters")))
+    return tools

@@ -75,9 +75,11 @@ def _print_stream(stream: Iterator[Chunk]) -> None:
         text = "".join(c.text for c in chunks)
         if text and not text.endswith("\n"):
             click.echo()
-    finish_reason = join_chunks(chunks).finish_reason
-    if finish_reason not in ("eos", "stop"):
-        click.echo(f"[{finish_reason}]", err=True)
+    reply = join_chunks(chunks)
+    for call in reply.tool_calls:  # one JSON line per call the reply made
+        echo_json({"id": call.call_id, "name": call.name, "arguments": call.arguments})
+    if reply.finish_reason not in ("eos", "stop", "tool_calls"):
+        click.echo(f"[{reply.finish_reason}]", err=True)
 
 
 def show_reply(state: State, stream: Generator[Chunk, None, None]) -> None:

@@ -163,6 +163,9 @@ class Conversations:
             # The session's messages that the conversation keeps, and those it adds.
             if whole:
                 n_same = common_prefix(held, messages)
+                if n_same == len(messages) < len(held):
+                    # An earlier point of the history: its reply is made again.
+                    n_same -= 1
                 conversation, added = list(messages), list(messages[n_same:])
             else:
                 n_same = len(held)

@@ -82,12 +82,45 @@ def call_grammar(
 
 def arguments_schema(tool: Tool) -> dict[str, Any]:
     """The tool's parameters as the grammar holds its arguments to them: an object, written
-    in the JSON style above unless the schema says otherwise."""
-    schema = dict(tool.schema())
+    in the JSON style above unless the schema says otherwise, whose objects have only the
+    properties they name unless they say otherwise (as llama.cpp's grammars have it: a model
+    left free to add properties invents them, and arguments that validate without them
+    validate with the schema as given)."""
+    schema = _closed(tool.schema())
+    assert isinstance(schema, dict)
     schema.setdefault("type", "object")
     style = schema.get("x-guidance")
     schema["x-guidance"] = {**JSON_STYLE, **(style if isinstance(style, dict) else {})}
     return schema
+
+
+# Where a JSON schema holds schemas: maps of them, lists of them, and single ones (a value
+# anywhere else, a const or an enum's, is data and stays as it is).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_ONES = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "additionalItems")
+
+
+def _closed(schema: Any) -> Any:
+    """A copy of a schema with `"additionalProperties": false` in every object schema that
+    names its properties and says nothing of others."""
+    if isinstance(schema, list):  # `items` as a list (older drafts)
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(s) for name, s in out[key].items()}
+    for key in (*_SCHEMA_LISTS, *_SCHEMA_ONES):
+        if key in out:
+            out[key] = _closed(out[key])
+    if (
+        isinstance(out.get("properties"), dict)
+        and not {"additionalProperties", "patternProperties"} & out.keys()
+    ):
+        out["additionalProperties"] = False
+    return out
 
 
 def _lit(text: str, specials: Mapping[str, int]) -> str:
