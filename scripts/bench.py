@@ -1353,6 +1353,7 @@ def bench_shared_turns(args: argparse.Namespace) -> None:
 
 def main() -> None:
     import bench_peer  # imports this module's helpers as `bench`
+    import bench_tools
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1393,6 +1394,7 @@ def main() -> None:
     f.add_argument("--repeat", type=int, default=3)
     f.add_argument("--peer", type=Path, default=None, metavar="LLAMA_SERVER", help="a llama-server binary")
     bench_peer.add_parser(sub)
+    bench_tools.add_parser(sub)
     t = sub.add_parser("turns")
     t.add_argument("--tokens", type=int, default=1900)
     t.add_argument("--turns", type=int, default=60)
@@ -1417,6 +1419,7 @@ def main() -> None:
         "routing": bench_routing,
         "prefill": bench_prefill,
         "peer": bench_peer.run,
+        "tools": bench_tools.run,
         "turns": bench_turns,
         "store": bench_store,
         "shared-turns": bench_shared_turns,
