@@ -262,7 +262,12 @@ class ChatKvkeep(BaseChatModel):
         self._model_name()
         if self.session_id is None:
             system, rest = self._split_system(messages)
-            session = client.create_session(system, persistent=self.persistent, tools=tools)
+            session = client.create_session(
+                system,
+                persistent=self.persistent,
+                tools=tools,
+                sampling=SamplingParams(**self._sampling_dict()),
+            )
             self.session_id = session.session_id
             self._held = [Message("system", system)] if system else []
             return session, rest, False
@@ -317,7 +322,12 @@ class ChatKvkeep(BaseChatModel):
             self.model_name = _name_of(await self._aclient.info())
         if self.session_id is None:
             system, rest = self._split_system(messages)
-            session = await self._aclient.create_session(system, persistent=self.persistent, tools=tools)
+            session = await self._aclient.create_session(
+                system,
+                persistent=self.persistent,
+                tools=tools,
+                sampling=SamplingParams(**self._sampling_dict()),
+            )
             self.session_id = session.session_id
             self._held = [Message("system", system)] if system else []
             return session, rest, False
