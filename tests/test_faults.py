@@ -6,7 +6,10 @@ Each time: the request fails with RESOURCE_EXHAUSTED, the daemon keeps serving, 
 good checkpoint restores and continues exactly, no temporary file is left, every block file
 belongs to a committed checkpoint (the blocks of a commit that failed are reclaimed at once,
 not at the next start), and once the disk has room again the same requests succeed. A turn
-whose autosave failed is undone, so sending it again does not repeat it in the history.
+whose autosave failed is undone, so sending it again does not repeat it in the history; so
+are a restore and a rewind whose new head cannot be saved, and a conversation sent whole
+that parts from the history: the session then serves exactly what it served before (its
+history, and its next tokens and log-probabilities), and its durable head is the old one.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from checkpoint_helpers import GREEDY, block_files, gen, ids, long_text, own_daemon
+from checkpoint_helpers import GREEDY, SAMPLED, block_files, gen, ids, long_text, own_daemon
 from daemons import InProcessDaemon
 
 import kvkeep
@@ -107,6 +110,55 @@ def test_a_full_disk_fails_autosaves_and_checkpoints_and_loses_nothing(
     assert ids(gen(s, n=70)) == expected  # the same turn, sent again, is the same
     s.restore(good.checkpoint_id)
     assert ids(gen(s, n=70)) == expected
+    assert orphans(d) == []
+
+
+def durable_head(d: InProcessDaemon, session_id: str) -> str:
+    """The session's head as the catalog has it."""
+    db = sqlite3.connect(d.settings.state_dir / "catalog.db")
+    try:
+        return str(db.execute("SELECT head FROM sessions WHERE session_id = ?", (session_id,)).fetchone()[0])
+    finally:
+        db.close()
+
+
+def served(s: kvkeep.Session) -> tuple[Any, ...]:
+    """What a session serves, as its info says."""
+    info = s.info()
+    return info.n_tokens, info.messages, info.sampling, info.head_checkpoint_id, info.n_checkpoints
+
+
+def test_a_restore_or_rewind_whose_head_cannot_be_saved_is_undone_exactly(
+    on_small_disk: tuple[InProcessDaemon, kvkeep.Client, Path],
+) -> None:
+    d, client, disk = on_small_disk
+    s = client.create_session(persistent=True, sampling=SAMPLED)
+    s.chat(long_text(6), max_tokens=4)
+    own = s.checkpoint("own")
+    s.chat("And then?", max_tokens=6)
+    other = s.fork(persistent=True)
+    other.chat("Something else.", max_tokens=4)
+    theirs = other.checkpoint("theirs")  # not s's own: restoring it loads its state
+    before, head = served(s), durable_head(d, s.session_id)
+    expected = gen(s.fork(), n=12)  # sampled: the sampler's position must be put back too
+
+    # The restores and the rewind change the session in memory, then fail to save its new
+    # head: the catalog's database cannot grow on the full disk.
+    filler = fill(disk, keep=0)
+    for change in (
+        lambda: s.restore(own.checkpoint_id),  # its cells cut in place
+        lambda: s.restore(theirs.checkpoint_id),  # another state loaded
+        lambda: s.rewind(own.n_tokens),
+    ):
+        with pytest.raises(kvkeep.BusyError, match="the session is as it was before this request"):
+            change()
+        assert served(s) == before
+        assert durable_head(d, s.session_id) == head
+        assert gen(s.fork(), n=12) == expected
+    filler.unlink()
+    assert gen(s, n=12) == expected
+    assert s.restore(theirs.checkpoint_id).n_tokens == theirs.n_tokens
+    assert durable_head(d, s.session_id) != head
     assert orphans(d) == []
 
 
@@ -197,3 +249,26 @@ def test_fsync_failing_with_eio_fails_the_checkpoint_and_loses_nothing(
         assert s.checkpoint("after").n_tokens == good.n_tokens + 70
         s.restore(good.checkpoint_id)
         assert ids(gen(s, n=70)) == expected
+
+
+def test_a_conversation_that_parts_from_the_history_and_cannot_be_saved_is_undone_exactly(
+    start_daemon: Callable[..., InProcessDaemon], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    faulty = FailingFsync()
+    monkeypatch.setattr(journal, "os", faulty)
+    d = start_daemon()
+    with kvkeep.Client(d.address, timeout=120) as client:
+        s = client.create_session("You answer in a few words.", persistent=True, sampling=SAMPLED)
+        s.chat("Name a bird.", max_tokens=4)
+        s.chat("And a tree?", max_tokens=4)
+        before = served(s)
+        expected = gen(s.fork(), long_text(2), n=12)
+        # Another conversation: the session keeps what matches (its system prompt) and cuts
+        # the rest, then cannot make the turn durable (its journal record is not synced).
+        faulty.failing = True
+        with pytest.raises(kvkeep.BusyError, match="the session is as it was before this request"):
+            s.chat([kvkeep.Message("user", "Name a fish.")], whole=True, max_tokens=4)
+        faulty.failing = False
+        assert served(s) == before
+        assert gen(s.fork(), long_text(2), n=12) == expected
+        assert gen(s, long_text(2), n=12) == expected

@@ -12,12 +12,16 @@ and Redis (``redis-server``), on loopback; the catalog stays the local sqlite on
   the turn is undone, no catalog entry points at a block the server lacks, the daemon keeps
   serving (an ephemeral session generates); once the server is back, the same requests
   succeed and the earlier checkpoint continues exactly.
+- A restore whose client leaves while its new head is being saved, to a server that stopped
+  answering: the restore runs to its end all the same, its save fails, and the session is
+  put back as it was, serving exactly what it served before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sqlite3
 import threading
@@ -292,3 +296,42 @@ def test_a_server_lost_in_the_middle_of_a_save_leaves_no_entry_without_its_block
         assert direct.present(sorted(catalog_blocks(state))) == catalog_blocks(state)
         s.restore(good.checkpoint_id)
         assert ids(gen(s, n=12)) == expected
+
+
+def test_a_restore_whose_client_left_and_whose_head_cannot_be_saved_ends_undone(
+    tmp_path: Path, start_redis: Callable[[], RedisServer]
+) -> None:
+    server = start_redis()
+    assert server.proc is not None
+    with (
+        own_daemon(tmp_path / "state", store=server.url, **REMOTE) as d,
+        kvkeep.Client(d.address, timeout=120) as client,
+    ):
+        s = client.create_session(sampling=SAMPLED, persistent=True)
+        gen(s, PROMPT, 8)
+        good = s.checkpoint("good")
+        gen(s, "", 8)
+        before = s.info()
+        expected = gen(s.fork(), "", 12)
+
+        # The server stops answering: the restore cuts the session's cells (its own
+        # checkpoint: nothing to read), then waits on the save of its new head, which times
+        # out after its retries (about 1.5 s). Its client gives up after 0.3 s.
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            with (
+                kvkeep.Client(d.address, timeout=0.3, retry=None) as hasty,
+                pytest.raises(kvkeep.UnavailableError) as left,
+            ):
+                hasty.session(s.session_id).restore(good.checkpoint_id)
+            assert left.value.code == "DEADLINE_EXCEEDED"
+            d.run(d.daemon.manager.settle(), timeout=60)  # the restore ran to its end meanwhile
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        after = s.info()
+        assert (after.n_tokens, after.messages, after.head_checkpoint_id) == (
+            before.n_tokens,
+            before.messages,
+            before.head_checkpoint_id,
+        )
+        assert gen(s, "", 12) == expected

@@ -146,3 +146,10 @@ class SessionElsewhere(Unavailable):
     def __init__(self, message: str, retry_after_ms: int = 0) -> None:
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
+
+
+def noted(error: KvkeepError, note: str) -> KvkeepError:
+    """`error` with `note` after its message, its class and what it carries (a retry hint,
+    a field) kept."""
+    error.args = (f"{error}; {note}",)
+    return error

@@ -20,6 +20,7 @@ from kvkeepd.engine.context import ModelInfo
 from kvkeepd.errors import Busy, CheckpointInUse, InvalidRequest
 from kvkeepd.limits import IMPORTS_CHECKED, MAX_IMPORTS, MAX_LABEL
 from kvkeepd.sessions import ops as opsmod
+from kvkeepd.sessions.heads import save_or_put_back
 from kvkeepd.sessions.host import SessionHost
 from kvkeepd.sessions.persistence import Persistence
 from kvkeepd.sessions.residency import Residency
@@ -94,26 +95,31 @@ class Checkpointing:
         return await self.host.ops.run(self._restore(session, checkpoint_id, tenant))
 
     async def _restore(self, session: Session, checkpoint_id: str, tenant: Tenant) -> tuple[Session, bool]:
+        """A persistent session's restore is whole or nothing: its new head is saved, or the
+        session is put back as it was (heads.py)."""
         store = await self.persistence.find(checkpoint_id, tenant)
         snap = None
         if self.residency.lineage.remembers(session, checkpoint_id):
             # One of the session's own checkpoints: its cells may still be in the session.
             async with self.host.use(session):
                 snap = await asyncio.to_thread(store.snapshot, checkpoint_id)
+                before = session.before()
                 if await self.residency.rewind_to(session, checkpoint_id, snap, store.layout_desc):
                     self.host.touch(session)
                     if session.persistent:
-                        await self.residency.save_head(session)
+                        await save_or_put_back(self.residency, session, before, cells=True)
                     return session, False
         loaded = await self.persistence.load(checkpoint_id, tenant, store, snap, self.residency.wholes)
         async with self.host.use(session):
+            before, head = session.before(), session.head_checkpoint_id
             await self.residency.replace(session, loaded.snapshot, loaded.kv)
             self.host.touch(session)
-            if session.persistent:
+            # A state that went to disk (no room in RAM) was saved as the head already.
+            if session.persistent and session.head_checkpoint_id == head:
                 # The blob for the next turn's load is assembled while the head is synced.
                 assembling = asyncio.ensure_future(self.residency.assemble_parked(session))
                 try:
-                    await self.residency.save_head(session)
+                    await save_or_put_back(self.residency, session, before, cells=False)
                 finally:
                     await assembling
         return session, loaded.reprefill
@@ -170,17 +176,21 @@ class Checkpointing:
             tenant=tenant.name,
             salt=salt,
         )
-        self.residency.add(child)
-        await self.residency.replace(child, snap, kv)
-        child.snapshots = snapshots
         if persistent:
-            try:
-                await self.persistence.check_disk()
-                await self.persistence.check_stored(tenant)
+            await self.persistence.check_disk()
+            await self.persistence.check_stored(tenant)
+        self.residency.add(child)
+        try:
+            await self.residency.replace(child, snap, kv)
+            child.snapshots = snapshots
+            if persistent:
                 await self.residency.save_head(child)
-            except BaseException:
-                await self.residency.forget(child)
-                raise
+        except BaseException:
+            # Forgotten here, as no client learns its id.
+            await self.residency.forget(child)
+            if persistent:
+                await self.persistence.leases.release(child.session_id)
+            raise
         self.host.register(child)
         return child
 

@@ -21,7 +21,7 @@ from kvkeepd.engine.context import ModelInfo
 from kvkeepd.engine.engine import Engine
 from kvkeepd.engine.grammar import Grammars
 from kvkeepd.engine.job import Job
-from kvkeepd.errors import ContextFull, InvalidRequest, KvkeepError
+from kvkeepd.errors import ContextFull, InvalidRequest, KvkeepError, noted
 from kvkeepd.limits import MAX_LOGPROBS
 from kvkeepd.sessions import ops
 from kvkeepd.sessions.chat import ChatTemplate, after_prefix
@@ -158,6 +158,8 @@ class Conversations:
         spec = await self._grammar(session, turn, tools, choice)
         async with self.host.use(session):
             slot = await self.residency.into_slot(session)
+            # Put back as it was if the turn adds nothing (it fails, or cannot be made durable).
+            before = session.before()
             state = session.state
             held = [m.message() for m in session.messages]
             # The session's messages that the conversation keeps, and those it adds.
@@ -188,7 +190,6 @@ class Conversations:
                 tokens = full[start:]
             request = replace(request, prompt=tuple(tokens))
             truncated, dropped = False, 0
-            old_tokens, old_messages = state.tokens, session.messages
             if session.context_policy == "truncate" and not self.fit.fits(start, request, truncating=True):
                 # Earlier turns make way; everything is decided before the history changes.
                 k = sum(1 for m in session.messages[:n_same] if m.start < session.system_end)
@@ -202,8 +203,6 @@ class Conversations:
                 )
                 if first > k:
                     truncated = True
-                    # Kept to put back if the turn fails once the history has changed.
-                    old_tokens, old_messages = list(state.tokens), [replace(m) for m in session.messages]
                     # How much shorter the context is than it would have been.
                     dropped = max(start + len(tokens) - cut - len(kept_tokens), 0)
                     start, tokens, added, n_same = cut, kept_tokens, conversation[first:], k
@@ -221,7 +220,7 @@ class Conversations:
             if spec is not None:
                 ids = call_ids_for(request.params.seed, reply.start) if spec.kind == "tools" else ""
                 constraint = Constraint(spec, reply.start, ids)
-            old_tools, session.tools = session.tools, tools
+            session.tools = tools
             session.messages = [
                 *kept,
                 *(ChatMessage(m.role, m.content, start, m.tool_calls, m.tool_call_id) for m in added),
@@ -233,23 +232,12 @@ class Conversations:
             try:
                 await self._run(session, slot, request, put, reply, constraint, dropped)
             except BaseException:
-                if len(state.tokens) <= start:  # nothing was added: neither are messages
-                    session.messages, session.tools = kept, old_tools
-                    if truncated:
-                        session.truncations -= 1
-                        session.dropped_tokens -= dropped
-                        await self._untruncate(session, old_tokens, old_messages)
+                if len(session.state.tokens) <= start:
+                    # Nothing was added: the history it cut (another conversation, or turns
+                    # dropped to fit) comes back, as tokens to evaluate again past the cells
+                    # kept below the cut.
+                    session.put_back(before, session.state.n_kv)
                 raise
-
-    async def _untruncate(self, session: Session, history: list[int], messages: list[ChatMessage]) -> None:
-        """Put back the history a truncating turn dropped, as tokens to evaluate again (the
-        state keeps covering its first n_kv tokens); on the engine thread, which owns the
-        state of a session in a slot."""
-        state = session.state
-        await asyncio.wrap_future(
-            self.engine.call(lambda _: state.tokens.extend(history[len(state.tokens) :]))
-        )
-        session.messages = messages
 
     async def _run(
         self,
@@ -357,11 +345,12 @@ class Conversations:
         Durable is a journal record, or a new head where a crash would otherwise evaluate
         more than `--head-interval` tokens again: the tokens since the head, or the whole
         history after a truncation (its kept turns moved). Such turns evaluated at least
-        that many tokens, so the head's cost is small beside theirs."""
+        that many tokens, so the head's cost is small beside theirs. After a head save that
+        failed (and may have committed), a head: a record follows the head it names."""
         persistence = self.persistence
         due = len(session.state.tokens) - session.head_n_kv >= self.settings.head_interval
         try:
-            if due or truncated:
+            if due or truncated or session.head_unsure:
                 await self.residency.save_head(session)
             else:
                 await persistence.record_turn(session)
@@ -369,8 +358,7 @@ class Conversations:
             await self.residency.truncate(session, n_before)
             # The sampler's position too: the same request sent again draws the same tokens.
             session.state.draws = draws_before
-            undone = "the reply was not kept: the session is as it was before this request"
-            raise type(e)(f"{e}; {undone}") from None
+            raise noted(e, "the reply was not kept: the session is as it was before this request") from None
 
     def _request(self, session: Session, turn: Turn) -> GenerationRequest:
         if turn.max_tokens is not None and turn.max_tokens <= 0:

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from kvkeepd import values
 from kvkeepd.errors import ContextFull, InvalidRequest
+from kvkeepd.sessions.heads import save_or_put_back
 from kvkeepd.sessions.host import SessionHost
 from kvkeepd.sessions.leases import Leases
 from kvkeepd.sessions.persistence import Persistence
@@ -129,9 +130,11 @@ class Lifecycle:
         async with self.host.use(session):
             if not 0 <= n_tokens <= len(session.state.tokens):
                 raise InvalidRequest(f"n_tokens must be in [0, {len(session.state.tokens)}], got {n_tokens}")
+            before = session.before()
             await self.residency.truncate(session, n_tokens)
             session.messages = [m for m in session.messages if m.start < n_tokens]
             self.host.touch(session)
             if session.persistent:
-                await self.residency.save_head(session)
+                # Whole or nothing: the cells the cut kept are the start of the history put back.
+                await save_or_put_back(self.residency, session, before, cells=True)
         return session

@@ -74,11 +74,13 @@ class Persistence:
                 fence=session.lease,
                 boundary=session.boundary,
             )
-        except SessionElsewhere:
-            self.leases.fenced(session.session_id)
+        except BaseException as e:
+            session.head_unsure = True
+            if isinstance(e, SessionElsewhere):
+                self.leases.fenced(session.session_id)
             raise
         session.head_checkpoint_id = row.checkpoint_id
-        session.dirty = False
+        session.dirty = session.head_unsure = False
         session.head_n_kv = stored.n_kv
         self.journal.forget(session.session_id)  # the head covers its turns
         return row.checkpoint_id, stored

@@ -216,12 +216,18 @@ class Residency(Placements):
                     "sessions or delete checkpoints"
                 )
             to_disk = True
-        await self.release(session, park=False)
-        await self._drop_spill(session)
+        await self.drop_state(session)
         session.apply(snap, kv.n if kv is not None else 0)
         self._set(session, Parked(kv) if kv is not None else HistoryOnly())
         if to_disk:
             await self._spill(session)
+
+    async def drop_state(self, session: Session, why: str = "") -> None:
+        """Let the session's state go, wherever it is: the next generation evaluates its
+        history again."""
+        await self.release(session, park=False)
+        await self._drop_spill(session)
+        self._set(session, HistoryOnly(why))
 
     async def assemble_parked(self, session: Session) -> None:
         """Assemble a parked state read from blocks into the blob llama.cpp takes, in a

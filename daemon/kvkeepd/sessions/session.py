@@ -56,6 +56,9 @@ class Session:
     # sessions only: turns since then are in the journal, their KV not yet stored).
     dirty: bool = False
     head_n_kv: int = 0
+    # A head save failed, and may have committed all the same (a shared catalog's answer
+    # lost): the next turn saves a head, never a journal record that follows the old one.
+    head_unsure: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     job: Job | None = None
     closed: bool = False
@@ -137,6 +140,36 @@ class Session:
         self.dropped_tokens = snap.dropped_tokens
         self.snapshots = []
         self.boundary = None
+
+    def before(self) -> Before:
+        """The session as it is now, to put back should a change of its history not be
+        made durable (`put_back`)."""
+        return Before(self.snapshot("", 0), self.salt, self.imported, tuple(self.snapshots), self.boundary)
+
+    def put_back(self, before: Before, n_kv: int) -> None:
+        """Make the session what it was (`before`): its history, sampler position, messages
+        and parameters, with a state that covers tokens[:n_kv] of that history (the caller
+        knows the cells it holds are theirs, and places them). Cells kept keep their epoch
+        and window: they are the same bytes."""
+        state = self.state
+        self.apply(before.snapshot, n_kv)
+        self.salt, self.imported = before.salt, before.imported
+        self.snapshots, self.boundary = list(before.snapshots), before.boundary
+        if n_kv:
+            self.state.window_from, self.state.epoch = state.window_from, state.epoch
+
+
+@dataclass(frozen=True)
+class Before:
+    """A session as it was before a change of its history (a restore, a rewind): what
+    `Session.put_back` makes it again. Its cells are not kept here: the Residency knows
+    which still serve."""
+
+    snapshot: Snapshot
+    salt: bytes
+    imported: bool
+    snapshots: tuple[kvstate.RecurrentCells, ...]
+    boundary: tuple[int, tuple[kvstate.Section, ...]] | None
 
 
 @dataclass
