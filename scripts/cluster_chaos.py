@@ -9,12 +9,12 @@ the proxy while the faults come:
 - once, the store's connections are cut: weed is killed and started again.
 
 Then it reports: acknowledged turns lost (a turn whose reply a client received, missing from
-its session afterwards: target 0), continuations compared (a persistent fork and its session
-given the same message must reply the same, however the daemons came and went between:
-all exact), requests failed and why, the time a session took to continue after its daemon
-died (median, p95: from the kill, or from the request if it came later, to the first
-answer), and the blocks left in the store that no checkpoint knows once the collector has
-had its grace period.
+its session afterwards, or a restore a daemon said failed found made: target 0),
+continuations compared (a persistent fork and its session given the same message must reply
+the same, however the daemons came and went between: all exact), requests failed and why,
+the time a session took to continue after its daemon died (median, p95: from the kill, or
+from the request if it came later, to the first answer), and the blocks left in the store
+that no checkpoint knows once the collector has had its grace period.
 
     scripts/cluster-chaos                                   the full run: 10 minutes, 100 sessions
     nice scripts/cluster-chaos --duration 180 --sessions 24 a short one
@@ -183,10 +183,17 @@ def client_loop(address: str, sessions: list[Tracked], deadline: float, results:
                     results.answered.append((t.session.session_id, started, time.time()))
             except kvkeep.KvkeepError as e:
                 results.fail(op, e)
-                # A failed restore may have been applied (the session rolled back in the
-                # daemon's memory, its head not saved): its history is acknowledged too.
-                also = [restoring] if restoring is not None else []
+                # A restore the daemon answered with an error was not made (or was put
+                # back): the session must be as before. One whose call was cut (its daemon
+                # killed, the proxy's connection lost) may have been made before the cut.
+                also = [restoring] if restoring is not None and not answered(e) else []
                 resync(t, results, f"after a failed {op} ({type(e).__name__})", also)
+
+
+def answered(error: kvkeep.KvkeepError) -> bool:
+    """Whether a daemon answered the request with this error (it names a cause, or its
+    status is one only a daemon gives), rather than the call being cut or timing out."""
+    return bool(error.cause) or error.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN")
 
 
 def compare(t: Tracked, q: str, results: Results) -> None:
