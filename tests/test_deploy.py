@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import click
 import pytest
 from daemons import InProcessDaemon, model_path
+from servers import require_binary
 
 from kvkeepd import cli, urls
 from kvkeepd.config import resolution
@@ -116,15 +116,13 @@ def test_the_unit_shows_how_a_shared_store_key_is_handed_over(tmp_path: Path) ->
     assert resolution.resolve({}, environ).settings.store_key_file == key
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verifies_the_unit(tmp_path: Path) -> None:
+    analyze = require_binary("systemd-analyze", "scripts/servers installs Debian's systemd")
     # verify checks that ExecStart's program exists: point it at this checkout's kvkeep.
     kvkeep = Path(sys.executable).parent / "kvkeep"
     unit = tmp_path / "kvkeep.service"
     unit.write_text(UNIT.read_text().replace("/opt/kvkeep/.venv/bin/kvkeep", str(kvkeep)))
-    result = subprocess.run(
-        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
-    )
+    result = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stderr.strip() == ""
 

@@ -165,11 +165,20 @@ def checkpoints_on(store: BlockStore) -> CheckpointStore:
     )
 
 
-@pytest.mark.parametrize("damage", ["bit", "truncated", "empty"])
+# A flipped bit is for the stores whose blocks are checksummed again on read: blocks framed in
+# this process's memory (the memory store) are trusted as they are.
+DAMAGES = [
+    (name, damage)
+    for name in BACKENDS
+    for damage in ("bit", "truncated", "empty")
+    if not (name == "memory" and damage == "bit")
+]
+
+
+@pytest.mark.parametrize(("backend", "damage"), DAMAGES, indirect=["backend"])
 def test_a_damaged_block_is_found_and_removed(backend: Backend, damage: str) -> None:
     store = backend.store
-    if store.in_process and damage == "bit":
-        pytest.skip("blocks framed in this process's memory are not checksummed again on read")
+    assert not (store.in_process and damage == "bit")
     payload = os.urandom(4096)
     key, framed = new_key(), block(payload)
     store.put(key, framed)
