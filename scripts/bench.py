@@ -17,6 +17,10 @@ compared with, and reported as a ratio: this machine is shared and noisy.
     scripts/bench prefill      prefill tokens/s of one long prompt: exact mode vs
                                --flash-attn (and, with --peer LLAMA_SERVER, llama-server's
                                default and -fa off), taken in turns in the same run
+    scripts/bench agent [--peer LLAMA_SERVER]
+                               a 20-step agent loop by previous_response_id, resent to the
+                               chat door and to llama-server, and with a kill -9 midway
+                               (bench_agent.py)
     scripts/bench peer LLAMA_SERVER
                                turns, restores, a restart, streaming and concurrency
                                against llama-server on the same model (bench_peer.py)
@@ -1352,6 +1356,7 @@ def bench_shared_turns(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    import bench_agent
     import bench_peer  # imports this module's helpers as `bench`
     import bench_tools
 
@@ -1395,6 +1400,7 @@ def main() -> None:
     f.add_argument("--peer", type=Path, default=None, metavar="LLAMA_SERVER", help="a llama-server binary")
     bench_peer.add_parser(sub)
     bench_tools.add_parser(sub)
+    bench_agent.add_parser(sub)
     t = sub.add_parser("turns")
     t.add_argument("--tokens", type=int, default=1900)
     t.add_argument("--turns", type=int, default=60)
@@ -1420,6 +1426,7 @@ def main() -> None:
         "prefill": bench_prefill,
         "peer": bench_peer.run,
         "tools": bench_tools.run,
+        "agent": bench_agent.run,
         "turns": bench_turns,
         "store": bench_store,
         "shared-turns": bench_shared_turns,

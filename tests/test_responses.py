@@ -151,6 +151,25 @@ def test_store_false_leaves_nothing_and_puts_the_session_back(
         oai.responses.retrieve(fresh.id)
 
 
+def test_a_client_that_leaves_a_stream_leaves_the_response_as_it_was(
+    oai: openai.OpenAI, door: InProcessDaemon
+) -> None:
+    base = create(oai, "Name the piers.", temperature=0.9)
+    expected = create(oai, "Count to fifty.", previous_response_id=base.id, store=False, temperature=0.9)
+    args = {"model": MODEL, "instructions": INSTRUCTIONS, "temperature": 0.9, "max_output_tokens": 200}
+    stream = oai.responses.create(input="Count to fifty.", previous_response_id=base.id, stream=True, **args)
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            break
+    stream.close()
+    assert door.daemon is not None
+    door.run(door.daemon.manager.settle(), timeout=60)
+    before = resumes(door).get("slot", 0)
+    again = create(oai, "Count to fifty.", previous_response_id=base.id, store=False, temperature=0.9)
+    assert again.output_text == expected.output_text
+    assert resumes(door).get("slot", 0) == before + 1  # in place: the session was cut back
+
+
 def test_delete_takes_what_only_the_response_referenced(oai: openai.OpenAI, door: InProcessDaemon) -> None:
     assert door.daemon is not None
     durable = door.daemon.manager.stores.durable

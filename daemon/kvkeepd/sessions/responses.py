@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvkeepd.config.settings import Settings
-from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound
+from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound, Unavailable
 from kvkeepd.sessions.chat import ChatTemplate
 from kvkeepd.sessions.checkpointing import Checkpointing
 from kvkeepd.sessions.generation import Conversations
@@ -214,14 +214,17 @@ class Responses:
                 put(_without_end(chunk))
             last.append(_end_of(chunk))
 
-        stored = done = False
+        stored = False
         try:
             messages, whole = self._messages(session, base, request)
             await self.conversations.converse(
                 session, hold, messages=messages, whole=whole, turn=request.turn
             )
             done = bool(last) and last[0].finish_reason != "cancelled"
-            if done and request.store:
+            if not done:
+                # Its requester left, or its session was closed under it: nothing is kept.
+                raise Unavailable("the response was cancelled before it ended; nothing was stored")
+            if request.store:
                 record = ResponseRecord(
                     request.response_id, request.previous_response_id, request.instructions, describe(chunks)
                 )
@@ -231,8 +234,7 @@ class Responses:
             if not stored:
                 # An operation of its own: one whose requester left still ends this.
                 await self.host.ops.run(self._let_go(tenant, session, base if in_place else None))
-        if done:
-            put(last[0])
+        put(last[0])
 
     async def _session_for(
         self, tenant: Tenant, request: ResponseRequest
