@@ -1,4 +1,4 @@
-"""scripts/bench agent [--peer LLAMA_SERVER]: an agent loop four ways, in one run.
+"""scripts/bench agent [--peer LLAMA_SERVER]: an agent loop four ways, in lockstep in one run.
 
 An agent's loop: a long system prompt with tool definitions (~1,000 tokens), a task, then
 steps of a tool call and its result, the next call... (`--steps`, 20). Every step asks for a
@@ -14,15 +14,18 @@ call (`tool_choice` required, one call, greedy), so the four ways do the same wo
   `--restart-at` (10): that step continues from the stored response on disk.
 
 Each way runs on a server of its own (a fresh state directory: no way finds another's
-blocks), with the same threads and context. Reported per way: per-step latency (median,
-p95) and the tokens each step evaluated (the prompt tokens not taken from a cache); the
-first step after the restart against the median step; and a branch: step `--branch-at`'s
-response continued again (a fork from its checkpoint) against the in-place step.
+blocks), with the same threads and context, and the ways take their steps in turn (step 1 of
+each, then step 2 of each...), so that the machine's noise falls on all of them alike.
+Reported per way: per-step latency (median, p95) and the tokens each step evaluated (the
+prompt tokens not taken from a cache); the first step after the restart against the median
+step; and a branch: step `--branch-at`'s response continued again (a fork from its
+checkpoint) against the in-place step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -33,8 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -43,7 +47,7 @@ from bench import table
 
 from kvkeepd.config.settings import default_model_path
 
-CONTEXT = 4096
+CONTEXT = 8192
 MAX_TOKENS = 128
 TOOLS = [
     ("read_file", "Read a file of the repository and return its text.", {"path": "string"}),
@@ -128,8 +132,11 @@ def post(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     data = json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
     started = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=600) as answer:
-        found: dict[str, Any] = json.loads(answer.read())
+    try:
+        with urllib.request.urlopen(request, timeout=600) as answer:
+            found: dict[str, Any] = json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{url}: {e.code} {e.read()[:2000]!r}") from None
     return time.perf_counter() - started, found
 
 
@@ -217,15 +224,16 @@ def llama_server(binary: Path, threads: int) -> Iterator[str]:
 
 
 class Step:
-    def __init__(self, seconds: float, evaluated: int) -> None:
+    def __init__(self, seconds: float, evaluated: int, generated: int, response: dict[str, Any]) -> None:
         self.seconds = seconds
         self.evaluated = evaluated
+        self.generated = generated
+        self.response = response
 
 
-def by_responses(
-    url: str, steps: int, between: Callable[[int], None] = lambda _: None
-) -> tuple[list[Step], list[str], list[dict[str, Any]]]:
-    """The loop by previous_response_id: (steps, response ids, each step's input)."""
+def by_responses(url: str, steps: int) -> Iterator[Step]:
+    """The loop by previous_response_id, one step at a time (each Step's `response`: the
+    response, its request body under "request")."""
     base = {
         "model": "agent",
         "instructions": system_prompt(),
@@ -235,13 +243,10 @@ def by_responses(
         "temperature": 0,
         "max_output_tokens": MAX_TOKENS,
     }
-    out, ids, inputs = [], [], []
     previous: dict[str, Any] | None = None
     for step in range(steps):
-        between(step)
         if previous is None:
-            given: Any = TASK
-            body = {**base, "input": given}
+            body = {**base, "input": TASK}
         else:
             call = next(o for o in previous["output"] if o["type"] == "function_call")
             given = [
@@ -250,14 +255,16 @@ def by_responses(
             body = {**base, "input": given, "previous_response_id": previous["id"]}
         seconds, previous = post(url + "/responses", body)
         u = previous["usage"]
-        out.append(Step(seconds, u["input_tokens"] - u["input_tokens_details"]["cached_tokens"]))
-        ids.append(previous["id"])
-        inputs.append(body)
-    return out, ids, inputs
+        yield Step(
+            seconds,
+            u["input_tokens"] - u["input_tokens_details"]["cached_tokens"],
+            u["output_tokens"],
+            {**previous, "request": body},
+        )
 
 
-def by_resending(url: str, steps: int, peer: bool) -> list[Step]:
-    """The loop resending the whole conversation to a chat door each step."""
+def by_resending(url: str, steps: int, peer: bool) -> Iterator[Step]:
+    """The loop resending the whole conversation to a chat door, one step at a time."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": system_prompt()},
         {"role": "user", "content": TASK},
@@ -272,19 +279,18 @@ def by_resending(url: str, steps: int, peer: bool) -> list[Step]:
     }
     if peer:
         body["cache_prompt"] = True
-    out = []
     for step in range(steps):
         seconds, answer = post(url + "/chat/completions", {**body, "messages": messages})
         reply = answer["choices"][0]["message"]
         u = answer.get("usage", {})
         cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         evaluated = answer.get("timings", {}).get("prompt_n", u.get("prompt_tokens", 0) - cached)
-        out.append(Step(seconds, int(evaluated)))
+        generated = answer.get("timings", {}).get("predicted_n", u.get("completion_tokens", 0))
+        yield Step(seconds, int(evaluated), int(generated), answer)
         calls = reply.get("tool_calls") or []
         messages.append({"role": "assistant", "content": reply.get("content") or "", "tool_calls": calls})
         call_id = calls[0]["id"] if calls else f"call_{step}"
         messages.append({"role": "tool", "tool_call_id": call_id, "content": tool_result(step + 1)})
-    return out
 
 
 def summary(name: str, steps: list[Step]) -> tuple[str, ...]:
@@ -298,11 +304,41 @@ def summary(name: str, steps: list[Step]) -> tuple[str, ...]:
         f"{p95:,.0f} ms",
         f"{statistics.median(evaluated):,.0f}",
         f"{sum(s.evaluated for s in steps):,}",
+        f"{statistics.median(s.generated for s in steps[1:]):,.0f}",
     )
 
 
 def run(args: argparse.Namespace) -> None:
+    """The ways in lockstep: each step of every way in turn, so that the machine's noise falls
+    on all of them alike."""
     threads, n = args.threads, args.steps
+    with contextlib.ExitStack() as stack:
+        chained_d = stack.enter_context(kvkeep_daemon(threads))
+        resent_d = stack.enter_context(kvkeep_daemon(threads))
+        restarted_d = stack.enter_context(kvkeep_daemon(threads))
+        ways: dict[str, Iterator[Step]] = {
+            "kvkeep, previous_response_id": by_responses(chained_d.url, n),
+            "kvkeep chat door, whole conversation resent": by_resending(resent_d.url, n, peer=False),
+        }
+        if args.peer is not None:
+            url = stack.enter_context(llama_server(args.peer, threads))
+            ways["llama-server --jinja, cache_prompt, resent"] = by_resending(url, n, peer=True)
+        restarted = f"kvkeep, previous_response_id, kill -9 before step {args.restart_at}"
+        ways[restarted] = by_responses(restarted_d.url, n)
+        done: dict[str, list[Step]] = {name: [] for name in ways}
+        for step in range(n):
+            if step == args.restart_at:
+                restarted_d.kill()
+                restarted_d.start()
+            for name, way in ways.items():
+                done[name].append(next(way))
+            print(f"step {step + 1}/{n}", file=sys.stderr)
+        chained = done["kvkeep, previous_response_id"]
+        branch = chained[args.branch_at + 1].response["request"]
+        branch_seconds, branched = post(
+            chained_d.url + "/responses",
+            {**branch, "previous_response_id": chained[args.branch_at].response["id"]},
+        )
     rows: list[tuple[str, ...]] = [
         (
             "way",
@@ -311,40 +347,19 @@ def run(args: argparse.Namespace) -> None:
             "step, p95",
             "tokens evaluated per step, median",
             "tokens evaluated, all",
+            "tokens generated per step, median",
         )
     ]
-    with kvkeep_daemon(threads) as d:
-        chained, ids, inputs = by_responses(d.url, n)
-        branch_body = {**inputs[args.branch_at + 1], "previous_response_id": ids[args.branch_at]}
-        branch_seconds, branched = post(d.url + "/responses", branch_body)
-    rows.append(summary("kvkeep, previous_response_id", chained))
-    with kvkeep_daemon(threads) as d:
-        resent = by_resending(d.url, n, peer=False)
-    rows.append(summary("kvkeep chat door, whole conversation resent", resent))
-    peer: list[Step] | None = None
-    if args.peer is not None:
-        with llama_server(args.peer, threads) as url:
-            peer = by_resending(url, n, peer=True)
-        rows.append(summary("llama-server --jinja, cache_prompt, resent", peer))
-    with kvkeep_daemon(threads) as d:
-
-        def restart(step: int) -> None:
-            if step == args.restart_at:
-                d.kill()
-                d.start()
-
-        restarted, _, _ = by_responses(d.url, n, restart)
-    rows.append(summary(f"kvkeep, previous_response_id, kill -9 before step {args.restart_at}", restarted))
+    rows += [summary(name, steps) for name, steps in done.items()]
     table(rows)
     median = statistics.median(s.seconds for s in chained[1:])
-    after = restarted[args.restart_at]
-    normal = statistics.median(s.seconds for s in restarted[1:] if s is not after)
+    after = done[restarted][args.restart_at]
+    normal = statistics.median(s.seconds for s in done[restarted][1:] if s is not after)
     print()
-    resend_median = statistics.median(s.seconds for s in resent[1:])
-    print(f"chaining / kvkeep resend, median step: {median / resend_median:.2f}x")
-    if peer is not None:
-        peer_median = statistics.median(s.seconds for s in peer[1:])
-        print(f"chaining / llama-server, median step: {median / peer_median:.2f}x")
+    for name, steps in done.items():
+        if name != "kvkeep, previous_response_id" and name != restarted:
+            ratio = median / statistics.median(s.seconds for s in steps[1:])
+            print(f"chaining / {name}, median step: {ratio:.2f}x")
     print(
         f"first step after the restart: {after.seconds * 1000:,.0f} ms, {after.evaluated} tokens "
         f"evaluated ({after.seconds / normal:.2f}x the median step of that run)"
