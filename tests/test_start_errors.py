@@ -152,3 +152,33 @@ def test_ctrl_c_while_starting_exits_130_without_a_traceback(tmp_path: Path) -> 
     assert proc.wait(120) == 130, rest
     assert "Traceback" not in rest and "Aborted" not in rest
     assert not os.path.exists(tmp_path / "s" / "spill")
+
+
+def test_ctrl_c_during_the_start_up_probe_stops_it_at_once(tmp_path: Path) -> None:
+    # --probe-cache none: the probe runs at this start (seconds), and is given up at its next
+    # graph node once Ctrl-C comes.
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvkeepd",
+            "--model",
+            str(model_path()),
+            *("--threads", "1", "--slots", "2", "--ctx-per-session", "512"),
+            *("--address", "127.0.0.1:0", "--http", "off", "--state-dir", str(tmp_path / "s")),
+            *("--probe-cache", "none"),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    while "exactness probe: checking" not in (line := proc.stderr.readline()):
+        assert line, "the daemon ended before its probe"
+    interrupted = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(60) == 130, rest
+    took = time.monotonic() - interrupted
+    assert "Traceback" not in rest and "Aborted" not in rest
+    assert "exactness probe: passed" not in rest and "found a dependence" not in rest, rest
+    assert took < 3, f"{took:.1f} s from Ctrl-C to the end"

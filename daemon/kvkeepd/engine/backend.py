@@ -1,5 +1,5 @@
 """Backend: what the loaded llama.cpp build is and which devices it runs on, its C log routed
-to Python logging, and pinned host memory for transfers to a GPU.
+to Python logging, pinned host memory for transfers to a GPU, and a start given up.
 
 With context.py, the only module that imports llama_cpp. ggml's device registry is read
 through ctypes (llama_cpp._ggml loads ggml's library): each device's name, description, kind
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import llama_cpp as llama
 import numpy as np
 from llama_cpp import _ggml as llama_ggml
 
-from kvkeepd.errors import KvkeepError
+from kvkeepd.errors import KvkeepError, Unavailable
 
 log = logging.getLogger(__name__)
 llama_log = logging.getLogger("kvkeepd.llama_cpp")
@@ -191,6 +192,50 @@ class Scratch:
         if self._pinned is not None:
             self._pinned.free()
             self._pinned = None
+
+
+class Halt:
+    """A start given up from another thread (Ctrl-C while the model loads or the start-up
+    probe runs): once `set`, llama.cpp's model load returns at its next progress report and a
+    decode at its next graph node (the CPU backend's abort callback; llama_decode then
+    returns 2), and `check` raises before every decode, until `release`. Released once the
+    engine serves: the abort callback is a Python call at every node of every graph, which
+    would wait for the GIL while the event loop holds it."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._released = False
+        self._ctx: Any = None
+        # Kept referenced while llama.cpp holds their addresses.
+        self._on_load = llama.llama_progress_callback(lambda _progress, _data: not self._event.is_set())
+        self._on_node = llama.ggml_abort_callback(lambda _data: self._event.is_set())
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def watch_load(self, params: Any) -> None:
+        """Make the model load that `params` (llama_model_params) start stop when halted."""
+        params.progress_callback = self._on_load
+
+    def watch(self, ctx: Any) -> None:
+        """Make the context's decodes stop when halted, until released."""
+        self._ctx = ctx
+        llama.llama_set_abort_callback(ctx, self._on_node, None)
+
+    def check(self) -> None:
+        """Raise Unavailable if halted (and not released)."""
+        if self._event.is_set() and not self._released:
+            raise Unavailable("the engine was stopped while it started")
+
+    def release(self) -> None:
+        """The start is over: decodes go on whatever comes."""
+        self._released = True
+        if self._ctx is not None:
+            llama.llama_set_abort_callback(self._ctx, llama.ggml_abort_callback(), None)
+            self._ctx = None
 
 
 _log_callback: Any = None

@@ -117,8 +117,9 @@ class BatchItem:
 class LlamaContext:
     """A loaded model and its multi-sequence context."""
 
-    def __init__(self, cfg: ContextConfig) -> None:
+    def __init__(self, cfg: ContextConfig, halt: backend.Halt | None = None) -> None:
         self.cfg = cfg
+        self._halt = halt
         backend.route_llama_log()
         if cfg.exact:
             # Read once by ggml at its first tiled matmul (see below): set before any.
@@ -135,6 +136,8 @@ class LlamaContext:
             # takes the one kernel every batch shape shares; prefill speed did not change
             # measurably here (Gemma 3 270M Q4_K_M, 1,024 tokens: 4.2-4.4 s either way).
             mparams.use_extra_bufts = False
+        if halt is not None:
+            halt.watch_load(mparams)
         self._model = llama.llama_model_load_from_file(str(cfg.model_path).encode(), mparams)
         if not self._model:
             # llama.cpp says why only in its own log (shown at --log-level debug).
@@ -174,6 +177,8 @@ class LlamaContext:
         if not self._ctx:
             llama.llama_model_free(self._model)
             raise RuntimeError("llama.cpp could not create the context")
+        if halt is not None:
+            halt.watch(self._ctx)
         self._vocab = llama.llama_model_get_vocab(self._model)
         self._mem = llama.llama_get_memory(self._ctx)
         self._batch = llama.llama_batch_init(cfg.batch_size, 0, 1)
@@ -362,6 +367,8 @@ class LlamaContext:
             batch.seq_id[k][0] = item.slot
             batch.logits[k] = int(item.logits)
         batch.n_tokens = len(items)
+        if self._halt is not None:
+            self._halt.check()
         rc = llama.llama_decode(self._ctx, batch)
         if rc != 0:
             raise KvkeepError(f"llama_decode failed with {rc} for a batch of {len(items)} tokens")

@@ -13,17 +13,13 @@ chunks, or the last sampled token), decodes once, and samples per session.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import numpy as np
-
-from kvkeepd.engine import backend, probes, steps
+from kvkeepd.engine import backend, startup, steps
 from kvkeepd.engine.context import BatchItem, ContextConfig, LlamaContext, ModelInfo
 from kvkeepd.engine.job import Job, Outbox, SeqState
 from kvkeepd.engine.streams import StreamPlan
@@ -48,10 +44,6 @@ class _Call:
 
 _STOP = object()
 
-# The most memory mapped at start for assembling states (twice: see Engine._main); a larger
-# state grows the buffer when it first comes.
-_PREMAPPED = 256 << 20
-
 
 class Engine:
     """Owns llama.cpp. `start()` loads the model on the engine thread; `stop()` frees it."""
@@ -67,6 +59,8 @@ class Engine:
         self.outbox = Outbox()
         self._ctx: LlamaContext | None = None
         self._stopping = False
+        # Set by stop(): a start still loading the model or probing gives up (see Halt).
+        self._halt = backend.Halt()
         self.info: ModelInfo | None = None
         self.layout: kvlayout.StateLayout | None = None
         self.stats_evaluated = 0
@@ -114,6 +108,7 @@ class Engine:
             thread, self._thread = self._thread, None
         if thread is None:
             return
+        self._halt.set()
         self._inbox.put(_STOP)
         thread.join()
 
@@ -151,30 +146,12 @@ class Engine:
 
     def _main(self, ready: concurrent.futures.Future[ModelInfo]) -> None:
         try:
-            started = time.monotonic()
-            self._ctx = LlamaContext(self.config)
-            log.info("model loaded in %.1f s", time.monotonic() - started)
-            info = self._ctx.info()
-            note = probes.exact(self._ctx)
-            info = dataclasses.replace(info, exact=note is None, exact_note=note or "")
-            self.devices, self.streams = self._ctx.devices, self._ctx.streams
-            self._scratch = backend.Scratch(gpu=bool(backend.gpus(self.devices)))
+            self._ctx, info, self._scratch = startup.open_context(self.config, self._halt)
         except BaseException as e:  # report to start(), which re-raises
-            if self._ctx is not None:
-                self._ctx.close()
-            ready.set_exception(e)
+            stopped = Unavailable("the engine was stopped while it started")
+            ready.set_exception(stopped if self._halt.is_set() else e)
             return
-        # NOTE: the KV buffers are written once now (all slots): a slot's first load after a
-        # start otherwise faulted in its pages, 20-30 ms of a 1,900-token restore.
-        self._ctx.wipe()
-        if info.layout is not None:
-            # Mapped now, not by the first restore after a start: a state of one full slot,
-            # up to a limit (np.zeros would leave the pages unmapped until written).
-            bound = min(pieces.blob_bound(info.layout, self.config.ctx_per_session), _PREMAPPED)
-            self._scratch.take(bound).fill(0)
-            # As much again, freed at once: glibc keeps it (heap.keep_freed_memory), so the
-            # first export and block reads after a start find memory mapped, as later ones do.
-            np.empty(bound, np.uint8).fill(0)
+        self.devices, self.streams = self._ctx.devices, self._ctx.streams
         ready.set_result(info)
         try:
             self._loop()
