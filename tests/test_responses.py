@@ -301,6 +301,22 @@ def test_an_agent_step_calls_a_tool_and_its_output_continues_the_response(oai: o
     ]
 
 
+def test_a_response_cut_within_a_calls_arguments_continues_and_branches(oai: openai.OpenAI) -> None:
+    """Cut short once the call's arguments began, the response is a checkpoint like another:
+    continued in place, then branched from (its manifest read back), alike."""
+    cut = create(
+        oai, "What is the weather in Paris?", tools=WEATHER, tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=22, temperature=0,
+    )  # fmt: skip
+    assert cut.status == "incomplete"
+    replies = [
+        create(oai, "Go on.", previous_response_id=cut.id, max_output_tokens=8, temperature=0)
+        for _ in range(2)
+    ]
+    assert replies[0].status == replies[1].status == "incomplete"
+    assert replies[0].output_text == replies[1].output_text
+
+
 def test_unknown_responses_are_404_and_any_model_is_the_one_served(oai: openai.OpenAI) -> None:
     for rid in ("resp_" + "0" * 24, "resp_nonsense", "c_" + "0" * 24):
         with pytest.raises(openai.NotFoundError):

@@ -211,6 +211,48 @@ def test_a_call_cut_short_continues_exactly_after_restore_in_a_fork_and_swapped_
             x.close()
 
 
+def test_a_checkpoint_cut_in_the_middle_of_a_calls_arguments_forks_and_restores(
+    spawn_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """A persistent reply cut short once the call's arguments have begun (so its message holds
+    arguments that are not yet JSON) is streamed whole, once, and is a checkpoint like any other:
+    read back from disk after a restart, the session is there, and the checkpoint forks and
+    restores and continues within the call."""
+    proc = spawn_daemon(*SPAWN_ARGS)
+    options: dict[str, Any] = {"tool_choice": "required", "parallel_tool_calls": False}
+    with kvkeep.Client(proc.address, timeout=60) as client:
+        ref = client.create_session(SYSTEM, tools=[WEATHER], sampling=HOT)
+        whole = ref.chat("What is the weather in Paris?", max_tokens=LIMIT, **options)
+        assert whole.finish_reason == "tool_calls", whole
+        ref.close()
+        # The first length at which the reply's message holds the call with arguments begun.
+        for n in range(8, len(whole.token_ids)):
+            s = client.create_session(SYSTEM, tools=[WEATHER], sampling=HOT, persistent=True)
+            part = s.chat("What is the weather in Paris?", max_tokens=n, **options)
+            calls = s.info().messages[-1].tool_calls
+            if calls and calls[-1].arguments:
+                break
+            s.close()
+        else:
+            pytest.fail("no reply was cut in the middle of its call's arguments")
+        with pytest.raises(ValueError):
+            json.loads(calls[-1].arguments)
+        # A persistent turn's last tokens go out before it is made durable, its finish after:
+        # no piece of the call is sent twice.
+        assert part.tool_calls == calls
+        ck = s.checkpoint("mid-arguments")
+    assert proc.kill() == -9
+    proc.start()  # the checkpoint and the session are read back from disk
+    with kvkeep.Client(proc.address, timeout=60) as client:
+        rest = list(whole.token_ids[len(part.token_ids) :])
+        fork = client.session(s.session_id).fork(ck.checkpoint_id)
+        assert list(fork.complete("", max_tokens=LIMIT).token_ids) == rest
+        assert fork.info().messages[-1].tool_calls == whole.tool_calls
+        resumed = client.session(s.session_id)
+        resumed.restore(ck.checkpoint_id)
+        assert list(resumed.complete("", max_tokens=LIMIT).token_ids) == rest
+
+
 def test_a_persistent_session_continues_within_its_call_after_kill_9(
     spawn_daemon: Callable[..., DaemonProcess],
 ) -> None:

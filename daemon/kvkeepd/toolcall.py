@@ -146,9 +146,11 @@ def check_call_id(call_id: str) -> None:
         )
 
 
-def check_calls(calls: Sequence[ToolCall]) -> None:
+def check_calls(calls: Sequence[ToolCall], *, whole: bool = True) -> None:
     """InvalidRequest unless the calls (of a message given) have ids, names and arguments
-    that a template can render: arguments are a JSON object."""
+    that a template can render: arguments are a JSON object. With `whole` false (the calls of a
+    manifest, whose reply may have been cut short in the middle of a call's arguments) the
+    arguments may be any text: a template is given such a call's arguments as that text."""
     if len(calls) > MAX_TOOL_CALLS:
         raise InvalidRequest(
             f"at most {MAX_TOOL_CALLS} tool calls in a message, got {len(calls)}", "messages"
@@ -156,6 +158,8 @@ def check_calls(calls: Sequence[ToolCall]) -> None:
     for call in calls:
         check_call_id(call.call_id)
         check_name(call.name, "messages")
+        if not whole:
+            continue
         try:
             arguments = json.loads(call.arguments or "{}")
         except (ValueError, RecursionError):

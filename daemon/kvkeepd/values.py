@@ -77,9 +77,10 @@ class ChatMessage:
         return Message(self.role, self.content, self.tool_calls, self.tool_call_id)
 
 
-def check_messages(messages: Sequence[Message]) -> None:
+def check_messages(messages: Sequence[Message], *, whole: bool = True) -> None:
     """InvalidRequest unless there are not too many messages, each of a known role; tool
-    calls only in assistant messages, and a tool's result naming its call."""
+    calls only in assistant messages (checked by `check_calls`, `whole` as there), and a
+    tool's result naming its call."""
     if len(messages) > MAX_MESSAGES:
         raise InvalidRequest(f"at most {MAX_MESSAGES} messages, got {len(messages)}")
     for m in messages:
@@ -90,7 +91,7 @@ def check_messages(messages: Sequence[Message]) -> None:
         if m.tool_calls:
             if m.role != "assistant":
                 raise InvalidRequest("only assistant messages carry tool calls", "messages")
-            check_calls(m.tool_calls)
+            check_calls(m.tool_calls, whole=whole)
         if (m.role == "tool") != bool(m.tool_call_id):
             raise InvalidRequest(
                 "a tool message, and only a tool message, names the call it answers", "messages"

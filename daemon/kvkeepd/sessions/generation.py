@@ -317,7 +317,7 @@ class Conversations:
                             # stream cut before any token arrived was not kept: a client may
                             # send it again (the SDK does) without adding the turn twice.
                             put(replace(item, finish_reason=None, usage=None))
-                            item = replace(item, text="", token_ids=(), logprobs=())
+                            item = replace(item, text="", token_ids=(), logprobs=(), tool_calls=())
                         await self._save_turn(session, before, draws_before, truncated=dropped > 0)
                 put(item)
                 if item.finish_reason is not None:

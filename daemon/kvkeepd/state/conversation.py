@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvkeepd.errors import CorruptCheckpoint, KvkeepError
-from kvkeepd.toolcall import Tool, ToolCall, check_calls, check_tools
+from kvkeepd.toolcall import Tool, ToolCall, check_tools
 from kvkeepd.values import ROLES, ChatMessage, Message, check_messages
 
 
@@ -49,9 +49,8 @@ def messages_of(value: object) -> list[ChatMessage]:
             raise CorruptCheckpoint("a checkpoint message's tool call id is malformed")
         messages.append(ChatMessage(role, content, start, calls, call_id))
     try:
-        check_messages([Message(m.role, "", m.tool_calls, m.tool_call_id) for m in messages])
-        for m in messages:
-            check_calls(m.tool_calls)
+        # whole=False: the reply may have been cut short within a call's arguments.
+        check_messages([Message(m.role, "", m.tool_calls, m.tool_call_id) for m in messages], whole=False)
     except KvkeepError as e:
         raise CorruptCheckpoint(f"the checkpoint's messages are malformed: {e}") from None
     return messages
