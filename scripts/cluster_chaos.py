@@ -263,10 +263,18 @@ def start_servers(
         "--sweep-interval", "2",
         "--persistent-ttl", "0",
         "--grace-seconds", "2",
+        "--http", "off",  # gRPC through the proxy only: three daemons on one host
     ]  # fmt: skip
     daemons = [Daemon(f"d{i}", work / f"state{i}", free_port(), flags, env) for i in (1, 2, 3)]
-    for d in daemons:
-        d.start()
+    try:
+        for d in daemons:
+            d.start()
+    except BaseException:  # nothing left running (a daemon that cannot start says why in its log)
+        for d in daemons:
+            d.kill()
+        weed.stop()
+        redis_server.stop()
+        raise
     config = work / "haproxy.cfg"
     text = (ROOT / "deploy" / "haproxy.cfg").read_text()
     line = '    server kvkeep2 "${KVKEEP_DAEMON_2-127.0.0.1:50052}"\n'
