@@ -10,9 +10,12 @@ its pieces.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from kvkeepd.state import cells, pieces
 from kvkeepd.state import frames as blk
 from kvkeepd.state.layout import StateLayout
 
@@ -70,3 +73,19 @@ def plan(
     if lay.recurrent is not None:
         rec = Piece(blk.derived(keys[-1], "rec"), n - 1, n, lay.recurrent.nbytes)
     return full, window, rec
+
+
+def payloads(
+    kv: cells.SeqKv | None, full: list[Piece], window: list[Piece], rec: Piece | None
+) -> Iterator[tuple[Piece, Callable[[], bytes]]]:
+    """Each piece of a plan with a function that cuts its payload from `kv` (called only for
+    the pieces a store lacks)."""
+    if kv is None:
+        return
+    for section in kv.sections:
+        if isinstance(section, cells.RecurrentCells):
+            if rec is not None:
+                yield rec, functools.partial(bytes, section.data)
+            continue
+        for p in window if section.layout.window else full:
+            yield p, functools.partial(pieces.cut, section, p.start, p.end)

@@ -11,14 +11,13 @@ Exports and imports are storage/exports.py's: a client of this store.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from kvkeepd.errors import (
@@ -35,8 +34,9 @@ from kvkeepd.state import layout as kvlayout
 from kvkeepd.state import manifest as mf
 from kvkeepd.state import pieces
 from kvkeepd.state.manifest import Snapshot
-from kvkeepd.state.plan import Piece, Plan, plan
+from kvkeepd.state.plan import Piece, Plan, payloads, plan
 from kvkeepd.storage.blocks.base import BlockStore
+from kvkeepd.storage.blocks.puts import put_framed
 from kvkeepd.storage.budget import DiskBudget
 from kvkeepd.storage.catalog import Catalog, CheckpointRow
 from kvkeepd.storage.collector import claim_blocks, delete_decided
@@ -44,9 +44,6 @@ from kvkeepd.storage.collector import claim_blocks, delete_decided
 log = logging.getLogger(__name__)
 
 _READERS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kvkeep-read")
-# Puts to a remote store in flight at once, per daemon: each is a round trip, and a state in
-# flight is at most this many blocks (~1.5 MB each) beyond the one being saved.
-_WRITERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvkeep-write")
 CHECKPOINT_ID_PREFIX = "c_"
 
 
@@ -137,9 +134,9 @@ class CheckpointStore:
             at, partial = boundary
             _, window_at, rec_at = self.plan(snap.tokens, at, snap.block_tokens, snap.salt)
             boundary_kv = kvstate.SeqKv(kv.layout, at, partial)
-            extra = list(self._payloads(boundary_kv, [], window_at, rec_at))
+            extra = list(payloads(boundary_kv, [], window_at, rec_at))
         unique: dict[str, tuple[Piece, Callable[[], bytes]]] = {}
-        for piece, payload in [*self._payloads(kv, full, window, rec), *extra]:
+        for piece, payload in [*payloads(kv, full, window, rec), *extra]:
             unique.setdefault(piece.key, (piece, payload))
         snap = replace(
             snap,
@@ -166,7 +163,9 @@ class CheckpointStore:
                 # keeps them from dropping those this save relies on.
                 claim = claim_blocks(self.catalog, list(unique))
                 held = self._held(list(unique))
-                self._put_all(
+                put_framed(
+                    self.store,
+                    self.codec,
                     [(p, f) for p, f in unique.values() if p.key not in claim.sizes or p.key not in held],
                     written,
                 )
@@ -206,28 +205,6 @@ class CheckpointStore:
                 raise
         return row, snap
 
-    def _put_all(
-        self, pieces: list[tuple[Piece, Callable[[], bytes]]], written: dict[str, tuple[int, int]]
-    ) -> None:
-        """Frame and put each piece, recording in `written` key -> (its frame's size, bytes
-        written: 0 if the store had it) as each put succeeds; the first failure is raised
-        once every put has ended. A remote store's puts run a few at a time."""
-
-        def put(item: tuple[Piece, Callable[[], bytes]]) -> None:
-            piece, payload = item
-            block = blk.frame(payload(), self.codec)
-            written[piece.key] = (len(block), self.store.put(piece.key, block))
-
-        if not self.store.remote or len(pieces) < 2:
-            for item in pieces:
-                put(item)
-            return
-        puts = [_WRITERS.submit(put, item) for item in pieces]
-        wait(puts)
-        for done in puts:
-            if (error := done.exception()) is not None:
-                raise error
-
     def _held(self, keys: list[str]) -> set[str]:
         """Which pieces of a save the store holds. A remote store that cannot say fails the
         save as a write it did not take (StoreUnreachable), as a failed put would."""
@@ -239,21 +216,6 @@ class CheckpointStore:
             raise StoreUnreachable(
                 "the block store does not answer (see the daemon's log); nothing was saved"
             ) from None
-
-    def _payloads(
-        self, kv: kvstate.SeqKv | None, full: list[Piece], window: list[Piece], rec: Piece | None
-    ) -> Iterator[tuple[Piece, Callable[[], bytes]]]:
-        """Each piece with a function that cuts its payload from `kv` (only called for
-        pieces the store lacks)."""
-        if kv is None:
-            return
-        for section in kv.sections:
-            if isinstance(section, kvstate.RecurrentCells):
-                if rec is not None:
-                    yield rec, functools.partial(bytes, section.data)
-                continue
-            for p in window if section.layout.window else full:
-                yield p, functools.partial(pieces.cut, section, p.start, p.end)
 
     def plan(self, tokens: list[int], n: int, block_tokens: int, salt: str) -> Plan:
         """The pieces that hold the state after tokens[:n] in this store (see plan.plan)."""
@@ -355,18 +317,18 @@ class CheckpointStore:
 
         if ours and self.store.in_process:
             # Nothing to read or check (see read_block): handing pieces to threads cost more.
-            payloads = {p.key: payload(p) for p in wanted}
+            found = {p.key: payload(p) for p in wanted}
         else:
             # File reads and CRC-32 release the GIL: pieces are read and checked on every core.
-            payloads = dict(zip((p.key for p in wanted), _READERS.map(payload, wanted), strict=True))
+            found = dict(zip((p.key for p in wanted), _READERS.map(payload, wanted), strict=True))
         sections: list[kvstate.Section] = []
         for section in lay.sections:
             if isinstance(section, kvlayout.RecurrentLayout):
                 assert rec is not None
-                sections.append(pieces.recurrent_from(section, n - 1, payloads[rec.key]))
+                sections.append(pieces.recurrent_from(section, n - 1, found[rec.key]))
                 continue
             mine = window if section.window else full
-            runs = [pieces.piece(section, payloads[p.key], p.end - p.start) for p in mine]
+            runs = [pieces.piece(section, found[p.key], p.end - p.start) for p in mine]
             sections.append(pieces.cells_from(section, mine[0].start, runs))
         return pieces.build(lay, n, sections)
 

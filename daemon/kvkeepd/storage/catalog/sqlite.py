@@ -21,55 +21,12 @@ from pathlib import Path
 from kvkeepd.errors import StoreReadFailed
 from kvkeepd.files import check_entry, private_file
 from kvkeepd.storage.catalog import CheckpointRow, Claim, Lease, ListedSession, SessionRow
+from kvkeepd.storage.catalog.sqlite_schema import COLUMNS, SCHEMA
 
 log = logging.getLogger(__name__)
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (
-    session_id TEXT PRIMARY KEY,
-    created_at REAL NOT NULL,
-    head TEXT,
-    tenant TEXT NOT NULL DEFAULT ''
-);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    checkpoint_id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL,
-    label TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    n_tokens INTEGER NOT NULL,
-    bytes_written INTEGER NOT NULL,
-    bytes_referenced INTEGER NOT NULL,
-    created_at REAL NOT NULL,
-    manifest BLOB NOT NULL,
-    tenant TEXT NOT NULL DEFAULT ''
-);
-CREATE INDEX IF NOT EXISTS checkpoints_session ON checkpoints (session_id);
-CREATE TABLE IF NOT EXISTS refs (
-    checkpoint_id TEXT NOT NULL,
-    block TEXT NOT NULL,
-    PRIMARY KEY (checkpoint_id, block)
-);
-CREATE INDEX IF NOT EXISTS refs_block ON refs (block);
-CREATE TABLE IF NOT EXISTS blocks (
-    block TEXT PRIMARY KEY,
-    size INTEGER NOT NULL,
-    last_used REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS responses (
-    checkpoint_id TEXT PRIMARY KEY,
-    created_at REAL NOT NULL,
-    record BLOB NOT NULL
-);
-CREATE INDEX IF NOT EXISTS responses_created ON responses (created_at);
-"""
-
-
 # Session ids bound in one counting query (well under sqlite's limit on variables).
 _IDS_PER_QUERY = 500
-
-_COLUMNS = (
-    "checkpoint_id, session_id, label, kind, n_tokens, bytes_written, bytes_referenced, created_at, tenant"
-)
 
 
 class SqliteCatalog:
@@ -166,7 +123,7 @@ class SqliteCatalog:
         the stored response's record commits with it."""
         with self._transaction():
             self._db.execute(
-                f"INSERT INTO checkpoints ({_COLUMNS}, manifest) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO checkpoints ({COLUMNS}, manifest) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (
                     row.checkpoint_id,
                     row.session_id,
@@ -226,7 +183,7 @@ class SqliteCatalog:
     def get(self, checkpoint_id: str) -> tuple[CheckpointRow, bytes] | None:
         with self._reading():
             found = self._db.execute(
-                f"SELECT {_COLUMNS}, manifest FROM checkpoints WHERE checkpoint_id = ?",
+                f"SELECT {COLUMNS}, manifest FROM checkpoints WHERE checkpoint_id = ?",
                 (checkpoint_id,),
             ).fetchone()
         if found is None:
@@ -237,7 +194,7 @@ class SqliteCatalog:
         kinds = ("explicit", "head") if include_heads else ("explicit",)
         with self._reading():
             rows = self._db.execute(
-                f"SELECT {_COLUMNS} FROM checkpoints WHERE session_id = ? AND kind IN "
+                f"SELECT {COLUMNS} FROM checkpoints WHERE session_id = ? AND kind IN "
                 f"({','.join('?' * len(kinds))}) ORDER BY created_at",
                 (session_id, *kinds),
             ).fetchall()
@@ -245,7 +202,7 @@ class SqliteCatalog:
 
     def response(self, checkpoint_id: str) -> tuple[CheckpointRow, bytes] | None:
         """A stored response's checkpoint row and record, or None."""
-        columns = ", ".join(f"c.{c.strip()}" for c in _COLUMNS.split(","))
+        columns = ", ".join(f"c.{c.strip()}" for c in COLUMNS.split(","))
         with self._reading():
             found = self._db.execute(
                 f"SELECT {columns}, r.record FROM responses r JOIN checkpoints c USING (checkpoint_id) "
@@ -269,7 +226,7 @@ class SqliteCatalog:
         """A tenant's explicit and imported checkpoints, oldest first."""
         with self._reading():
             rows = self._db.execute(
-                f"SELECT {_COLUMNS} FROM checkpoints WHERE tenant = ? AND kind IN ('explicit', 'imported') "
+                f"SELECT {COLUMNS} FROM checkpoints WHERE tenant = ? AND kind IN ('explicit', 'imported') "
                 "ORDER BY created_at",
                 (tenant,),
             ).fetchall()
