@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import signal
 import struct
 import subprocess
@@ -356,5 +357,11 @@ def test_a_terminal_sees_the_prompt_evaluated_until_the_first_token(daemon_addre
     assert rc == 0, terminal
     assert out.strip()  # the reply, on stdout
     assert "evaluating the prompt 00:0" in terminal
+    # Then the daemon's reports: the prompt's tokens, all of them evaluated before the reply.
+    shown = re.findall(r"(\d+)/(\d+) tokens", terminal)
+    assert shown and shown[-1][0] == shown[-1][1], terminal
+    assert re.search(r"\d+ tokens/s", terminal)
     # The line is cleared once the reply begins (spaces over it), before what follows.
-    assert terminal.endswith("\r" + " " * len("evaluating the prompt 00:00") + "\r[length]\r\n")
+    *_, last, cleared, after, end = terminal.split("\r")
+    assert last.startswith("evaluating the prompt 100%")
+    assert (cleared, after, end) == (" " * len(last), "[length]", "\n")

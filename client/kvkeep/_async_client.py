@@ -112,6 +112,8 @@ class AsyncClient:
             try:
                 async for response in call:
                     answered = self._reached = True
+                    if op.aside is not None and op.aside(response):
+                        continue
                     yield op.convert(response)
                 return
             except grpc.RpcError as e:
@@ -224,6 +226,7 @@ class AsyncSession:
         grammar: str | None = None,
         json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
+        on_progress: ops.OnProgress | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         op = ops.generate(
             self.session_id,
@@ -235,6 +238,7 @@ class AsyncSession:
             grammar=grammar,
             json_schema=json_schema,
             parse_special=parse_special,
+            on_progress=on_progress,
         )
         return self.client._stream(op)
 
@@ -250,6 +254,7 @@ class AsyncSession:
         grammar: str | None = None,
         json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
+        on_progress: ops.OnProgress | None = None,
     ) -> Completion:
         stream = self.generate(
             prompt,
@@ -260,6 +265,7 @@ class AsyncSession:
             grammar=grammar,
             json_schema=json_schema,
             parse_special=parse_special,
+            on_progress=on_progress,
         )
         return await _join(stream)
 
@@ -278,6 +284,7 @@ class AsyncSession:
         tools: Sequence[Tool] | None = None,
         tool_choice: str | Tool | None = None,
         parallel_tool_calls: bool | None = None,
+        on_progress: ops.OnProgress | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         op = ops.chat(
             self.session_id,
@@ -292,6 +299,7 @@ class AsyncSession:
             tools=tools,
             tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls,
+            on_progress=on_progress,
         )
         return self.client._stream(op)
 
@@ -310,6 +318,7 @@ class AsyncSession:
         tools: Sequence[Tool] | None = None,
         tool_choice: str | Tool | None = None,
         parallel_tool_calls: bool | None = None,
+        on_progress: ops.OnProgress | None = None,
     ) -> Completion:
         stream = self.chat_stream(
             message,
@@ -323,6 +332,7 @@ class AsyncSession:
             tools=tools,
             tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls,
+            on_progress=on_progress,
         )
         return await _join(stream)
 

@@ -120,6 +120,8 @@ class Client:
             try:
                 for response in call:
                     answered = self._reached = True
+                    if op.aside is not None and op.aside(response):
+                        continue
                     yield op.convert(response)
                 return
             except grpc.RpcError as e:
@@ -230,6 +232,7 @@ class Session:
         grammar: str | None = None,
         json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
+        on_progress: ops.OnProgress | None = None,
     ) -> Generator[Chunk, None, None]:
         op = ops.generate(
             self.session_id,
@@ -241,6 +244,7 @@ class Session:
             grammar=grammar,
             json_schema=json_schema,
             parse_special=parse_special,
+            on_progress=on_progress,
         )
         return self.client._stream(op)
 
@@ -256,6 +260,7 @@ class Session:
         grammar: str | None = None,
         json_schema: str | Mapping[str, Any] | None = None,
         parse_special: bool = False,
+        on_progress: ops.OnProgress | None = None,
     ) -> Completion:
         return join_chunks(
             self.generate(
@@ -267,6 +272,7 @@ class Session:
                 grammar=grammar,
                 json_schema=json_schema,
                 parse_special=parse_special,
+                on_progress=on_progress,
             )
         )
 
@@ -285,6 +291,7 @@ class Session:
         tools: Sequence[Tool] | None = None,
         tool_choice: str | Tool | None = None,
         parallel_tool_calls: bool | None = None,
+        on_progress: ops.OnProgress | None = None,
     ) -> Generator[Chunk, None, None]:
         op = ops.chat(
             self.session_id,
@@ -299,6 +306,7 @@ class Session:
             tools=tools,
             tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls,
+            on_progress=on_progress,
         )
         return self.client._stream(op)
 
@@ -317,6 +325,7 @@ class Session:
         tools: Sequence[Tool] | None = None,
         tool_choice: str | Tool | None = None,
         parallel_tool_calls: bool | None = None,
+        on_progress: ops.OnProgress | None = None,
     ) -> Completion:
         return join_chunks(
             self.chat_stream(
@@ -331,6 +340,7 @@ class Session:
                 tools=tools,
                 tool_choice=tool_choice,
                 parallel_tool_calls=parallel_tool_calls,
+                on_progress=on_progress,
             )
         )
 

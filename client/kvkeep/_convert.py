@@ -372,6 +372,7 @@ def generate_request(
     parse_special: bool,
     grammar: str | None = None,
     json_schema: str | Mapping[str, Any] | None = None,
+    return_progress: bool = False,
 ) -> pb.GenerateRequest:
     """The request for a raw continuation; a sequence of ints is a prompt of token ids."""
     request = pb.GenerateRequest(
@@ -383,6 +384,7 @@ def generate_request(
         logprobs=logprobs,
         grammar=grammar or "",
         json_schema=schema_text(json_schema),
+        return_progress=return_progress,
     )
     if isinstance(prompt, str):
         request.prompt = prompt
@@ -405,6 +407,7 @@ def chat_request(
     tools: Sequence[Tool] | None = None,
     tool_choice: str | Tool | None = None,
     parallel_tool_calls: bool | None = None,
+    return_progress: bool = False,
 ) -> pb.ChatRequest:
     """The request for one chat turn: a user message, or messages of any roles."""
     if isinstance(message, str):
@@ -427,6 +430,7 @@ def chat_request(
         tools=None if tools is None else pb.ToolList(tools=[tool_to_pb(t) for t in tools]),
         tool_choice=None if tool_choice is None else tool_choice_to_pb(tool_choice),
         parallel_tool_calls=parallel_tool_calls,
+        return_progress=return_progress,
     )
 
 

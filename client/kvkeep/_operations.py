@@ -29,11 +29,22 @@ from kvkeep._convert import (
     info_from_pb,
     session_info_from_pb,
 )
-from kvkeep._types import CheckpointInfo, Chunk, Info, Message, SamplingParams, SessionInfo, Tool
+from kvkeep._types import (
+    CheckpointInfo,
+    Chunk,
+    Info,
+    Message,
+    PromptProgress,
+    SamplingParams,
+    SessionInfo,
+    Tool,
+)
 from kvkeep.v1 import kvkeep_pb2 as pb
 
 _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., Any])
+#: What a generation's ``on_progress`` is: called with each report of the prompt's evaluation.
+OnProgress = Callable[[PromptProgress], object]
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,9 @@ class Stream(Generic[_T]):
     # Whether it may be sent again after a lost connection while nothing of it has arrived
     # (_retry.py): it reads, or it is a turn (whose tokens are all sent before it is kept).
     resend: bool = False
+    # Takes the answers that are not converted and yielded (True): a generation's progress
+    # reports, which go to its on_progress.
+    aside: Callable[[Any], bool] | None = None
 
 
 def described_by(source: Callable[..., Any] | str) -> Callable[[_F], _F]:
@@ -175,6 +189,7 @@ def generate(
     grammar: str | None,
     json_schema: str | Mapping[str, Any] | None,
     parse_special: bool,
+    on_progress: OnProgress | None = None,
 ) -> Stream[Chunk]:
     """Append ``prompt`` (text, or token ids) to the session and stream what follows.
 
@@ -187,6 +202,10 @@ def generate(
     Structured output: ``grammar`` (GBNF text) or ``json_schema`` (a dict or JSON text)
     makes the output match it. Output cut short (``max_tokens``, a stop string) leaves the
     constraint open: calling generate again with an empty prompt continues within it.
+
+    ``on_progress`` is called with a PromptProgress as the daemon evaluates the prompt: once
+    as it begins, then after each batch of its tokens (``--batch-size``), all before the
+    first chunk. A long prompt on a CPU takes seconds to tens of seconds.
     """
     request = generate_request(
         session_id,
@@ -198,8 +217,9 @@ def generate(
         grammar=grammar,
         json_schema=json_schema,
         parse_special=parse_special,
+        return_progress=on_progress is not None,
     )
-    return Stream("Generate", request, _chunk, session_id, resend=True)
+    return Stream("Generate", request, _chunk, session_id, resend=True, aside=_progress_to(on_progress))
 
 
 COMPLETE = "Like generate, but waits for the whole continuation."
@@ -219,6 +239,7 @@ def chat(
     tools: Sequence[Tool] | None = None,
     tool_choice: str | Tool | None = None,
     parallel_tool_calls: bool | None = None,
+    on_progress: OnProgress | None = None,
 ) -> Stream[Chunk]:
     """Send a user message through the model's chat template and stream the reply.
 
@@ -226,7 +247,8 @@ def chat(
     the reply. With ``whole``, that sequence is the whole conversation: the session keeps
     the part of its history that matches it, token for token, and evaluates only the
     rest (an edited or shortened conversation rewinds the session). The other arguments
-    work as in generate.
+    work as in generate, ``on_progress`` too: its ``cached`` tokens are the history the
+    session holds already.
 
     Tool calls: ``tools`` replaces the session's tools for this turn and the next ones
     (``[]``: none; None: keep the session's). The model sees them through its template and
@@ -251,8 +273,9 @@ def chat(
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls,
+        return_progress=on_progress is not None,
     )
-    return Stream("Chat", request, _chunk, session_id, resend=True)
+    return Stream("Chat", request, _chunk, session_id, resend=True, aside=_progress_to(on_progress))
 
 
 CHAT = "Like chat_stream, but waits for the whole reply."
@@ -326,6 +349,21 @@ def _checkpoints(response: pb.ListCheckpointsResponse) -> list[CheckpointInfo]:
 
 def _chunk(response: pb.GenerateResponse | pb.ChatResponse) -> Chunk:
     return chunk_from_pb(response.chunk)
+
+
+def _progress_to(on_progress: OnProgress | None) -> Callable[[Any], bool] | None:
+    """What takes a generation's progress reports to ``on_progress``."""
+    if on_progress is None:
+        return None
+
+    def aside(response: pb.GenerateResponse | pb.ChatResponse) -> bool:
+        if not response.chunk.HasField("prompt_progress"):
+            return False
+        p = response.chunk.prompt_progress
+        on_progress(PromptProgress(p.total, p.cached, p.processed, p.time_ms / 1000.0))
+        return True
+
+    return aside
 
 
 def _data(response: pb.ExportCheckpointResponse) -> bytes:

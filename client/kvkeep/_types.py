@@ -133,6 +133,29 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptProgress:
+    """How far the daemon is in evaluating a request's prompt, reported to ``on_progress``
+    before the first token: of ``total`` tokens (the session's history and the new prompt),
+    ``cached`` were computed already when it began, and ``processed`` are now (the cached ones
+    included), ``elapsed`` seconds after it began."""
+
+    total: int
+    cached: int
+    processed: int
+    elapsed: float
+
+    @property
+    def fraction(self) -> float:
+        """The part of the prompt evaluated, from 0 to 1 (1 for an empty one)."""
+        return self.processed / self.total if self.total else 1.0
+
+    @property
+    def evaluated(self) -> int:
+        """The tokens this request evaluated so far (the cached ones not counted)."""
+        return self.processed - self.cached
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     """A whole generation: the chunks of a stream joined."""
 

@@ -260,6 +260,8 @@ class Turn:
     tools: tuple[Tool, ...] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Report the prompt's evaluation as it goes (chunks carrying a PromptProgress).
+    progress: bool = False
 
 
 @dataclass(frozen=True)
@@ -274,6 +276,8 @@ class GenerationRequest:
     # Where a reply stops when max_tokens says nothing (the daemon's --default-max-tokens;
     # None: at the end of the context). Unlike max_tokens, no room is kept for it.
     default_max_tokens: int | None = None
+    # Chunks of PromptProgress while the prompt is evaluated.
+    progress: bool = False
 
 
 @dataclass(frozen=True)
@@ -302,8 +306,21 @@ class GeneratedToken:
 
 
 @dataclass(frozen=True)
+class PromptProgress:
+    """How far a generation's prompt is evaluated: of `total` tokens (the session's history
+    and the prompt), `cached` were computed when the evaluation began and `processed` are now
+    (the cached ones included), `time_ms` after it began."""
+
+    total: int
+    cached: int
+    processed: int
+    time_ms: float
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """One piece of a streamed generation; the last carries finish_reason and usage."""
+    """One piece of a streamed generation; the last carries finish_reason and usage. A chunk
+    with `progress` (asked for by the request) carries nothing else."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -311,3 +328,4 @@ class Chunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     tool_calls: tuple[CallDelta, ...] = ()
+    progress: PromptProgress | None = None

@@ -102,7 +102,12 @@ def run(
         options.update(tools=tools, tool_choice=tool_choice)
     try:
         show_reply(
-            state, session.chat_stream(prompt, **options) if chat else session.generate(prompt, **options)
+            state,
+            lambda on_progress: (
+                session.chat_stream(prompt, on_progress=on_progress, **options)
+                if chat
+                else session.generate(prompt, on_progress=on_progress, **options)
+            ),
         )
     finally:
         session.close()
@@ -148,7 +153,10 @@ def chat(
             continue
         try:
             show_reply(
-                state, session.chat_stream(line, max_tokens=token_limit(max_tokens), sampling=sampling)
+                state,
+                lambda on_progress: session.chat_stream(
+                    line, max_tokens=token_limit(max_tokens), sampling=sampling, on_progress=on_progress
+                ),
             )
         except KeyboardInterrupt:
             click.echo("[interrupted]", err=True)

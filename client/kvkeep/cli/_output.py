@@ -6,15 +6,19 @@ import contextlib
 import dataclasses
 import datetime
 import json
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import click
 
 from kvkeep._convert import join_chunks
+from kvkeep._operations import OnProgress
 from kvkeep._types import Chunk
 from kvkeep.cli._context import State
-from kvkeep.cli._progress import waiting
+from kvkeep.cli._progress import evaluating
+
+#: What makes a reply's request: given what takes the prompt's progress (None: none asked).
+Start = Callable[[OnProgress | None], Generator[Chunk, None, None]]
 
 
 def echo_json(value: Any) -> None:
@@ -60,16 +64,15 @@ def one_line(text: str, width: int = 100) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
-def _print_stream(stream: Iterator[Chunk]) -> None:
-    """Echo a reply as it arrives, then why it ended unless it ended normally. Until its first
-    token, a terminal shows how long the prompt has been evaluated for."""
+def _print_stream(stream: Iterator[Chunk], done: Callable[[], None]) -> None:
+    """Echo a reply as it arrives, then why it ended unless it ended normally; `done` at its
+    first chunk."""
     chunks: list[Chunk] = []
     try:
-        with waiting("evaluating the prompt") as done:
-            for chunk in stream:
-                done()
-                click.echo(chunk.text, nl=False)
-                chunks.append(chunk)
+        for chunk in stream:
+            done()
+            click.echo(chunk.text, nl=False)
+            chunks.append(chunk)
     finally:
         # End the line even when Ctrl-C cut the reply short.
         text = "".join(c.text for c in chunks)
@@ -82,10 +85,14 @@ def _print_stream(stream: Iterator[Chunk]) -> None:
         click.echo(f"[{reply.finish_reason}]", err=True)
 
 
-def show_reply(state: State, stream: Generator[Chunk, None, None]) -> None:
-    """Show a reply: streamed as text, or printed whole as JSON."""
+def show_reply(state: State, start: Start) -> None:
+    """Show the reply of the request `start` makes: streamed as text, or printed whole as JSON.
+    Until its first token, a terminal shows the prompt's evaluation: how long it has taken,
+    and its tokens as the daemon reports them."""
     if state.as_json:
-        echo_json(join_chunks(stream))
+        echo_json(join_chunks(start(None)))
         return
-    with contextlib.closing(stream):
-        _print_stream(stream)
+    with evaluating("evaluating the prompt") as prefill:
+        stream = start(prefill.report)
+        with contextlib.closing(stream):
+            _print_stream(stream, prefill.done)

@@ -1,5 +1,6 @@
-"""Progress where people wait, on stderr and only when it is a terminal: a ticking wait for a
-reply's first token (the prompt is being evaluated), and bars of bytes for exports and imports.
+"""Progress where people wait, on stderr and only when it is a terminal: the prompt's
+evaluation until a reply's first token (ticking, then a bar of its tokens as the daemon
+reports them), and bars of bytes for exports and imports.
 
 tqdm draws them (see pyproject.toml for why): it keeps rates and times, and clears its line.
 """
@@ -14,38 +15,76 @@ from typing import BinaryIO, cast
 
 from tqdm import tqdm
 
+from kvkeep._types import PromptProgress
+
+# The prompt's bar once the daemon reports its tokens (until then, the label and the time).
+PROMPT_BAR = "{desc} {percentage:3.0f}%|{bar:20}| {n}/{total} tokens{postfix} {elapsed}"
+
 
 def on_terminal() -> bool:
     return sys.stderr.isatty()
 
 
-@contextlib.contextmanager
-def waiting(label: str) -> Iterator[Callable[[], None]]:
-    """`label` and the seconds spent so far, ticking until the returned `done()` is called
-    (or the block ends); the line is cleared then. Nothing off a terminal."""
-    if not on_terminal():
-        yield lambda: None
-        return
-    bar = tqdm(desc=label, bar_format="{desc} {elapsed}", file=sys.stderr, leave=False)
-    stopped = threading.Event()
+class _Ticking:
+    """A line of `label` and the seconds spent so far, redrawn four times a second by a
+    thread of its own until `done`, which clears it."""
 
-    def tick() -> None:
-        while not stopped.wait(0.25):
+    def __init__(self, label: str) -> None:
+        self.bar = tqdm(desc=label, bar_format="{desc} {elapsed}", file=sys.stderr, leave=False)
+        # The ticker and the caller both draw the bar.
+        self.lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="kvkeep-progress", daemon=True)
+        self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._stopped.wait(0.25):
+            with self.lock:
+                self.bar.refresh()
+
+    def done(self) -> None:
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self._ticker.join()
+            self.bar.close()
+
+    def report(self, p: PromptProgress) -> None:
+        """Show the prompt's tokens evaluated (the cached ones included), and the rate of
+        those this request evaluated."""
+        with self.lock:
+            if self._stopped.is_set():
+                return
+            bar = self.bar
+            bar.bar_format = PROMPT_BAR
+            bar.total = p.total
+            bar.n = p.processed
+            rate = f"{p.evaluated / p.elapsed:.0f} tokens/s" if p.elapsed > 0 and p.evaluated else ""
+            bar.set_postfix_str(rate, refresh=False)
             bar.refresh()
 
-    ticker = threading.Thread(target=tick, name="kvkeep-progress", daemon=True)
-    ticker.start()
 
-    def done() -> None:
-        if not stopped.is_set():
-            stopped.set()
-            ticker.join()
-            bar.close()
+class Prefill:
+    """What `evaluating` yields: `report` takes each PromptProgress the daemon sends (None off
+    a terminal: there is nothing to ask for), `done` ends the wait (the reply's first chunk)."""
 
+    def __init__(self, report: Callable[[PromptProgress], None] | None, done: Callable[[], None]) -> None:
+        self.report = report
+        self.done = done
+
+
+@contextlib.contextmanager
+def evaluating(label: str) -> Iterator[Prefill]:
+    """`label` and the seconds spent so far, ticking; once the daemon reports the prompt's
+    progress, a bar of its tokens with the rate they are evaluated at. The line is cleared
+    at `done()` (or the block's end). Nothing off a terminal."""
+    if not on_terminal():
+        yield Prefill(None, lambda: None)
+        return
+    ticking = _Ticking(label)
     try:
-        yield done
+        yield Prefill(ticking.report, ticking.done)
     finally:
-        done()
+        ticking.done()
 
 
 @contextlib.contextmanager

@@ -427,6 +427,40 @@ class GeneratedToken(_message.Message):
 Global___GeneratedToken: _TypeAlias = GeneratedToken  # noqa: Y015
 
 @_typing.final
+class PromptProgress(_message.Message):
+    """How far the evaluation of a request's prompt is (llama-server's prompt_progress): of
+    `total` tokens (the context the reply follows: the session's history and the prompt),
+    `cached` were computed already when it began, and `processed` are now (cached ones
+    included), `time_ms` after it began.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_FIELD_NUMBER: _builtins.int
+    CACHED_FIELD_NUMBER: _builtins.int
+    PROCESSED_FIELD_NUMBER: _builtins.int
+    TIME_MS_FIELD_NUMBER: _builtins.int
+    total: _builtins.int
+    cached: _builtins.int
+    processed: _builtins.int
+    time_ms: _builtins.float
+    def __init__(
+        self,
+        *,
+        total: _builtins.int = ...,
+        cached: _builtins.int = ...,
+        processed: _builtins.int = ...,
+        time_ms: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "processed", b"processed", "time_ms", b"time_ms", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptProgress: _TypeAlias = PromptProgress  # noqa: Y015
+
+@_typing.final
 class GenerationChunk(_message.Message):
     """One piece of a streamed generation. The last piece carries finish_reason and usage."""
 
@@ -438,6 +472,7 @@ class GenerationChunk(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    PROMPT_PROGRESS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
     @_builtins.property
@@ -450,6 +485,13 @@ class GenerationChunk(_message.Message):
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCallDelta]:
         """A reply's calls, in pieces (text holds its content only)."""
 
+    @_builtins.property
+    def prompt_progress(self) -> Global___PromptProgress:
+        """Set only on a request that asked for it (return_progress), on pieces of their own that
+        carry nothing else: one as the prompt's evaluation begins, one after each of its
+        batches, all before the first token.
+        """
+
     def __init__(
         self,
         *,
@@ -459,10 +501,11 @@ class GenerationChunk(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
+        prompt_progress: Global___PromptProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_progress", b"prompt_progress", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "prompt_progress", b"prompt_progress", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1010,6 +1053,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
     JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    RETURN_PROGRESS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     prompt: _builtins.str
     """The prompt: text or token ids (not both). Empty: continue from where the session stopped."""
@@ -1025,6 +1069,8 @@ class GenerateRequest(_message.Message):
     cut short leaves the constraint open: an empty prompt continues within it.
     """
     json_schema: _builtins.str
+    return_progress: _builtins.bool
+    """Stream the prompt's evaluation as it goes: chunks with prompt_progress before the first token."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -1048,10 +1094,11 @@ class GenerateRequest(_message.Message):
         logprobs: _builtins.int = ...,
         grammar: _builtins.str = ...,
         json_schema: _builtins.str = ...,
+        return_progress: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "max_tokens", b"max_tokens", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "grammar", b"grammar", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "parse_special", b"parse_special", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "grammar", b"grammar", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "parse_special", b"parse_special", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "return_progress", b"return_progress", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
@@ -1096,6 +1143,7 @@ class ChatRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _builtins.int
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    RETURN_PROGRESS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     message: _builtins.str
     """the user's message"""
@@ -1106,6 +1154,8 @@ class ChatRequest(_message.Message):
     json_schema: _builtins.str
     whole: _builtins.bool
     parallel_tool_calls: _builtins.bool
+    return_progress: _builtins.bool
+    """as in GenerateRequest"""
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
     @_builtins.property
@@ -1142,10 +1192,11 @@ class ChatRequest(_message.Message):
         tools: Global___ToolList | None = ...,
         tool_choice: Global___ToolChoice | None = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
+        return_progress: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "max_tokens", b"max_tokens", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "grammar", b"grammar", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "message", b"message", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop", "tool_choice", b"tool_choice", "tools", b"tools", "whole", b"whole"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "grammar", b"grammar", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "message", b"message", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "return_progress", b"return_progress", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop", "tool_choice", b"tool_choice", "tools", b"tools", "whole", b"whole"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015

@@ -61,6 +61,7 @@ def turn_from_pb(r: pb.GenerateRequest | pb.ChatRequest) -> Turn:
         logprobs=r.logprobs,
         grammar=r.grammar,
         json_schema=r.json_schema,
+        progress=r.return_progress,
     )
     if not isinstance(r, pb.ChatRequest):
         return turn
@@ -177,6 +178,11 @@ def chunk_to_pb(c: Chunk) -> pb.GenerationChunk:
             pb.TokenLogprob(token_id=g.sampled.token_id, text=g.sampled.text, logprob=g.sampled.logprob)
         )
         item.top.extend(pb.TokenLogprob(token_id=t.token_id, text=t.text, logprob=t.logprob) for t in g.top)
+    if c.progress is not None:
+        p = c.progress
+        out.prompt_progress.CopyFrom(
+            pb.PromptProgress(total=p.total, cached=p.cached, processed=p.processed, time_ms=p.time_ms)
+        )
     if c.finish_reason is not None:
         out.finish_reason = FINISH[c.finish_reason]
     if c.usage is not None:

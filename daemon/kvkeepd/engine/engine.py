@@ -356,7 +356,7 @@ class Engine:
                 self.load(job.slot, state, prefix)
             except KvkeepError as e:  # the slot is empty now: the history is evaluated
                 log.warning("a cached prefix was not taken: %s", e)
-        job.reused = state.n_kv
+        job.begin()
         self._active.append(job)
 
     def _step(self) -> None:
@@ -399,6 +399,7 @@ class Engine:
             state = job.state
             state.n_kv += count
             job.evaluated += count
+            job.report()
             if state.n_kv == job.boundary_at and job.boundary is None:
                 job.boundary = (state.n_kv, self._partial(job))
             if not last:

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,7 +25,16 @@ from kvkeepd.errors import KvkeepError
 from kvkeepd.state import cells as kvstate
 from kvkeepd.toolcall import CallDelta
 from kvkeepd.tools import CallStream
-from kvkeepd.values import Chunk, FinishReason, GeneratedToken, GenerationRequest, Logits, TokenLogprob, Usage
+from kvkeepd.values import (
+    Chunk,
+    FinishReason,
+    GeneratedToken,
+    GenerationRequest,
+    Logits,
+    PromptProgress,
+    TokenLogprob,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 # Epochs of computed states: unique across SeqStates, so none is ever reused.
@@ -99,6 +109,10 @@ class Job:
         self.text = ""
         self.reused = 0
         self.evaluated = 0
+        # The context to evaluate before the first token, and when its evaluation began
+        # (set by begin).
+        self._total = 0
+        self._began = 0.0
         # The recurrent state at the end of the prompt (models with one): a point the
         # session can later rewind to without evaluating from the start.
         self.snapshot: kvstate.RecurrentCells | None = None
@@ -115,6 +129,26 @@ class Job:
         self._pending_ids: list[int] = []
         self._pending_logprobs: list[GeneratedToken] = []
         self._pending_calls: list[CallDelta] = []
+
+    def begin(self) -> None:
+        """The prompt's evaluation begins: what the slot holds now is reused; the first
+        progress report (its processed tokens are the cached ones)."""
+        self.reused = self.state.n_kv
+        self._total = len(self.state.tokens)
+        self._began = time.monotonic()
+        self.report()
+
+    def report(self) -> None:
+        """After each chunk of the prompt is evaluated: how far it is, when the request asked."""
+        if not self.request.progress or self.generated:
+            return
+        progress = PromptProgress(
+            total=self._total,
+            cached=self.reused,
+            processed=self.state.n_kv,
+            time_ms=(time.monotonic() - self._began) * 1000.0,
+        )
+        self.emit(Chunk(text="", token_ids=(), progress=progress))
 
     def usage(self) -> Usage:
         return Usage(

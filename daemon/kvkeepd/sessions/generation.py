@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TypeGuard
 
 from kvkeepd.config.settings import Settings
 from kvkeepd.engine.context import ModelInfo
@@ -280,14 +281,21 @@ class Conversations:
         # A client that leaves stops the job within one step; the job's end is awaited all
         # the same, so the session's history is settled before anything else touches it.
         ops.current().on_abandon(lambda: setattr(job, "cancelled", True))
+        # A chunk taken off the queue that cannot join the one before it: sent next.
+        held: Chunk | None = None
         try:
             while True:
-                item = await items.get()
-                # Chunks that queued up while the client was being served go out as one.
-                while isinstance(item, Chunk) and item.finish_reason is None and not items.empty():
+                item = held if held is not None else await items.get()
+                held = None
+                # Chunks that queued up while the client was being served go out as one; a
+                # progress report stays a chunk of its own (each says where the prompt was).
+                while _joins(item) and not items.empty():
                     following = items.get_nowait()
                     if not isinstance(following, Chunk):
                         raise following
+                    if following.progress is not None:
+                        held = following
+                        break
                     item = _merge(item, following)
                 if isinstance(item, BaseException):
                     raise item
@@ -372,6 +380,7 @@ class Conversations:
             stop=session.stop + check_stop(turn.stop),
             logprobs=turn.logprobs,
             default_max_tokens=self.settings.default_max_tokens or None,
+            progress=turn.progress,
         )
 
     async def _grammar(
@@ -401,6 +410,11 @@ class Conversations:
             )
             stream.feed(text)
         return stream
+
+
+def _joins(item: Chunk | BaseException) -> TypeGuard[Chunk]:
+    """Whether chunks queued after this item may join it: text or tokens that do not end."""
+    return isinstance(item, Chunk) and item.finish_reason is None and item.progress is None
 
 
 def _merge(a: Chunk, b: Chunk) -> Chunk:

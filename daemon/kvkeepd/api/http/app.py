@@ -350,7 +350,7 @@ class OpenAiDoor:
             try:
                 while True:
                     # A chunk of nothing (the tokens of a call's syntax) goes unsent.
-                    if is_first or chunk.text or chunk.tool_calls or chunk.logprobs or chunk.finish_reason:
+                    if is_first or _says_something(chunk):
                         yield sse(render(chunk, is_first))
                         is_first = False
                     if chunk.finish_reason is not None:
@@ -371,6 +371,10 @@ class OpenAiDoor:
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
         )
+
+
+def _says_something(c: Chunk) -> bool:
+    return bool(c.text or c.tool_calls or c.logprobs or c.finish_reason or c.progress is not None)
 
 
 def _describe(e: ValidationError) -> tuple[str, str, str | None]:

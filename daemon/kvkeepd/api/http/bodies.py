@@ -9,7 +9,7 @@ from typing import Any
 
 from kvkeepd.errors import InvalidRequest, KvkeepError
 from kvkeepd.toolcall import CallDelta, ToolCall, join_deltas
-from kvkeepd.values import Chunk, GeneratedToken, Usage
+from kvkeepd.values import Chunk, GeneratedToken, PromptProgress, Usage
 
 # The engine's finish reasons as OpenAI names them.
 FINISH = {
@@ -87,6 +87,11 @@ def usage(u: Usage) -> dict[str, Any]:
     }
 
 
+def prompt_progress(p: PromptProgress) -> dict[str, Any]:
+    """A progress report as llama-server's streams carry it (`prompt_progress`)."""
+    return {"total": p.total, "cache": p.cached, "processed": p.processed, "time_ms": round(p.time_ms)}
+
+
 def sse(data: dict[str, Any] | str) -> bytes:
     """One server-sent event."""
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
@@ -138,8 +143,10 @@ class Reply:
         }
 
     def chat_chunk(self, c: Chunk, top: int, first: bool) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": c.text if c.text or not c.tool_calls else None}
-        if first:
+        content = c.text if (c.text or not c.tool_calls) and c.progress is None else None
+        delta: dict[str, Any] = {"content": content}
+        if first or c.progress is not None:
+            # llama-server's progress chunks: an empty assistant delta, the report beside it.
             delta["role"] = "assistant"
         if c.tool_calls:
             delta["tool_calls"] = tool_call_deltas(c.tool_calls)
@@ -153,6 +160,7 @@ class Reply:
                     "finish_reason": FINISH.get(c.finish_reason, "stop") if c.finish_reason else None,
                 }
             ],
+            **_progress_of(c),
         }
 
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
@@ -188,7 +196,13 @@ class Reply:
                     "finish_reason": FINISH.get(c.finish_reason, "stop") if c.finish_reason else None,
                 }
             ],
+            **_progress_of(c),
         }
+
+
+def _progress_of(c: Chunk) -> dict[str, Any]:
+    """The `prompt_progress` field of a progress chunk; nothing for another."""
+    return {"prompt_progress": prompt_progress(c.progress)} if c.progress is not None else {}
 
 
 def chat_logprobs(tokens: Sequence[GeneratedToken], top: int) -> list[dict[str, Any]]:

@@ -6,7 +6,7 @@ that asks for two choices, legacy functions or a sampler kvkeep lacks must not g
 else silently. Fields that change nothing here (`user`, `metadata`, `store`...) are ignored.
 Besides OpenAI's, llama.cpp's server's extensions that kvkeep has are taken: `grammar`
 (GBNF), a top-level `json_schema`, `response_format` `json_object` with a `schema`, `top_k`,
-`min_p` and `repeat_penalty`.
+`min_p`, `repeat_penalty` and `return_progress` (streams only).
 """
 
 from __future__ import annotations
@@ -134,6 +134,7 @@ class GenerationBody(_Body):
     top_k: Annotated[int, Field(ge=0)] | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
+    return_progress: bool = False
     mirostat: int = 0
     typical_p: float = 1.0
     ignore_eos: bool = False
@@ -149,6 +150,13 @@ class GenerationBody(_Body):
         for name, neutral in NEUTRAL.items():
             if getattr(self, name) != neutral:
                 raise InvalidRequest(f"{name} is not supported (only its neutral value, {neutral})", name)
+        if self.return_progress and not self.stream:
+            # A whole reply has no chunk before its first token to carry the progress in.
+            raise InvalidRequest(
+                "return_progress needs stream: true (the prompt's progress comes as chunks before "
+                "the first token)",
+                "return_progress",
+            )
         if self.persistent and self.session_id != NEW_SESSION:
             raise InvalidRequest(
                 f"persistent goes with session_id {NEW_SESSION!r}: it starts a session", "persistent"
@@ -264,6 +272,7 @@ class ChatCompletionRequest(GenerationBody):
                     else ToolChoice(choice)
                 ),
                 parallel_tool_calls=self.parallel_tool_calls is not False,
+                progress=self.return_progress,
             )
         )
 
@@ -304,5 +313,6 @@ class CompletionRequest(GenerationBody):
                 logprobs=self.logprobs or 0,
                 grammar=self.grammar or "",
                 json_schema=self.schema_text(),
+                progress=self.return_progress,
             )
         )
