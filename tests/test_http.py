@@ -215,7 +215,7 @@ def test_session_id_continues_a_session_exactly(oai: openai.OpenAI, grpc_client:
     twins = [grpc_client.create_session(SYSTEM, sampling=GREEDY) for _ in range(2)]
     try:
         questions = ["What is at pier 7?", "Who uses it?", "And pier 3?"]
-        for q in questions:
+        for turn, q in enumerate(questions):
             over_grpc = twins[0].chat(q, max_tokens=12, logprobs=1)
             over_http = chat(
                 oai,
@@ -231,7 +231,12 @@ def test_session_id_continues_a_session_exactly(oai: openai.OpenAI, grpc_client:
             http_logprobs = [float(np.float32(t.logprob)) for t in choice.logprobs.content]
             assert http_logprobs == [g.sampled.logprob for g in over_grpc.logprobs]
             assert over_http.usage.completion_tokens == over_grpc.usage.generated_tokens
-            assert over_http.usage.prompt_tokens_details.cached_tokens == over_grpc.usage.reused_tokens
+            cached = over_http.usage.prompt_tokens_details.cached_tokens
+            if turn == 0:
+                # The first turn may also attach the blocks its gRPC twin has just computed.
+                assert cached >= over_grpc.usage.reused_tokens
+            else:  # later turns each continue their own session's history
+                assert cached == over_grpc.usage.reused_tokens
         a, b = twins[0].info(), twins[1].info()
         assert a.n_tokens == b.n_tokens and a.messages == b.messages
     finally:

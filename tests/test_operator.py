@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,6 @@ def test_the_log_names_every_address_and_a_line_per_request_without_prompts(spaw
     assert reply.status_code == 200
     missing = httpx.post(f"http://{info.http_address}/v1/chat/completions", json={}, timeout=60)
     assert missing.status_code == 400
-    log = d.log()
-    assert f"gRPC (kvkeep CLI and SDK) on {d.address}" in log
-    assert f"OpenAI-compatible HTTP on http://{info.http_address}/v1 (health: /health)" in log
-    assert f"Prometheus metrics on http://{info.metrics_address}/metrics" in log
-    access = [line.split("kvkeepd.access: ", 1)[1] for line in log.splitlines() if "kvkeepd.access: " in line]
     sid = session.session_id
     expected = [
         r"grpc GetInfo tenant=- session=- tokens=- \d+\.\d{3}s OK",
@@ -53,6 +49,18 @@ def test_the_log_names_every_address_and_a_line_per_request_without_prompts(spaw
         r"http POST /v1/chat/completions tenant=- session=s_\w+ tokens=\d+\+2 \d+\.\d{3}s 200",
         r"http POST /v1/chat/completions tenant=- session=- tokens=- \d+\.\d{3}s 400",
     ]
+    marker = "kvkeepd.access: "
+    # A request's line is written once its reply has gone, so the client may read the log first.
+    deadline = time.monotonic() + 10
+    while True:
+        log = d.log()
+        access = [line.split(marker, 1)[1] for line in log.splitlines() if marker in line]
+        if len(access) >= len(expected) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert f"gRPC (kvkeep CLI and SDK) on {d.address}" in log
+    assert f"OpenAI-compatible HTTP on http://{info.http_address}/v1 (health: /health)" in log
+    assert f"Prometheus metrics on http://{info.metrics_address}/metrics" in log
     assert len(access) == len(expected), access
     for line, pattern in zip(access, expected, strict=True):
         assert re.fullmatch(pattern, line), line
