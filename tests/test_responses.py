@@ -31,6 +31,7 @@ from servers import free_port
 from test_tenants import TOKENS, write_auth
 
 import kvkeep
+from kvkeepd.sessions.responses import checkpoint_of
 
 MODEL = model_path().stem
 INSTRUCTIONS = (
@@ -131,6 +132,28 @@ def test_previous_response_id_continues_in_place_and_a_branch_forks_exactly(
     create(oai, "And the day before?", previous_response_id=second.id)
     items = oai.responses.input_items.list(second.id)
     assert [i.content[0].text for i in items.data] == ["And yesterday?"]
+
+
+def test_a_chain_keeps_two_whole_states_and_an_older_branch_loads_its_blocks_exactly(
+    oai: openai.OpenAI, door: InProcessDaemon
+) -> None:
+    """A chain continued in place keeps in RAM the whole states of its newest two responses
+    (a branch from the one before the newest, a retry, loads as it is); an older response's
+    gives way, and a branch from it reads its blocks and continues exactly as well."""
+    assert door.daemon is not None
+    wholes = door.daemon.manager.residency.wholes
+    first = create(oai, "Which ship came in today?", temperature=0.9)
+    second = create(oai, "And yesterday?", previous_response_id=first.id, temperature=0.9)
+    third = create(oai, "And the day before?", previous_response_id=second.id, temperature=0.9)
+    held = {r.id: checkpoint_of(r.id) in wholes for r in (first, second, third)}
+    assert held == {first.id: False, second.id: True, third.id: True}
+    before = resumes(door)
+    retry = create(oai, "And the day before?", previous_response_id=second.id, temperature=0.9)
+    branch = create(oai, "And yesterday?", previous_response_id=first.id, temperature=0.9)
+    assert (retry.output_text, branch.output_text) == (third.output_text, second.output_text)
+    after = resumes(door)
+    assert after.get("ram", 0) - before.get("ram", 0) == 1
+    assert after.get("disk", 0) - before.get("disk", 0) == 1
 
 
 def test_store_false_leaves_nothing_and_puts_the_session_back(

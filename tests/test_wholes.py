@@ -1,7 +1,7 @@
 """Ephemeral checkpoints' whole states, kept in the RAM budget's free room (sessions/wholes.py).
 
 - the cache itself: least recently used states go first, one larger than its room is not
-  kept, a session's states leave with it;
+  kept, a session's states leave with it, a state counts the memory it holds;
 - in a daemon: a checkpoint's state is kept when taken, and a restore and a fork load it
   (counted, in /metrics too) and continue exactly as the source did; closing the session or deleting the
   checkpoint gives the memory back; a persistent checkpoint's state is not kept, and its
@@ -19,6 +19,7 @@ from daemons import InProcessDaemon
 from test_metrics import scrape
 
 import kvkeep
+from kvkeepd.heap import allocated, state_buffer
 from kvkeepd.sessions.placement import Parked
 from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.wholes import StateCache
@@ -52,6 +53,22 @@ def test_the_least_recently_used_states_go_first() -> None:
 def residency(d: InProcessDaemon) -> Residency:
     assert d.daemon is not None and d.daemon.manager is not None
     return d.daemon.manager.residency
+
+
+def test_a_state_rounded_up_counts_what_it_holds() -> None:
+    """A state exported every turn is allocated in 16 MiB steps (heap.state_buffer); the
+    cache counts the memory held, not the state's length."""
+    rounded = state_buffer((16 << 20) + 1, rounded=True)
+    exact = state_buffer((16 << 20) + 1)
+    assert len(rounded) == len(exact) == (16 << 20) + 1
+    assert allocated(memoryview(rounded.data)) == 32 << 20
+    assert allocated(memoryview(exact.data)) == (16 << 20) + 1
+    cache = StateCache()
+    kv = SeqKv(StateLayout(()), 1, (), memoryview(rounded.data))
+    assert not cache.put("c1", "s1", kv, room=(16 << 20) + 1)
+    assert cache.put("c1", "s1", kv, room=32 << 20) and cache.nbytes == 32 << 20
+    cache.drop("c1")
+    assert cache.nbytes == 0
 
 
 def test_a_restore_and_a_fork_load_the_kept_state_exactly(

@@ -28,6 +28,7 @@ from llguidance.llamacpp import lltokenizer_from_vocab
 
 from kvkeepd.engine import backend, streams
 from kvkeepd.errors import InvalidRequest, KvkeepError
+from kvkeepd.heap import state_buffer
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import layout as kvlayout
 from kvkeepd.values import Logits
@@ -423,13 +424,14 @@ class LlamaContext:
             int(llama.llama_memory_seq_pos_max(self._mem, slot)),
         )
 
-    def state_bytes(self, slot: int, *, partial: bool = False) -> memoryview:
-        """A slot's sequence state as llama.cpp writes it (partial: the recurrent part only)."""
+    def state_bytes(self, slot: int, *, partial: bool = False, rounded: bool = False) -> memoryview:
+        """A slot's sequence state as llama.cpp writes it (partial: the recurrent part only;
+        rounded: see heap.state_buffer)."""
         self._flush(slot)
         flags = _PARTIAL if partial else 0
         size = int(llama.llama_state_seq_get_size_ext(self._ctx, slot, flags))
-        # np.empty, not a ctypes array: those are zero-filled, and llama.cpp overwrites it all.
-        out = np.empty(size, dtype=np.uint8)
+        # Not a ctypes array: those are zero-filled, and llama.cpp overwrites it all.
+        out = state_buffer(size, rounded=rounded)
         buf = (ctypes.c_uint8 * size).from_buffer(out.data)
         written = int(llama.llama_state_seq_get_data_ext(self._ctx, buf, size, slot, flags))
         if written != size:

@@ -271,11 +271,12 @@ class Engine:
             state.window_from = 0
         return kv
 
-    def export(self, slot: int, state: SeqState) -> kvstate.SeqKv:
-        """The slot's state, parsed and checked to cover exactly tokens[:n_kv]."""
+    def export(self, slot: int, state: SeqState, *, rounded: bool = False) -> kvstate.SeqKv:
+        """The slot's state, parsed and checked to cover exactly tokens[:n_kv] (rounded: see
+        heap.state_buffer)."""
         if self.layout is None:
             raise KvkeepError("internal: this model's state cannot be exported")
-        kv = kvstate.parse(self.ctx.state_bytes(slot), self.layout)
+        kv = kvstate.parse(self.ctx.state_bytes(slot, rounded=rounded), self.layout)
         if kv.n != state.n_kv:
             raise KvkeepError(f"internal: the slot holds {kv.n} positions, expected {state.n_kv}")
         return kv

@@ -252,8 +252,9 @@ class Residency(Placements):
         """Save a persistent session's head with its state as it is now (Persistence.save_head)."""
         return await self.persistence.save_head(session, await self.state_of(session))
 
-    async def state_of(self, session: Session) -> kvstate.SeqKv | None:
-        """The session's state as it is now (exported from its slot if hot), for a save."""
+    async def state_of(self, session: Session, *, rounded: bool = False) -> kvstate.SeqKv | None:
+        """The session's state as it is now (exported from its slot if hot), for a save
+        (rounded: an export every turn, see heap.state_buffer)."""
         where = self.where(session)
         if isinstance(where, Stored):
             return await self._read_stored(session)  # read for a save; it stays where it is
@@ -262,7 +263,7 @@ class Residency(Placements):
         if seq is not None:
             if self.engine.layout is None or not state.n_kv:
                 return None
-            return await self._engine(lambda e: e.export(seq, state))
+            return await self._engine(lambda e: e.export(seq, state, rounded=rounded))
         return where.kv if isinstance(where, Parked) else None
 
     # ---- rollbacks that keep the cells ------------------------------------------------------

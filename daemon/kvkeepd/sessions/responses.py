@@ -228,7 +228,11 @@ class Responses:
                 record = ResponseRecord(
                     request.response_id, request.previous_response_id, request.instructions, describe(chunks)
                 )
-                await self._store(tenant, session, record)
+                # In place, the response before `base` is two behind the session now: its
+                # whole state gives way (a branch from it loads its blocks), and the memory
+                # it frees takes the new state.
+                older = base.previous_response_id if base is not None and in_place else ""
+                await self._store(tenant, session, record, older)
                 stored = True
         finally:
             if not stored:
@@ -286,11 +290,14 @@ class Responses:
         lead = [Message("system", request.instructions)] if request.instructions is not None else []
         return [*lead, *held, *request.messages], True
 
-    async def _store(self, tenant: Tenant, session: Session, record: ResponseRecord) -> None:
-        """Commit the response: the session's state as it is now, and its record."""
+    async def _store(self, tenant: Tenant, session: Session, record: ResponseRecord, older: str) -> None:
+        """Commit the response: the session's state as it is now, and its record. The whole
+        state of `older` (a response id, or "") is no longer kept in RAM."""
         checkpoint_id = checkpoint_of(record.response_id)
+        if older:
+            self.residency.wholes.drop(checkpoint_of(older))
         async with self.host.use(session):
-            kv = await self.residency.state_of(session)
+            kv = await self.residency.state_of(session, rounded=True)
             await self.persistence.save_response(session, kv, checkpoint_id, record.encode())
             self.residency.keep_response(checkpoint_id, kv)
             self.residency.lineage.remember(session, checkpoint_id)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from kvkeepd.heap import allocated
 from kvkeepd.state.cells import SeqKv
 
 
@@ -34,11 +35,11 @@ class StateCache:
     def put(self, checkpoint_id: str, session_id: str, kv: SeqKv, room: int) -> bool:
         """Keep a checkpoint's state if it has a blob llama.cpp takes as it is and fits in
         `room` bytes (what the cache may hold in all), giving up older states for it."""
-        if kv.raw is None or len(kv.raw) > room:
+        if kv.raw is None or allocated(kv.raw) > room:
             return False
-        self.shrink(room - len(kv.raw))
+        self.shrink(room - allocated(kv.raw))
         self._states[checkpoint_id] = (session_id, kv)
-        self.nbytes += len(kv.raw)
+        self.nbytes += allocated(kv.raw)
         return True
 
     def __contains__(self, checkpoint_id: str) -> bool:
@@ -72,4 +73,4 @@ class StateCache:
 
 def _size(kv: SeqKv) -> int:
     assert kv.raw is not None
-    return len(kv.raw)
+    return allocated(kv.raw)
