@@ -2,10 +2,12 @@
 the shared daemon's default model (SmolLM2-135M-Instruct, the generic tool format), its
 capability flags set as they are: tool calling with tool_choice, structured output by tool
 call, JSON schema and JSON mode, usage metadata; no images, audio, PDFs or Anthropic-style
-inputs, no model override. The replies are greedy (temperature 0), so each test's outcome is
-the same every run, whatever else the shared daemon serves (its exact mode gives the same
-logits with or without a cached prefix). Where only the small model's quality fails a test,
-that test is marked, with the reason, as a failure expected every run (strict).
+inputs, no model override. The replies are greedy (temperature 0) and capped at 128 tokens
+(the tests ask for short answers; a reply that loops ends there, not at the daemon's 512),
+so each test's outcome is the same every run, whatever else the shared daemon serves (its
+exact mode gives the same logits with or without a cached prefix). Where only the small
+model's quality fails a test, that test is marked, with the reason, as a failure expected
+every run (strict).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class TestChatKvkeepStandard(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"address": self.address, "temperature": 0}
+        return {"address": self.address, "temperature": 0, "max_tokens": 128}
 
     @property
     def has_tool_choice(self) -> bool:
