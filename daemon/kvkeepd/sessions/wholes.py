@@ -35,11 +35,11 @@ class StateCache:
     def put(self, checkpoint_id: str, session_id: str, kv: SeqKv, room: int) -> bool:
         """Keep a checkpoint's state if it has a blob llama.cpp takes as it is and fits in
         `room` bytes (what the cache may hold in all), giving up older states for it."""
-        if kv.raw is None or allocated(kv.raw) > room:
+        if kv.raw is None or _size(kv) > room:
             return False
-        self.shrink(room - allocated(kv.raw))
+        self.shrink(room - _size(kv))
         self._states[checkpoint_id] = (session_id, kv)
-        self.nbytes += allocated(kv.raw)
+        self.nbytes += _size(kv)
         return True
 
     def __contains__(self, checkpoint_id: str) -> bool:
