@@ -278,7 +278,9 @@ def test_the_door_keeps_a_bounded_number_of_sessions(oai: openai.OpenAI, grpc_cl
 
 
 def raw(d: InProcessDaemon, path: str, body: bytes | str | dict[str, Any], **headers: str) -> httpx.Response:
+    """POST these bytes, as JSON unless `headers` say otherwise."""
     content = json.dumps(body).encode() if isinstance(body, dict) else body
+    headers = {"content-type": "application/json", **headers}
     return httpx.post(base_url(d) + path, content=content, headers=headers, timeout=120)
 
 

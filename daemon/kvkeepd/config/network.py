@@ -5,6 +5,7 @@ call them (tenants, TLS). `Settings` (kvkeepd.config.settings) is made of these 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,17 @@ DEFAULT_HTTP_PORT = 8080
 
 #: `--http off`: no HTTP door.
 OFF = "off"
+
+# An `--allowed-host` entry: a name or an address ([IPv6] in brackets), a port ignored; and an
+# `--allowed-origin` entry: scheme://host[:port], as a browser's Origin header writes it.
+_HOST = r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:\d{1,5})?"
+_ALLOWED_HOST = re.compile(rf"^{_HOST}$")
+_ALLOWED_ORIGIN = re.compile(rf"^[A-Za-z][A-Za-z0-9+.-]*://{_HOST}$")
+
+
+def entries(value: str) -> tuple[str, ...]:
+    """The entries of a comma-separated setting, without blanks."""
+    return tuple(filter(None, (e.strip() for e in value.split(","))))
 
 
 def joined(host: str, port: int) -> str:
@@ -96,6 +108,23 @@ class NetworkSettings:
             high=1 << 20,
         ),
     )
+    allowed_host: str = field(
+        default="",
+        metadata=spec(
+            "Host names (comma-separated) the HTTP door answers besides loopback ones (localhost, "
+            "127.x.x.x, [::1]), e.g. a reverse proxy's; another Host gets 403 (a page whose name was "
+            "made to point here). Checked without --auth-file, or with it where this is set; * "
+            "answers any.",
+        ),
+    )
+    allowed_origin: str = field(
+        default="",
+        metadata=spec(
+            "Web origins (comma-separated scheme://host[:port]) whose pages may call the HTTP door, "
+            "with CORS; a page of another origin gets 403, one the door serves itself passes; * "
+            "lets any.",
+        ),
+    )
     metrics_address: str = field(
         default="",
         metadata=spec("host:port to serve Prometheus metrics on (/metrics); empty: off.", shown="off"),
@@ -160,6 +189,14 @@ class NetworkSettings:
                 "address" if self.address else "host",
                 f"without auth-file the daemon listens on loopback or a unix socket only, not {grpc}",
             )
+        for entry in entries(self.allowed_host):
+            if entry != "*" and not _ALLOWED_HOST.match(entry):
+                raise ConfigError("allowed-host", f"takes host names, comma-separated, got {entry!r}")
+        for entry in entries(self.allowed_origin):
+            if entry != "*" and not _ALLOWED_ORIGIN.match(entry):
+                raise ConfigError(
+                    "allowed-origin", f"takes origins such as https://console.example:8443, got {entry!r}"
+                )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError(
                 "tls-cert" if self.tls_cert is None else "tls-key", "tls-cert and tls-key go together"

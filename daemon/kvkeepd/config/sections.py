@@ -102,6 +102,8 @@ SECTIONS: tuple[Section, ...] = tuple(
                 "max-message-bytes",
                 "http-read-timeout",
                 "http-connections-per-peer",
+                "allowed-host",
+                "allowed-origin",
                 "response-ttl",
                 "metrics-address",
             ),

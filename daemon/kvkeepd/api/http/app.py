@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvkeepd.api.access import Access
 from kvkeepd.api.http.bodies import Reply, domain_error, error, sse
+from kvkeepd.api.http.browsers import BrowserGuard, BrowserPolicy
 from kvkeepd.api.http.keep import SessionKeep
 from kvkeepd.api.http.responses import ResponsesDoor
 from kvkeepd.api.http.schema import NEW_SESSION, ChatCompletionRequest, CompletionRequest, GenerationBody
@@ -59,7 +60,13 @@ class OpenAiDoor:
     """The door's handlers over a SessionManager; `asgi` is the ASGI application."""
 
     def __init__(
-        self, manager: SessionManager, model_id: str, body_limit: int, aliases: Sequence[str] = ()
+        self,
+        manager: SessionManager,
+        model_id: str,
+        body_limit: int,
+        aliases: Sequence[str] = (),
+        *,
+        browsers: BrowserPolicy,
     ) -> None:
         self.manager = manager
         self.model_id = model_id
@@ -73,7 +80,7 @@ class OpenAiDoor:
         self.created = int(time.time())
         self.responses = ResponsesDoor(manager, model_id, tenant=self._tenant, body=self._body)
         stored = "/v1/responses/{response_id}"
-        self._app = Starlette(
+        routes = Starlette(
             routes=[
                 Route("/v1/responses", self._endpoint(self.responses.create, "input"), methods=["POST"]),
                 Route(stored, self._endpoint(self.responses.retrieve), methods=["GET"]),
@@ -88,6 +95,8 @@ class OpenAiDoor:
             ],
             exception_handlers={HTTPException: self._http_error},
         )
+        # Web pages are kept out (browsers.py) before anything else looks at a request.
+        self._app = BrowserGuard(routes, browsers)
 
     async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI application."""

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 import uvicorn
 
 from kvkeepd.api.http.app import OpenAiDoor
+from kvkeepd.api.http.browsers import BrowserPolicy
 from kvkeepd.api.http.guard import Peers, descriptor_share, guarded_protocol
 from kvkeepd.api.http.limits import limited
 from kvkeepd.config.settings import Settings
@@ -33,7 +34,13 @@ class HttpDoor:
 
     def __init__(self, settings: Settings, manager: SessionManager, names: Sequence[str] = ()) -> None:
         self.settings = settings
-        self.door = OpenAiDoor(manager, settings.model_path.stem, settings.max_message_bytes, names)
+        self.door = OpenAiDoor(
+            manager,
+            settings.model_path.stem,
+            settings.max_message_bytes,
+            names,
+            browsers=BrowserPolicy.of(settings),
+        )
         self.port = 0
         self.peers = Peers(settings.http_connections_per_peer, descriptor_share())
         self._server: _Server | None = None
