@@ -6,6 +6,8 @@
   --http-connections-per-peer connections, and thousands of idle connections (from many
   loopback addresses: all of 127.0.0.0/8 is this machine's) do not keep the door from serving.
 - A session id of another tenant changes nothing: the door's kept session stays its tenant's.
+- A request cannot forge a line of the log: line breaks and escapes in its path or in a field
+  the log names are escaped, in text and JSON logs alike.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import resource
 import socket
 import threading
 import time
-from collections.abc import Iterator
+import urllib.parse
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
-from daemons import InProcessDaemon, model_path, wait_until
+from daemons import DaemonProcess, InProcessDaemon, model_path, wait_until
 from test_tenants import TOKENS, write_auth
 
 import kvkeep
@@ -219,3 +222,59 @@ def test_another_tenants_session_id_leaves_the_kept_session_alone(door: InProces
         usage = first["usage"]
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= usage["prompt_tokens"] + usage["completion_tokens"] - 1
+
+
+# A whole access-log line claiming that another tenant deleted a stored response.
+FORGED = "2030-01-01 00:00:00,000 INFO kvkeepd.access: http DELETE /v1/responses/resp_0 tenant=bob 0.001s 200"
+
+
+def answer_status(address: str, request: bytes) -> int:
+    """The status of a request sent as these bytes (no client library to normalise them)."""
+    host, _, port_ = address.rpartition(":")
+    with socket.create_connection((host, int(port_)), timeout=60) as s:
+        s.sendall(request)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    return int(answer.split(b" ", 2)[1])
+
+
+@pytest.mark.parametrize("log_json", [False, True], ids=["text", "json"])
+def test_a_request_cannot_forge_a_line_of_the_log(
+    spawn_daemon: Callable[..., DaemonProcess], log_json: bool
+) -> None:
+    d = spawn_daemon("--http", "127.0.0.1:0", *(["--log-json"] if log_json else []))
+    with kvkeep.Client(d.address, timeout=60) as c:
+        http = c.info().http_address
+    # CR LF, the forged line and a terminal escape (clear the screen), percent-encoded in
+    # the path as HTTP requires: the door sees them decoded.
+    path = "/v1/models" + urllib.parse.quote("\r\n" + FORGED + "\x1b[2J", safe="")
+    request = f"GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n"
+    assert answer_status(http, request.encode()) == 404
+    # Written as they are, HTTP's parser refuses them before the door sees the request.
+    assert answer_status(http, b"GET /v1/models\x1b[2J HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n") == 400
+    # A field the access line names (the session) from a JSON body.
+    forging = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "session_id": "s_\n" + FORGED}
+    body = json.dumps(forging).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    assert answer_status(http, head.encode() + body) == 400
+
+    def access_lines() -> list[str] | None:
+        lines = [line for line in d.log().splitlines() if "kvkeepd.access" in line and "http " in line]
+        return lines if len(lines) >= 2 else None
+
+    lines = wait_until(access_lines, 10, "the requests' lines in the access log")
+    log = d.log()
+    assert "\x1b" not in log and "\r" not in log
+    if log_json:
+        entries = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+        assert not [e for e in entries if any(c in e["message"] for c in "\r\n\x1b")]
+        messages = [e["message"] for e in entries if e["logger"] == "kvkeepd.access"]
+    else:
+        assert not [line for line in log.splitlines() if line.startswith(FORGED[:10])]
+        messages = [line.split("kvkeepd.access: ", 1)[1] for line in lines]
+    assert any(m.startswith(f"http GET /v1/models\\x0d\\x0a{FORGED}\\x1b[2J ") for m in messages), messages
+    assert any(f"session=s_\\x0a{FORGED}" in m for m in messages), messages
