@@ -7,7 +7,7 @@ directory entry is made durable by an fsync of the directory that holds it, and 
 where a file or a directory belongs is refused (StateDirError, one line naming it), never
 followed: O_NOFOLLOW for files, lstat for directories. O_NOFOLLOW covers a path's last
 component only; for the directories between, the state directory's own check at start and its
-0700 are the defence.
+0700 are the defence. The model cache (kvkeepd.hub) keeps the same rules.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from pathlib import Path
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+#: Where a refused link was found, as its refusal says (the model cache keeps these rules too).
+STATE_DIR = "its state directory"
 
 _KINDS = (
     (stat.S_ISLNK, "a symbolic link"),
@@ -35,16 +37,16 @@ class StateDirError(OSError):
     by a store's write, it fails that write as a failing disk would."""
 
 
-def refusal(path: Path, mode: int, *, directory: bool) -> str:
+def refusal(path: Path, mode: int, *, directory: bool, place: str = STATE_DIR) -> str:
     """The line that refuses `path`, found to be of `mode`'s kind where the daemon keeps a
-    directory (or a file)."""
+    directory (or a file) in `place`."""
     found = next((name for test, name in _KINDS if test(mode)), "a device")
-    why = " (the daemon follows no links in its state directory)" if stat.S_ISLNK(mode) else ""
+    why = f" (the daemon follows no links in {place})" if stat.S_ISLNK(mode) else ""
     expected = "a directory" if directory else "a file"
     return f"{path} is {found} where the daemon keeps {expected}{why}: remove it and start again"
 
 
-def check_entry(path: Path, *, directory: bool = False) -> bool:
+def check_entry(path: Path, *, directory: bool = False, place: str = STATE_DIR) -> bool:
     """Whether `path` exists (lstat, not following it); StateDirError if it is a symbolic link
     or not a regular file (with `directory`: not a directory)."""
     try:
@@ -52,7 +54,7 @@ def check_entry(path: Path, *, directory: bool = False) -> bool:
     except FileNotFoundError:
         return False
     if not (stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)):
-        raise StateDirError(refusal(path, st.st_mode, directory=directory))
+        raise StateDirError(refusal(path, st.st_mode, directory=directory, place=place))
     return True
 
 
@@ -82,7 +84,7 @@ def private_dir(path: Path) -> bool:
     return True
 
 
-def private_subdir(path: Path) -> bool:
+def private_subdir(path: Path, *, place: str = STATE_DIR) -> bool:
     """Make the directory (0700) in its parent, which exists, unless it is there; returns
     whether it was made (then made durable in its parent). StateDirError if what is there is
     not a directory, a symbolic link included: what is written under it would land wherever
@@ -93,13 +95,13 @@ def private_subdir(path: Path) -> bool:
         made = True
     except FileExistsError:
         made = False
-    check_entry(path, directory=True)
+    check_entry(path, directory=True, place=place)
     if made:
         fsync_dir(path.parent)
     return made
 
 
-def open_private(path: Path, flags: int) -> int:
+def open_private(path: Path, flags: int, *, place: str = STATE_DIR) -> int:
     """A descriptor of the file (`flags`, O_NOFOLLOW, O_CLOEXEC), created 0600 and made durable
     in its directory if absent. StateDirError if the path is a symbolic link or not a regular
     file: it is never followed, truncated or written through."""
@@ -107,12 +109,12 @@ def open_private(path: Path, flags: int) -> int:
     try:
         fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, FILE_MODE)
     except FileExistsError:
-        check_entry(path)  # a link, a pipe, a directory: refused in one line, before an open
+        check_entry(path, place=place)  # a link, a pipe, a directory: refused in one line, before an open
         fd = os.open(path, flags)
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):  # swapped in since the check
             os.close(fd)
-            raise StateDirError(refusal(path, mode, directory=False)) from None
+            raise StateDirError(refusal(path, mode, directory=False, place=place)) from None
         return fd
     try:
         fsync_dir(path.parent)
@@ -122,10 +124,10 @@ def open_private(path: Path, flags: int) -> int:
     return fd
 
 
-def read_private(path: Path) -> bytes:
+def read_private(path: Path, *, place: str = STATE_DIR) -> bytes:
     """The file's bytes, read without following a link (StateDirError, as for anything but a
     regular file); FileNotFoundError if absent."""
-    check_entry(path)
+    check_entry(path, place=place)
     with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
         return f.read()
 

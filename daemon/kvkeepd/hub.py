@@ -1,12 +1,12 @@
 """Models from the Hugging Face Hub: `--model hf:OWNER/REPO[:QUANT]` and `kvkeep pull`.
 
 huggingface_hub finds the repository's files (`model_info`, from HF_ENDPOINT, a mirror where
-set, with HF_TOKEN's token) and streams the chosen file (`http_get`, with a progress bar).
-The file goes to `MODEL_CACHE/OWNER/REPO/NAME.part` first, so a download cut short (a lost
-connection, Ctrl-C) goes on from where it stopped at the next try, by a range request; it
-becomes `NAME` once its SHA-256 is the one the Hub lists for it, and `NAME.sha256` records
-that it was checked. Which file a reference chose is kept too (`refs/QUANT`), so a start
-without a network uses the copy it has.
+set, with HF_TOKEN's token); kvkeepd.download streams the chosen file, and gives up on a
+server that stalls or drips (see its Limits). The file goes to `MODEL_CACHE/OWNER/REPO/NAME.part`
+first, so a download cut short (a lost connection, Ctrl-C, a give-up) goes on from where it
+stopped at the next try, by a range request; it becomes `NAME` once its SHA-256 is the one the
+Hub lists for it, and `NAME.sha256` records that it was checked. Which file a reference chose
+is kept too (`refs/QUANT`), so a start without a network uses the copy it has.
 
     MODEL_CACHE/OWNER/REPO/
       NAME.gguf           a checked model file
@@ -14,6 +14,12 @@ without a network uses the copy it has.
       NAME.gguf.part      a download under way, or cut short
       refs/QUANT          the file a reference chose last ("default" without a QUANT)
       lock                held while a daemon or `kvkeep pull` downloads here
+
+The Hub (any HF_ENDPOINT) is not trusted with paths: a file name that is absolute, holds
+`..`, a backslash or a control character, or would land outside its repository's folder is
+refused, and so is a listing whose files do not fit on the disk. The cache keeps the state
+directory's rules (kvkeepd.files): directories 0700, files 0600, and no symbolic link
+followed below `--model-cache` itself (the operator's path), one line naming what is refused.
 """
 
 from __future__ import annotations
@@ -24,11 +30,27 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Iterator, Sequence
+import shutil
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
+from kvkeepd import __version__
 from kvkeepd.config.models import HfRef
+from kvkeepd.download import LIMITS, DownloadError, Limits, download
+from kvkeepd.files import (
+    StateDirError,
+    check_entry,
+    fsync_dir,
+    open_private,
+    private_dir,
+    private_subdir,
+    read_private,
+    write_private,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +58,8 @@ log = logging.getLogger(__name__)
 PREFERRED = ("Q4_K_M", "Q4_0", "Q8_0")
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 _HASH_CHUNK = 1 << 20
+# How refusals name the model cache (kvkeepd.files' lines).
+_PLACE = "its model cache"
 
 
 class HubError(Exception):
@@ -51,16 +75,26 @@ class Remote:
     sha256: str
 
 
-def fetch(ref: HfRef, cache: Path) -> Path:
+def fetch(ref: HfRef, cache: Path, limits: Limits = LIMITS) -> Path:
     """The local path of the GGUF file `ref` names (its first part, for a split model),
-    downloaded and checked unless it is there already; HubError if it cannot be had."""
-    where = cache / ref.owner / ref.repo
+    downloaded into `cache` and checked unless it is there already; HubError if it cannot be
+    had. `limits`: when a download gives up (kvkeepd.download's defaults, small in tests)."""
     try:
-        where.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
+        return _fetch(ref, cache, limits)
+    except StateDirError as e:  # a link or another kind of thing where the cache keeps its own
+        raise HubError(str(e)) from None
+    except OSError as e:  # the disk's: full, read-only, not ours
+        where = f" ({e.filename})" if e.filename else ""
         raise HubError(
-            f"cannot use the model cache {where}: {e.strerror or e}; choose another with --model-cache"
+            f"cannot use the model cache {cache}{where}: {e.strerror or e}; choose another with --model-cache"
         ) from None
+
+
+def _fetch(ref: HfRef, cache: Path, limits: Limits) -> Path:
+    private_dir(cache)
+    private_subdir(cache / ref.owner, place=_PLACE)
+    where = cache / ref.owner / ref.repo
+    private_subdir(where, place=_PLACE)
     with _locked(where / "lock"):
         try:
             revision, files = _listing(ref)
@@ -71,12 +105,16 @@ def fetch(ref: HfRef, cache: Path) -> Path:
             log.warning("%s; using the copy of %s kept in %s", e, ref, where)
             return kept
         chosen = choose(ref, files)
-        for remote in chosen:
-            _download(ref, revision, remote, where)
+        places = [_place(ref, where, remote.name) for remote in chosen]
+        _check_room(
+            ref, where, [_missing(remote, place) for remote, place in zip(chosen, places, strict=True)]
+        )
+        for remote, place in zip(chosen, places, strict=True):
+            _download(ref, revision, remote, where, place, limits)
         refs = where / "refs"
-        refs.mkdir(exist_ok=True)
-        (refs / (ref.quant or "default")).write_text(chosen[0].name + "\n")
-        return where / chosen[0].name
+        private_subdir(refs, place=_PLACE)
+        write_private(_place(ref, refs, ref.quant or "default"), chosen[0].name.encode() + b"\n")
+        return places[0]
 
 
 def choose(ref: HfRef, files: Sequence[Remote]) -> list[Remote]:
@@ -133,74 +171,152 @@ def _listing(ref: HfRef) -> tuple[str, list[Remote]]:
     return info.sha or "main", files
 
 
-def _download(ref: HfRef, revision: str, remote: Remote, where: Path) -> None:
-    """`remote` into `where`, unless it is there and checked: resumed from its part file,
-    then checked against its SHA-256 before it takes its name."""
-    final = where / remote.name
-    mark = final.with_name(final.name + ".sha256")
-    if final.is_file() and _read(mark) == remote.sha256:
+def _place(ref: HfRef, where: Path, name: str) -> Path:
+    """Where the file `name` goes in the folder `where`; HubError, naming it, for a name that
+    is absolute, holds `..`, a backslash or a control character (NUL, a newline), or is not
+    a path below `where`."""
+    why = ""
+    if name.startswith("/"):
+        why = "an absolute path"
+    elif ".." in name:
+        why = "it holds '..'"
+    elif "\\" in name:
+        why = "it holds a backslash"
+    elif any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        why = "it holds a control character"
+    elif any(part in ("", ".") for part in name.split("/")):
+        why = "an empty or '.' part"
+    path = Path(os.path.normpath(where / name))
+    if not why and where not in path.parents:
+        why = f"not a path inside {where}"
+    if why:
+        raise HubError(f"refused the file {name!r} of {ref}: {why}; nothing was written")
+    return path
+
+
+def _missing(remote: Remote, place: Path) -> int:
+    """The bytes of `remote` still to download to `place` (0: it is there, checked)."""
+    if check_entry(place, place=_PLACE) and _read(_mark(place)) == remote.sha256:
+        return 0
+    part = _part(place)
+    have = part.lstat().st_size if check_entry(part, place=_PLACE) else 0
+    return remote.size - have if have <= remote.size else remote.size  # a longer part starts again
+
+
+def _check_room(ref: HfRef, where: Path, missing: Sequence[int]) -> None:
+    """HubError if the disk has less room than the bytes still to download: a model that
+    cannot fit is refused before it fills the disk."""
+    need, free = sum(missing), shutil.disk_usage(where).free
+    if need > free:
+        raise HubError(
+            f"{ref} needs {_gib(need)} more in {where}, which has {_gib(free)} free: "
+            "make room, or choose another --model-cache"
+        )
+
+
+def _download(ref: HfRef, revision: str, remote: Remote, where: Path, final: Path, limits: Limits) -> None:
+    """`remote` into `final` (in the repository's folder `where`), unless it is there and
+    checked: resumed from its part file, then checked against its SHA-256 before it takes its
+    name."""
+    mark = _mark(final)
+    if check_entry(final, place=_PLACE) and _read(mark) == remote.sha256:
         return
     from huggingface_hub import get_token, hf_hub_url
-    from huggingface_hub.file_download import http_get
 
-    final.parent.mkdir(parents=True, exist_ok=True)
-    part = final.with_name(final.name + ".part")
-    have = part.stat().st_size if part.is_file() else 0
-    if have > remote.size:
-        part.unlink()
-        have = 0
-    if have:
-        log.info("downloading %s: going on from %d of %d bytes", remote.name, have, remote.size)
-    else:
-        log.info("downloading %s from %s (%d bytes) into %s", remote.name, ref, remote.size, where)
-    url = hf_hub_url(ref.repo_id, remote.name, revision=revision)
+    folder = where
+    for name in final.relative_to(where).parts[:-1]:  # a file in a folder of the repository's
+        folder = folder / name
+        private_subdir(folder, place=_PLACE)
+    part = _part(final)
+    fd = open_private(part, os.O_RDWR, place=_PLACE)
     try:
-        with part.open("ab") as f:
-            http_get(
-                url,
-                f,
-                resume_size=have,
-                headers={"authorization": f"Bearer {token}"} if (token := get_token()) else {},
-                expected_size=remote.size,
-                displayed_filename=remote.name,
+        have = os.fstat(fd).st_size
+        if have > remote.size:
+            os.ftruncate(fd, 0)
+            have = 0
+        if have:
+            log.info("downloading %s: going on from %d of %d bytes", remote.name, have, remote.size)
+        else:
+            log.info("downloading %s from %s (%d bytes) into %s", remote.name, ref, remote.size, where)
+        url = hf_hub_url(ref.repo_id, remote.name, revision=revision)
+        headers = {"User-Agent": f"kvkeep/{__version__}"}
+        if token := get_token():
+            headers["Authorization"] = f"Bearer {token}"
+        with _bar(remote.name, remote.size, have) as bar:
+            try:
+                download(url, headers, fd, remote.size, limits, bar)
+            except DownloadError as e:  # what was written stays in the part file for the next try
+                raise HubError(f"cannot download {remote.name} of {ref}: {e}; run again to go on") from None
+        digest = _sha256(fd)
+        if digest != remote.sha256:
+            os.unlink(part)
+            raise HubError(
+                f"{remote.name} of {ref} does not have the SHA-256 the Hub lists ({digest[:12]} instead of "
+                f"{remote.sha256[:12]}); the download was removed: run again"
             )
-    except Exception as e:  # what was written stays in the part file for the next try
-        raise HubError(
-            f"cannot download {remote.name} of {ref}: {_first_line(e)}; run again to go on"
-        ) from None
-    digest = _sha256(part)
-    if digest != remote.sha256:
-        part.unlink()
-        raise HubError(
-            f"{remote.name} of {ref} does not have the SHA-256 the Hub lists ({digest[:12]} instead of "
-            f"{remote.sha256[:12]}); the download was removed: run again"
-        )
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(part, final)
-    mark.write_text(remote.sha256 + "\n")
+    fsync_dir(final.parent)
+    write_private(mark, remote.sha256.encode() + b"\n")
 
 
 def _kept(ref: HfRef, where: Path) -> Path | None:
     """The file `ref` chose last time, if it is still here and was checked."""
-    name = _read(where / "refs" / (ref.quant or "default"))
-    path = where / name if name else None
-    if path is None or not path.is_file() or not _read(path.with_name(path.name + ".sha256")):
+    name = _read(_place(ref, where / "refs", ref.quant or "default"))
+    if not name:
         return None
-    return path
+    path = _place(ref, where, name)
+    return path if check_entry(path, place=_PLACE) and _read(_mark(path)) else None
 
 
-def _sha256(path: Path) -> str:
+def _mark(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _part(path: Path) -> Path:
+    return path.with_name(path.name + ".part")
+
+
+@contextlib.contextmanager
+def _bar(name: str, size: int, have: int) -> Iterator[Callable[[int], None] | None]:
+    """A bar of the download's bytes on stderr, when it is a terminal."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    bar = tqdm(
+        total=size, initial=have, desc=name, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr
+    )
+
+    def update(n: int) -> None:
+        bar.update(n)
+
+    try:
+        yield update
+    finally:
+        bar.close()
+
+
+def _sha256(fd: int) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
+    at = 0
+    while chunk := os.pread(fd, _HASH_CHUNK, at):
+        digest.update(chunk)
+        at += len(chunk)
     return digest.hexdigest()
 
 
 def _read(path: Path) -> str:
+    """A small file's text, stripped ("" if absent); a link there is refused, not followed."""
     try:
-        return path.read_text().strip()
-    except OSError:
+        return read_private(path, place=_PLACE).decode(errors="replace").strip()
+    except FileNotFoundError:
         return ""
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def _first_line(e: BaseException) -> str:
@@ -211,7 +327,7 @@ def _first_line(e: BaseException) -> str:
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """Hold `path`'s lock: one download into a repository's directory at a time."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_private(path, os.O_RDWR, place=_PLACE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -107,8 +107,10 @@ def pull(model: str, model_cache: Path | None) -> None:
     cache, and print its path; `kvkeep serve --model hf:...` then starts at once.
 
     QUANT picks a file by its quantization (Q4_K_M, the default where there is one) or names
-    it (a .gguf file name). A download cut short goes on from where it stopped; a file whose
-    SHA-256 is not the Hub's is removed.
+    it (a .gguf file name). A download cut short goes on from where it stopped; one that
+    stalls (30 s without a byte, resumed while each try brings more, at most 5 times) or
+    crawls (under 32 KiB/s over 30 s) gives up; a file whose SHA-256 is not the Hub's is
+    removed. A file name that would land outside the repository's folder is refused.
     """
     try:
         models = importlib.import_module("kvkeepd.config.models")

@@ -69,8 +69,9 @@ class Settings(NetworkSettings):
     model_cache: Path = field(
         default_factory=lambda: user_cache_dir() / "models",
         metadata=spec(
-            "Where models from the Hub (--model hf:...) are kept, one directory per repository; "
-            "a download cut short goes on from where it stopped.",
+            "Where models from the Hub (--model hf:...) are kept, one private directory per "
+            "repository; a download cut short goes on from where it stopped, one that stalls or "
+            "crawls (30 s without a byte, under 32 KiB/s) gives up.",
             shown="$XDG_CACHE_HOME/kvkeep/models",
         ),
     )
