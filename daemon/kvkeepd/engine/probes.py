@@ -4,7 +4,11 @@ The probe (batch_dependence) evaluates about 520 tokens: seconds for a small mod
 CPU, minutes for a large one. Its answer depends only on which kernels run, and
 those follow from the llama.cpp build, the model file, the context's settings, the probe
 itself, the CPU's features, the devices and ggml's environment variables. A result is
-reused when all of these are the same; anything else probes again.
+reused when all of these are the same; anything else probes again. The file is not trusted
+blindly: an entry that is not a result (a wrong type, a missing field, a time that is not
+one) or a file that is not JSON is ignored with a warning, and a kept finding that is not one
+this probe could report for these settings (a position it does not look at) does not turn
+exact mode off: the probe runs again.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -60,7 +65,8 @@ def finding(ctx: LlamaContext, build: dict[str, Any]) -> str | None:
     """The probe's finding for this context (see batch_dependence): kept in the context's
     probe cache for this machine key, or probed now. `build`: what llama.cpp says of itself."""
     key = machine_key(dataclasses.replace(ctx.cfg, probe_cache=None), PLAN, build)
-    return cached(ctx.cfg.probe_cache, key, lambda: batch_dependence(ctx))
+    layout = _layout(ctx.cfg)
+    return cached(ctx.cfg.probe_cache, key, lambda: batch_dependence(ctx), lambda f: _could_find(layout, f))
 
 
 def probe_plan(n: int, batch: int) -> list[int]:
@@ -92,12 +98,10 @@ def batch_dependence(ctx: LlamaContext) -> str | None:
     (past 256 positions) it splits the cells among threads, unless another sequence
     shares the batch.
     """
-    n = min(PROBE_TOKENS, ctx.cfg.ctx_per_session)
+    n, plan, beside_from = layout = _layout(ctx.cfg)
     batch = ctx.cfg.batch_size
     tokens = [int(t) for t in np.random.default_rng(0).integers(0, ctx.n_vocab, n)]
-    plan = probe_plan(n, batch)
     marks = {end - 1 for end in itertools.accumulate(plan)}
-    beside_from = len(plan) - PROBE_BESIDE if ctx.cfg.slots > 1 else len(plan)
     try:
         reference: dict[int, Logits] = {}
         for at in range(0, n, batch):
@@ -114,19 +118,48 @@ def batch_dependence(ctx: LlamaContext) -> str | None:
                 items.append(BatchItem(1, tokens[q], q, False))
             row = ctx.decode(items)[0]
             if not np.array_equal(row, reference[last]):
-                how = f"in a chunk of {size}" if size > 1 else "alone"
-                how = "beside another sequence's token" if k >= beside_from else how
                 delta = float(np.max(np.abs(row - reference[last])))
-                return (
-                    f"position {last} evaluated {how} (after chunks of {plan[:k]}) has logits "
-                    f"up to {delta:.3g} away from those of one chunk of {n}"
-                )
+                return _finding(layout, k, f"{delta:.3g}")
             at = last + 1
     finally:
         ctx.clear(0)
         if ctx.cfg.slots > 1:
             ctx.clear(1)
     return None
+
+
+def _layout(cfg: Any) -> tuple[int, list[int], int]:
+    """The probe's sequence length, its chunk sizes and the first chunk evaluated beside
+    another sequence (none with one slot), for a context of `cfg`."""
+    n = min(PROBE_TOKENS, cfg.ctx_per_session)
+    plan = probe_plan(n, cfg.batch_size)
+    return n, plan, len(plan) - PROBE_BESIDE if cfg.slots > 1 else len(plan)
+
+
+def _finding(layout: tuple[int, list[int], int], k: int, delta: str) -> str:
+    """What the probe reports where the `k`th chunk's last logits differ by `delta`."""
+    n, plan, beside_from = layout
+    size, last = plan[k], sum(plan[: k + 1]) - 1
+    how = f"in a chunk of {size}" if size > 1 else "alone"
+    how = "beside another sequence's token" if k >= beside_from else how
+    return (
+        f"position {last} evaluated {how} (after chunks of {plan[:k]}) has logits "
+        f"up to {delta} away from those of one chunk of {n}"
+    )
+
+
+def _could_find(layout: tuple[int, list[int], int], found: str) -> bool:
+    """Whether `found` is a finding the probe could report with this layout: one of the
+    positions it compares, evaluated as it evaluates it, and a difference that is one."""
+    for k in range(len(layout[1])):
+        head, _, tail = _finding(layout, k, "\0").partition("\0")
+        if found.startswith(head) and found.endswith(tail) and len(found) > len(head) + len(tail):
+            try:
+                delta = float(found[len(head) : len(found) - len(tail)])
+            except ValueError:
+                return False
+            return not delta <= 0  # NaN included: a NaN among the logits differs too
+    return False
 
 
 def machine_key(config: Any, probe: dict[str, Any], build: dict[str, Any]) -> str:
@@ -147,29 +180,64 @@ def machine_key(config: Any, probe: dict[str, Any], build: dict[str, Any]) -> st
     return hashlib.blake2b(json.dumps(facts, sort_keys=True).encode(), digest_size=20).hexdigest()
 
 
-def cached(path: Path | None, key: str, probe: Callable[[], str | None]) -> str | None:
+def cached(
+    path: Path | None, key: str, probe: Callable[[], str | None], could_find: Callable[[str], bool]
+) -> str | None:
     """The probe's finding (None: the logits did not depend on batching) for this key: read
-    from the file at `path` when it holds one, else probed and written there. With no path,
-    always probed."""
+    from the file at `path` when it holds a valid one (a finding only where `could_find` says
+    the probe could report it), else probed and written there. With no path, always probed.
+    A file or an entry that is not valid is ignored with a warning."""
     if path is None:
         return _timed(probe, "at every start (--probe-cache none)")
-    entries = _read(path)
-    entry = entries.get(key)
-    kept = entry.get("found", 0) if isinstance(entry, dict) else 0
-    if kept is None or isinstance(kept, str):
-        assert entry is not None
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(entry.get("at", 0))))
-        log.info("exactness probe: not run again, its result of %s is kept in %s", when, path)
-        return kept
+    entries = {k: v for k, v in _read(path).items() if k == key or not _malformed(v)}
+    if key in entries:
+        entry = entries[key]
+        problem = _malformed(entry)
+        if not problem and isinstance(entry["found"], str) and not could_find(entry["found"]):
+            problem = f"a finding this probe does not report: {_clip(entry['found'])}"
+        if not problem:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["at"]))
+            log.info("exactness probe: not run again, its result of %s is kept in %s", when, path)
+            found: str | None = entry["found"]
+            return found
+        log.warning(
+            "exactness probe: ignoring the result kept for these settings in %s (%s); probing again",
+            path,
+            problem,
+        )
     found = _timed(probe, f"once for this llama.cpp build, model and settings, kept in {path}")
     entries[key] = {"found": found, "at": time.time()}
-    newest = sorted(entries.items(), key=lambda kv: float(kv[1].get("at", 0)), reverse=True)
+    newest = sorted(entries.items(), key=lambda kv: float(kv[1]["at"]), reverse=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_private(path, json.dumps(dict(newest[:MAX_ENTRIES]), indent=1).encode())
     except OSError as e:  # unwritable: the next start probes again
         log.warning("cannot keep the exactness probe's result in %s: %s", path, e)
     return found
+
+
+def _malformed(entry: Any) -> str:
+    """What keeps `entry` from being a kept result, `{"found": null or a finding, "at": a
+    time}` ("" if nothing). A time ahead of the clock by more than a day is not one."""
+    if not isinstance(entry, dict):
+        return f"not an object: {_clip(entry)}"
+    if "found" not in entry or not (entry["found"] is None or isinstance(entry["found"], str)):
+        return f"'found' is neither null nor a string: {_clip(entry.get('found'))}"
+    at = entry.get("at")
+    if (
+        isinstance(at, bool)
+        or not isinstance(at, int | float)
+        or not math.isfinite(at)
+        or not 0 <= at <= time.time() + 86400
+    ):
+        return f"'at' is not a time: {_clip(at)}"
+    return ""
+
+
+def _clip(value: Any) -> str:
+    """A value for a log line: its JSON, cut at 80 characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _timed(probe: Callable[[], str | None], kept: str) -> str | None:
@@ -190,14 +258,23 @@ def _timed(probe: Callable[[], str | None], kept: str) -> str | None:
     return found
 
 
-def _read(path: Path) -> dict[str, dict[str, Any]]:
+def _read(path: Path) -> dict[str, Any]:
+    """The file's entries by key ({} if there is none); a file that cannot be read, is not
+    JSON or not an object is ignored with a warning (the probe runs again)."""
     try:
         loaded = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON (cut short)
+        why = (e.strerror or str(e)) if isinstance(e, OSError) else f"not JSON: {e}"
+        log.warning("exactness probe: ignoring the results kept in %s (%s); probing again", path, why)
         return {}
     if not isinstance(loaded, dict):
+        log.warning(
+            "exactness probe: ignoring the results kept in %s (not a JSON object); probing again", path
+        )
         return {}
-    return {str(k): v for k, v in loaded.items() if isinstance(v, dict)}
+    return {str(k): v for k, v in loaded.items()}
 
 
 def _cpu_identity() -> list[str]:
