@@ -75,7 +75,8 @@ def test_a_checkpoint_is_read_back_as_committed(catalog: Catalog) -> None:
     assert catalog.counts([s, sid(), s]) == {s: 1} and catalog.counts([]) == {}
     assert catalog.present([key(1), key(2), key(3)]) == {key(1), key(2)}
     assert catalog.block_size(key(2)) == 20 and catalog.block_size(key(3)) is None
-    assert catalog.stored_bytes("acme") == 30 and catalog.stored_bytes("other") == 0
+    # Its blocks and its manifest.
+    assert catalog.stored_bytes("acme") == 30 + 10 and catalog.stored_bytes("other") == 0
     assert catalog.sessions() == [] and catalog.session(s) is None  # no head: not a session
 
 
@@ -157,9 +158,10 @@ def test_stored_bytes_count_each_block_once_per_tenant(catalog: Catalog) -> None
     a, b = sid(), sid()
     catalog.add_checkpoint(row(a, tenant="t1"), b"x", [(key(1), 100), (key(2), 50)], now=1.0)
     catalog.add_checkpoint(row(a, kind="head", tenant="t1"), b"y", [(key(1), 100)], now=1.0, head_of=a)
-    catalog.add_checkpoint(row(b, tenant="t2"), b"z", [(key(1), 100)], now=1.0)
-    assert catalog.stored_bytes("t1") == 150
-    assert catalog.stored_bytes("t2") == 100
+    catalog.add_checkpoint(row(b, tenant="t2"), b"z", [(key(1), 100)], now=1.0, response=b"rec")
+    # Blocks once each, then every checkpoint's own manifest and record.
+    assert catalog.stored_bytes("t1") == 150 + 2
+    assert catalog.stored_bytes("t2") == 100 + 1 + 3
 
 
 def _session(catalog: Catalog, tenant: str, at: float, explicit: int = 0) -> ListedSession:

@@ -254,6 +254,8 @@ class Daemon:
             source = await asyncio.to_thread(template_source, settings)
             template = await ChatTemplate.of_model(self.engine, settings.tool_format, source)
             tenants = await asyncio.to_thread(load_tenants, settings)
+            # Every durable save holds room under its tenant's quota before it writes.
+            stores.durable.quota = tenants.stored_quota
             manager = SessionManager(self.engine, settings, stores, template, tenants, clock=self.clock)
             await manager.start()
             self.manager = manager

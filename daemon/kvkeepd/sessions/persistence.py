@@ -178,7 +178,8 @@ class Persistence:
         return await asyncio.to_thread(rows)
 
     async def check_stored(self, tenant: Tenant) -> None:
-        """Busy when the tenant's stored bytes reach its quota."""
+        """Busy when the tenant's stored bytes reach its quota: refused before any work.
+        Each save then holds room for what it adds (CheckpointStore.save)."""
         limit = tenant.quota.max_stored_bytes
         if not limit:
             return

@@ -144,6 +144,10 @@ class Tenants:
         default quota, so that a tenant removed from the auth file keeps its data."""
         return self._tenants.get(name) or Tenant(name, self.default_quota)
 
+    def stored_quota(self, name: str) -> int:
+        """A tenant's stored-bytes quota by its name (0: none), as the auth file has it now."""
+        return self.get(name).quota.max_stored_bytes
+
     @property
     def names(self) -> list[str]:
         return sorted(self._tenants)

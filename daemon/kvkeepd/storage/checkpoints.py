@@ -16,11 +16,12 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from kvkeepd.errors import (
+    Busy,
     CorruptCheckpoint,
     IncompatibleCheckpoint,
     KvkeepError,
@@ -99,6 +100,9 @@ class CheckpointStore:
         self.n_vocab = n_vocab
         # The disk budget this store's writes count against (none: a store in RAM).
         self.budget: DiskBudget | None = None
+        # A tenant's stored-bytes quota by its name, 0 for none (none: a store nobody's
+        # quota counts, as ephemeral sessions' stores are).
+        self.quota: Callable[[str], int] | None = None
         # Saves of different sessions may run at once; each block is written once.
         self._lock = threading.Lock()
 
@@ -155,7 +159,13 @@ class CheckpointStore:
         held = self._held(list(unique))
         lacking = [p for p, _ in unique.values() if p.key not in held]
         bound = sum(p.size + blk.FRAME_HEADER for p in lacking) + 2 * len(data) + 4096
-        with self.budget.reserve(bound) if self.budget else contextlib.nullcontext(), self._lock:
+        most = [(p.key, p.size + blk.FRAME_HEADER) for p, _ in unique.values()]
+        own = len(data) + len(response or b"")
+        with (
+            self._quota_room(snap.tenant, most, own) as reservation,
+            self.budget.reserve(bound) if self.budget else contextlib.nullcontext(),
+            self._lock,
+        ):
             written: dict[str, tuple[int, int]] = {}
             try:
                 # Claimed, then asked again under the lock: a sweep (or, with a shared store,
@@ -190,6 +200,7 @@ class CheckpointStore:
                     fence=fence,
                     claimed_at=claim.at,
                     response=response,
+                    reservation=reservation,
                 )
             except BaseException:
                 # Blocks this save wrote that no committed checkpoint knows: reclaimed now (best
@@ -204,6 +215,31 @@ class CheckpointStore:
                                 self.store.delete(key)
                 raise
         return row, snap
+
+    @contextlib.contextmanager
+    def _quota_room(self, tenant: str, blocks: Sequence[tuple[str, int]], own: int) -> Iterator[str]:
+        """Room under the tenant's stored-bytes quota for a save that may add `blocks` (key,
+        most bytes) and `own` bytes (manifest and record), held before it writes anything:
+        its reservation's id ("" with no quota), or Busy. A save that commits turns it into
+        what it stored (add_checkpoint); one that fails lets it go."""
+        limit = self.quota(tenant) if self.quota is not None else 0
+        if not limit:
+            yield ""
+            return
+        room = self.catalog.reserve_stored(tenant, blocks, own, limit)
+        if not room.reservation_id:
+            raise Busy(
+                f"the tenant's stored state holds {room.held} bytes (with saves under way) and this save "
+                f"may add {room.needed}, past its quota of {limit}: delete checkpoints or stored "
+                "responses, or close persistent sessions; nothing was saved"
+            )
+        try:
+            yield room.reservation_id
+        except BaseException:
+            # Best effort: a reservation left behind lapses with the claims' grace period.
+            with contextlib.suppress(OSError, KvkeepError):
+                self.catalog.release_stored(tenant, room.reservation_id)
+            raise
 
     def _held(self, keys: list[str]) -> set[str]:
         """Which pieces of a save the store holds. A remote store that cannot say fails the

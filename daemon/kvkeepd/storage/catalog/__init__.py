@@ -59,6 +59,17 @@ class Claim:
 
 
 @dataclass(frozen=True)
+class Reservation:
+    """A save's hold on its tenant's stored-bytes quota (`reserve_stored`): granted with an
+    id, or refused (id ""); what the tenant held (stored, and reserved by saves under way)
+    and what this save may add."""
+
+    reservation_id: str
+    held: int
+    needed: int
+
+
+@dataclass(frozen=True)
 class Lease:
     """A session's lease as `take_lease` answers: granted with a fencing token (> 0), or
     held by another daemon for `wait_ms` more milliseconds (token 0)."""
@@ -97,6 +108,7 @@ class Catalog(Protocol):
         fence: int = 0,
         claimed_at: float = 0.0,
         response: bytes | None = None,
+        reservation: str = "",
     ) -> str | None:
         """Commit a checkpoint and its references. With head_of, it becomes that session's
         head and the previous head is deleted; its id is returned. With a fence (a lease's
@@ -104,7 +116,9 @@ class Catalog(Protocol):
         otherwise, and nothing is written. `claimed_at`: its Claim's `at`; a claim older
         than the collector's grace period is refused (StaleClaim), as its blocks may be
         collected. With `response` (a stored response's record, kind "response"), the
-        record commits with it and is deleted with it."""
+        record commits with it and is deleted with it. `reservation`: the save's hold on
+        its tenant's quota (`reserve_stored`), let go in the same commit, as what the
+        checkpoint stores counts from then on; one that lapsed is StaleClaim."""
         ...
 
     def get(self, checkpoint_id: str) -> tuple[CheckpointRow, bytes] | None: ...
@@ -125,7 +139,25 @@ class Catalog(Protocol):
         ...
 
     def stored_bytes(self, tenant: str) -> int:
-        """Bytes of the distinct blocks a tenant's checkpoints reference."""
+        """Bytes a tenant stores: the distinct blocks its checkpoints reference (each once,
+        however many share it), and each checkpoint's own manifest and stored response
+        record."""
+        ...
+
+    def reserve_stored(
+        self, tenant: str, blocks: Sequence[tuple[str, int]], own: int, limit: int
+    ) -> Reservation:
+        """Hold room under the tenant's stored-bytes quota `limit` for a save, atomically with
+        every other save on any daemon of this catalog: what it may add (its `blocks`, (key,
+        most bytes), that none of the tenant's checkpoints references, at the size the
+        catalog records where it knows one; and its `own` manifest and record), beside what
+        the tenant stores and the reservations of saves under way, must fit; else nothing
+        is held. On a shared catalog a reservation lapses after the grace period of claims
+        (a save has committed or failed by then)."""
+        ...
+
+    def release_stored(self, tenant: str, reservation_id: str) -> None:
+        """Let a reservation go (its save failed); one already gone is no error."""
         ...
 
     def delete(self, checkpoint_id: str) -> bool:

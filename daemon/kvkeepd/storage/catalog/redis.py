@@ -37,6 +37,8 @@ catalog needs one server (or a primary), not a cluster:
     P:fence:SID          counter: the session's newest fencing token
     P:want:SID           set while another daemon asks for a leased session
     P:store-key-id       which store key the deployment's manifests are signed with
+    P:reserved:T         hash: the tenant's saves under way -> the bytes each reserved
+    P:reserved-until:T   zset: those reservations by when they lapse (server time)
 
 A server that cannot be reached (or does not answer within the socket timeout) makes the
 call CatalogUnavailable (UNAVAILABLE); redis-py connects again on the next call, so service
@@ -46,6 +48,7 @@ resumes by itself when the server is back.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -54,7 +57,14 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvkeepd.errors import CatalogUnavailable, SessionElsewhere, StaleClaim, StoreReadFailed
-from kvkeepd.storage.catalog import CheckpointRow, Claim, Lease, ListedSession, SessionRow
+from kvkeepd.storage.catalog import (
+    CheckpointRow,
+    Claim,
+    Lease,
+    ListedSession,
+    Reservation,
+    SessionRow,
+)
 from kvkeepd.storage.catalog import redis_scripts as scripts
 from kvkeepd.urls import catalog_url, redacted
 
@@ -124,6 +134,9 @@ class RedisCatalog:
         self._expire = self._db.register_script(scripts.EXPIRE)
         self._list = self._db.register_script(scripts.LIST)
         self._append_turns = self._db.register_script(scripts.APPEND_TURNS)
+        self._reserve = self._db.register_script(scripts.RESERVE)
+        self._stored = self._db.register_script(scripts.STORED)
+        self._release_stored = self._db.register_script(scripts.RELEASE_STORED)
         self._manifest_bytes = 0
         self._call(self._db.ping)  # a server that cannot be reached stops the daemon's start
         # A catalog written before the session indexes existed gets them, once.
@@ -177,11 +190,12 @@ class RedisCatalog:
         fence: int = 0,
         claimed_at: float = 0.0,
         response: bytes | None = None,
+        reservation: str = "",
     ) -> str | None:
         args: list[Any] = [self.prefix, row.checkpoint_id, manifest, repr(now), head_of or "", str(fence)]
         args += [repr(claimed_at), repr(self.grace)]
         args += [_text(getattr(row, f)) for f in _FIELDS]
-        args.append(response if response is not None else b"")
+        args += [response if response is not None else b"", reservation]
         for key, size in blocks:
             args += [key, str(size)]
         found = self._call(self._add, args=args)
@@ -246,14 +260,20 @@ class RedisCatalog:
         return self._rows(self._call(self._db.smembers, self._k("tenant", tenant)))
 
     def stored_bytes(self, tenant: str) -> int:
-        ids = [_str(i) for i in self._call(self._db.smembers, self._k("tenant-all", tenant))]
-        if not ids:
-            return 0
-        keys = self._call(self._db.sunion, [self._k("refs", cid) for cid in ids])
-        if not keys:
-            return 0
-        sizes = self._call(self._db.hmget, self._k("blocks"), list(keys))
-        return sum(int(s) for s in sizes if s is not None)
+        return int(self._call(self._stored, args=[self.prefix, tenant]))
+
+    def reserve_stored(
+        self, tenant: str, blocks: Sequence[tuple[str, int]], own: int, limit: int
+    ) -> Reservation:
+        reservation_id = secrets.token_hex(12)
+        args: list[Any] = [self.prefix, tenant, reservation_id, str(limit), str(own), repr(self.grace)]
+        for key, most in blocks:
+            args += [key, str(most)]
+        granted, held, needed = self._call(self._reserve, args=args)
+        return Reservation(_str(granted), int(held), int(needed))
+
+    def release_stored(self, tenant: str, reservation_id: str) -> None:
+        self._call(self._release_stored, args=[self.prefix, tenant, reservation_id])
 
     def delete(self, checkpoint_id: str) -> bool:
         return bool(self._call(self._delete_one, args=[self.prefix, checkpoint_id]))

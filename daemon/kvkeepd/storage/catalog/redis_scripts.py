@@ -52,13 +52,90 @@ local function fenced(P, sid, fence)
 end
 """
 
+# A tenant's stored bytes and the saves' reservations of its quota (RESERVE):
+# `P:reserved:T` (hash: reservation id -> bytes) and `P:reserved-until:T` (zset: reservation
+# id -> when it lapses, by the server's clock).
+_QUOTA = """
+local function tenant_stored(P, tenant)
+  local seen, total = {}, 0
+  for _, cid in ipairs(redis.call('SMEMBERS', P .. ':tenant-all:' .. tenant)) do
+    local ck = P .. ':ckpt:' .. cid
+    total = total + redis.call('HSTRLEN', ck, 'manifest') + redis.call('HSTRLEN', ck, 'response')
+    for _, b in ipairs(redis.call('SMEMBERS', P .. ':refs:' .. cid)) do
+      if not seen[b] then
+        seen[b] = true
+        total = total + tonumber(redis.call('HGET', P .. ':blocks', b) or '0')
+      end
+    end
+  end
+  return total, seen
+end
+local function take_reservation(P, tenant, rid)
+  if rid == '' then return true end
+  redis.call('ZREM', P .. ':reserved-until:' .. tenant, rid)
+  return redis.call('HDEL', P .. ':reserved:' .. tenant, rid) == 1
+end
+"""
+
+# ARGV: prefix, tenant, reservation id, limit, own bytes, seconds it holds, then block key and
+# most-bytes pairs. Reserves what the save may add to the tenant's stored bytes (the blocks
+# none of its checkpoints references, at the catalog's size where known, and its own bytes)
+# if that, what the tenant stores and its live reservations fit the limit. Returns {the id,
+# or '' if refused, held bytes, needed bytes}.
+RESERVE = (
+    _DELETE
+    + _QUOTA
+    + """
+local P, tenant, rid, limit, own, hold = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]),
+  tonumber(ARGV[6])
+local held_key, until_key = P .. ':reserved:' .. tenant, P .. ':reserved-until:' .. tenant
+local now = server_now()
+for _, lapsed in ipairs(redis.call('ZRANGEBYSCORE', until_key, '-inf', now)) do
+  take_reservation(P, tenant, lapsed)
+end
+local held, seen = tenant_stored(P, tenant)
+for _, n in ipairs(redis.call('HVALS', held_key)) do held = held + tonumber(n) end
+local needed = own
+for i = 7, #ARGV, 2 do
+  local b = ARGV[i]
+  if not seen[b] then
+    seen[b] = true
+    needed = needed + tonumber(redis.call('HGET', P .. ':blocks', b) or ARGV[i + 1])
+  end
+end
+if held + needed > limit then return {'', held, needed} end
+redis.call('HSET', held_key, rid, needed)
+redis.call('ZADD', until_key, now + hold, rid)
+return {rid, held, needed}
+"""
+)
+
+# ARGV: prefix, tenant. The tenant's stored bytes.
+STORED = (
+    _QUOTA
+    + """
+return (tenant_stored(ARGV[1], ARGV[2]))
+"""
+)
+
+# ARGV: prefix, tenant, reservation id. Lets the reservation go.
+RELEASE_STORED = (
+    _QUOTA
+    + """
+take_reservation(ARGV[1], ARGV[2], ARGV[3])
+return 0
+"""
+)
+
 # ARGV: prefix, cid, manifest, now, head_of, fence, claimed_at, grace, then the row's fields
-# (in the order of redis_catalog._FIELDS), a stored response's record ('' for none), then
-# block key and size pairs. Returns {'ok', old head or ''}, {'fenced'}, or {'stale'} when its
-# blocks were claimed (CLAIM) more than `grace` seconds ago by the server's clock (the
-# collector may have taken them for orphans).
+# (in the order of redis_catalog._FIELDS), a stored response's record ('' for none), the
+# save's reservation of its tenant's quota ('' for none: RESERVE), then block key and size
+# pairs. Returns {'ok', old head or ''}, {'fenced'}, or {'stale'} when its blocks were claimed
+# (CLAIM) more than `grace` seconds ago by the server's clock (the collector may have taken
+# them for orphans) or its reservation lapsed; the reservation goes with the commit.
 ADD = (
     _DELETE
+    + _QUOTA
     + """
 local P, cid, manifest, now, head_of, fence = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local claimed_at, grace = tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -68,6 +145,7 @@ local ck = P .. ':ckpt:' .. cid
 if redis.call('EXISTS', ck) == 1 then return {'ok', ''} end
 if head_of ~= '' and fenced(P, head_of, fence) then return {'fenced'} end
 if claimed_at > 0 and server_now() - claimed_at > grace then return {'stale'} end
+if not take_reservation(P, tenant, ARGV[18]) then return {'stale'} end
 redis.call('HSET', ck, 'session_id', sid, 'label', label, 'kind', kind, 'n_tokens', n_tokens,
   'bytes_written', written, 'bytes_referenced', referenced, 'created_at', created_at,
   'tenant', tenant, 'manifest', manifest)
@@ -80,7 +158,7 @@ if response ~= '' then
   redis.call('HSET', ck, 'response', response)
   redis.call('ZADD', P .. ':responses', created_at, cid)
 end
-for i = 18, #ARGV, 2 do
+for i = 19, #ARGV, 2 do
   local b = ARGV[i]
   if redis.call('HSETNX', P .. ':blocks', b, ARGV[i + 1]) == 1 then
     redis.call('INCRBY', P .. ':block-bytes', ARGV[i + 1])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -20,13 +21,29 @@ from pathlib import Path
 
 from kvkeepd.errors import StoreReadFailed
 from kvkeepd.files import check_entry, private_file
-from kvkeepd.storage.catalog import CheckpointRow, Claim, Lease, ListedSession, SessionRow
+from kvkeepd.storage.catalog import (
+    CheckpointRow,
+    Claim,
+    Lease,
+    ListedSession,
+    Reservation,
+    SessionRow,
+)
 from kvkeepd.storage.catalog.sqlite_schema import COLUMNS, SCHEMA
 
 log = logging.getLogger(__name__)
 
 # Session ids bound in one counting query (well under sqlite's limit on variables).
 _IDS_PER_QUERY = 500
+# A tenant's stored bytes (Catalog.stored_bytes): its distinct blocks, its manifests and its
+# stored responses' records.
+_STORED = (
+    "SELECT (SELECT COALESCE(SUM(size), 0) FROM blocks WHERE block IN (SELECT refs.block FROM refs "
+    "JOIN checkpoints USING (checkpoint_id) WHERE checkpoints.tenant = ?1)) "
+    "+ (SELECT COALESCE(SUM(LENGTH(manifest)), 0) FROM checkpoints WHERE tenant = ?1) "
+    "+ (SELECT COALESCE(SUM(LENGTH(record)), 0) FROM responses JOIN checkpoints USING (checkpoint_id) "
+    "WHERE tenant = ?1)"
+)
 
 
 class SqliteCatalog:
@@ -46,6 +63,9 @@ class SqliteCatalog:
         self._lock = threading.Lock()
         # Blocks used since the last write transaction, and when (see touch).
         self._touched: dict[str, float] = {}
+        # Saves' holds on their tenants' quotas (reserve_stored): id -> (tenant, bytes). In
+        # RAM: the saves they are for are this process's, and end with it.
+        self._reserved: dict[str, tuple[str, int]] = {}
         with self._reading():  # a catalog that cannot be read stops the daemon's start
             if str(path) != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
@@ -116,12 +136,15 @@ class SqliteCatalog:
         fence: int = 0,
         claimed_at: float = 0.0,
         response: bytes | None = None,
+        reservation: str = "",
     ) -> str | None:
         """Commit a checkpoint and its references. With head_of, it becomes that session's
         head and the previous head is deleted; its id is returned. (One daemon's: its
         store's lock orders saves and sweeps, so claims need no checking.) With `response`,
-        the stored response's record commits with it."""
+        the stored response's record commits with it; `reservation` is let go."""
         with self._transaction():
+            # Under the lock reserve_stored takes: the checkpoint's bytes replace the hold.
+            self._reserved.pop(reservation, None)
             self._db.execute(
                 f"INSERT INTO checkpoints ({COLUMNS}, manifest) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (
@@ -233,14 +256,43 @@ class SqliteCatalog:
         return [CheckpointRow(*r) for r in rows]
 
     def stored_bytes(self, tenant: str) -> int:
-        """Bytes of the distinct blocks a tenant's checkpoints reference."""
+        """Bytes a tenant stores: its distinct blocks, manifests and records."""
         with self._reading():
-            found = self._db.execute(
-                "SELECT COALESCE(SUM(size), 0) FROM blocks WHERE block IN (SELECT refs.block FROM refs "
-                "JOIN checkpoints USING (checkpoint_id) WHERE checkpoints.tenant = ?)",
-                (tenant,),
-            ).fetchone()
-        return int(found[0])
+            return int(self._db.execute(_STORED, (tenant,)).fetchone()[0])
+
+    def reserve_stored(
+        self, tenant: str, blocks: Sequence[tuple[str, int]], own: int, limit: int
+    ) -> Reservation:
+        """Room under the tenant's quota for a save, or none (see Catalog.reserve_stored).
+        Commits and reservations take the same lock, so each sees the others whole."""
+        most = dict(blocks)
+        keys = list(most)
+        with self._reading():
+            held = int(self._db.execute(_STORED, (tenant,)).fetchone()[0])
+            held += sum(n for owner, n in self._reserved.values() if owner == tenant)
+            known: dict[str, tuple[int, bool]] = {}  # key -> (size, the tenant references it)
+            for at in range(0, len(keys), _IDS_PER_QUERY):
+                part = keys[at : at + _IDS_PER_QUERY]
+                rows = self._db.execute(
+                    "SELECT b.block, b.size, EXISTS (SELECT 1 FROM refs JOIN checkpoints c "
+                    "USING (checkpoint_id) WHERE refs.block = b.block AND c.tenant = ?) FROM blocks b "
+                    f"WHERE b.block IN ({','.join('?' * len(part))})",
+                    (tenant, *part),
+                ).fetchall()
+                known.update((r[0], (int(r[1]), bool(r[2]))) for r in rows)
+            needed = own
+            for key in keys:
+                size, theirs = known.get(key, (most[key], False))
+                needed += 0 if theirs else size
+            if held + needed > limit:
+                return Reservation("", held, needed)
+            reservation_id = secrets.token_hex(12)
+            self._reserved[reservation_id] = (tenant, needed)
+        return Reservation(reservation_id, held, needed)
+
+    def release_stored(self, tenant: str, reservation_id: str) -> None:
+        with self._lock:
+            self._reserved.pop(reservation_id, None)
 
     def delete(self, checkpoint_id: str) -> bool:
         with self._transaction():
