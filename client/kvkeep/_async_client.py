@@ -20,7 +20,17 @@ from kvkeep._errors import from_rpc_error
 from kvkeep._files import CHUNK_BYTES, PathOrFile, open_destination, open_source
 from kvkeep._operations import described_by
 from kvkeep._retry import DEFAULT_RETRY, Attempts, Retry
-from kvkeep._types import CheckpointInfo, Chunk, Completion, Info, Message, SamplingParams, SessionInfo, Tool
+from kvkeep._types import (
+    CheckpointInfo,
+    Chunk,
+    Completion,
+    Info,
+    Message,
+    ResponsePage,
+    SamplingParams,
+    SessionInfo,
+    Tool,
+)
 from kvkeep.v1 import kvkeep_pb2 as pb
 from kvkeep.v1 import kvkeep_pb2_grpc as pb_grpc
 
@@ -171,6 +181,16 @@ class AsyncClient:
     @described_by(ops.delete_checkpoint)
     async def delete_checkpoint(self, checkpoint_id: str) -> None:
         await self._unary(ops.delete_checkpoint(checkpoint_id))
+
+    @described_by(ops.list_responses)
+    async def list_responses(
+        self, *, limit: int = 20, after: str | None = None, order: str = "desc"
+    ) -> ResponsePage:
+        return await self._unary(ops.list_responses(limit, after, order))
+
+    @described_by(ops.delete_response)
+    async def delete_response(self, response_id: str) -> None:
+        await self._unary(ops.delete_response(response_id))
 
     @described_by(ops.export_checkpoint)
     async def export_checkpoint(self, checkpoint_id: str, path_or_file: PathOrFile) -> int:

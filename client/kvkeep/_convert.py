@@ -17,6 +17,8 @@ from kvkeep._types import (
     GeneratedToken,
     Info,
     Message,
+    ResponseInfo,
+    ResponsePage,
     SamplingParams,
     SessionInfo,
     TokenLogprob,
@@ -326,6 +328,14 @@ def checkpoint_info_from_pb(m: pb.CheckpointInfo) -> CheckpointInfo:
         bytes_referenced=m.bytes_referenced,
         created_at=m.created_at,
     )
+
+
+def response_page_from_pb(m: pb.ListResponsesResponse) -> ResponsePage:
+    """A page of stored responses (ResponseInfo mirrors the message field for field)."""
+    listed = tuple(
+        ResponseInfo(**{f.name: getattr(r, f.name) for f in fields(ResponseInfo)}) for r in m.responses
+    )
+    return ResponsePage(listed, m.has_more)
 
 
 # Info mirrors GetInfoResponse field for field, so both directions copy by name.

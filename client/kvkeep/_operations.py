@@ -27,6 +27,7 @@ from kvkeep._convert import (
     create_session_request,
     generate_request,
     info_from_pb,
+    response_page_from_pb,
     session_info_from_pb,
 )
 from kvkeep._types import (
@@ -35,6 +36,7 @@ from kvkeep._types import (
     Info,
     Message,
     PromptProgress,
+    ResponsePage,
     SamplingParams,
     SessionInfo,
     Tool,
@@ -173,6 +175,22 @@ def import_request(data: bytes) -> pb.ImportCheckpointRequest:
 def imported(response: pb.ImportCheckpointResponse) -> CheckpointInfo:
     """The checkpoint an import made."""
     return checkpoint_info_from_pb(response.checkpoint)
+
+
+def list_responses(limit: int, after: str | None, order: str) -> Unary[ResponsePage]:
+    """A page of the caller's stored responses (the HTTP door's ``/v1/responses``), by
+    creation: ``order`` ``"desc"`` newest first, ``"asc"`` oldest first; ``limit`` of them
+    (1 to 100) after the response ``after`` (None: from the first). For the next page, pass
+    the last one's id as ``after`` while ``has_more``; a response deleted since is not found.
+    """
+    request = pb.ListResponsesRequest(limit=limit, after=after or "", order=order)
+    return Unary("ListResponses", request, response_page_from_pb, resend=True)
+
+
+def delete_response(response_id: str) -> Unary[None]:
+    """Delete a stored response; it no longer counts against the tenant's stored bytes (blocks
+    that other states share are kept). Another tenant's id is not found, as an unknown one."""
+    return Unary("DeleteResponse", pb.DeleteResponseRequest(response_id=response_id), _nothing)
 
 
 # --- one session --------------------------------------------------------------------------------

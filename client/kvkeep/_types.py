@@ -213,6 +213,33 @@ class CheckpointInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseInfo:
+    """A stored response of the HTTP door's ``/v1/responses``, as a listing reports it."""
+
+    response_id: str
+    previous_response_id: str
+    """The response it continues; ``""``: none."""
+    created_at: float
+    n_tokens: int
+    """Tokens of the conversation's state it holds."""
+    bytes_written: int
+    """Bytes its save added to the store."""
+    bytes_referenced: int
+    """Bytes of all the blocks it references, shared ones included."""
+    expires_at: float
+    """When the daemon's ``--response-ttl`` deletes it at the earliest; 0: never."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsePage:
+    """A page of stored responses, and whether more follow it (ask again with ``after`` the
+    last one's id)."""
+
+    responses: tuple[ResponseInfo, ...]
+    has_more: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Info:
     """What the daemon runs: its model, engine mode, limits and counters."""
 

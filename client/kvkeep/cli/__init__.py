@@ -1,7 +1,7 @@
 """The ``kvkeep`` command: talk to a daemon, or start one with ``kvkeep serve``.
 
 The root group and its global options are here; each command group is a module of its own:
-`_chat` (run, chat), `_session`, `_checkpoint`, `_daemon` (info, serve).
+`_chat` (run, chat), `_session`, `_checkpoint`, `_response`, `_daemon` (info, serve).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from kvkeep.cli._checkpoint import checkpoint_group
 from kvkeep.cli._context import Main, State, global_options, with_global_options
 from kvkeep.cli._daemon import info, pull, serve
 from kvkeep.cli._options import DEFAULT_MAX_TOKENS
+from kvkeep.cli._response import response_group
 from kvkeep.cli._session import session_group
 
 __all__ = ["DEFAULT_MAX_TOKENS", "main"]
@@ -49,7 +50,7 @@ def main(
     ctx.call_on_close(state.close)
 
 
-for command in (info, run, chat, session_group, checkpoint_group):
+for command in (info, run, chat, session_group, checkpoint_group, response_group):
     with_global_options(command)
     main.add_command(command)
 # `kvkeep serve` takes the daemon's own options (its --address is where it listens); `kvkeep

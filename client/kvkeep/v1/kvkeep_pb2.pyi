@@ -1518,3 +1518,133 @@ class ImportCheckpointResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ImportCheckpointResponse: _TypeAlias = ImportCheckpointResponse  # noqa: Y015
+
+@_typing.final
+class ResponseInfo(_message.Message):
+    """A stored response, as a listing reports it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    PREVIOUS_RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    N_TOKENS_FIELD_NUMBER: _builtins.int
+    BYTES_WRITTEN_FIELD_NUMBER: _builtins.int
+    BYTES_REFERENCED_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    response_id: _builtins.str
+    previous_response_id: _builtins.str
+    """the response it continues ("": none)"""
+    created_at: _builtins.float
+    n_tokens: _builtins.int
+    """tokens of the conversation's state it holds"""
+    bytes_written: _builtins.int
+    """bytes of blocks its save added to the store"""
+    bytes_referenced: _builtins.int
+    """bytes of all the blocks it references, shared ones included"""
+    expires_at: _builtins.float
+    """when --response-ttl deletes it at the earliest (0: never)"""
+    def __init__(
+        self,
+        *,
+        response_id: _builtins.str = ...,
+        previous_response_id: _builtins.str = ...,
+        created_at: _builtins.float = ...,
+        n_tokens: _builtins.int = ...,
+        bytes_written: _builtins.int = ...,
+        bytes_referenced: _builtins.int = ...,
+        expires_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_referenced", b"bytes_referenced", "bytes_written", b"bytes_written", "created_at", b"created_at", "expires_at", b"expires_at", "n_tokens", b"n_tokens", "previous_response_id", b"previous_response_id", "response_id", b"response_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResponseInfo: _TypeAlias = ResponseInfo  # noqa: Y015
+
+@_typing.final
+class ListResponsesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMIT_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    ORDER_FIELD_NUMBER: _builtins.int
+    limit: _builtins.int
+    """1 to 100 (0: 20)"""
+    after: _builtins.str
+    """A response id, the last of the page before: the page begins after it ("": the first)."""
+    order: _builtins.str
+    """by creation: "desc" (newest first; "" too) or "asc" """
+    def __init__(
+        self,
+        *,
+        limit: _builtins.int = ...,
+        after: _builtins.str = ...,
+        order: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "limit", b"limit", "order", b"order"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListResponsesRequest: _TypeAlias = ListResponsesRequest  # noqa: Y015
+
+@_typing.final
+class ListResponsesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSES_FIELD_NUMBER: _builtins.int
+    HAS_MORE_FIELD_NUMBER: _builtins.int
+    has_more: _builtins.bool
+    """more follow the last one, in this order"""
+    @_builtins.property
+    def responses(self) -> _containers.RepeatedCompositeFieldContainer[Global___ResponseInfo]: ...
+    def __init__(
+        self,
+        *,
+        responses: _abc.Iterable[Global___ResponseInfo] | None = ...,
+        has_more: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_more", b"has_more", "responses", b"responses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListResponsesResponse: _TypeAlias = ListResponsesResponse  # noqa: Y015
+
+@_typing.final
+class DeleteResponseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    response_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        response_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["response_id", b"response_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteResponseRequest: _TypeAlias = DeleteResponseRequest  # noqa: Y015
+
+@_typing.final
+class DeleteResponseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteResponseResponse: _TypeAlias = DeleteResponseResponse  # noqa: Y015

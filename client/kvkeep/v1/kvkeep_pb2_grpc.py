@@ -110,6 +110,16 @@ class KvKeepStub:
                 request_serializer=kvkeep_dot_v1_dot_kvkeep__pb2.ImportCheckpointRequest.SerializeToString,
                 response_deserializer=kvkeep_dot_v1_dot_kvkeep__pb2.ImportCheckpointResponse.FromString,
                 _registered_method=True)
+        self.ListResponses = channel.unary_unary(
+                '/kvkeep.v1.KvKeep/ListResponses',
+                request_serializer=kvkeep_dot_v1_dot_kvkeep__pb2.ListResponsesRequest.SerializeToString,
+                response_deserializer=kvkeep_dot_v1_dot_kvkeep__pb2.ListResponsesResponse.FromString,
+                _registered_method=True)
+        self.DeleteResponse = channel.unary_unary(
+                '/kvkeep.v1.KvKeep/DeleteResponse',
+                request_serializer=kvkeep_dot_v1_dot_kvkeep__pb2.DeleteResponseRequest.SerializeToString,
+                response_deserializer=kvkeep_dot_v1_dot_kvkeep__pb2.DeleteResponseResponse.FromString,
+                _registered_method=True)
 
 
 class KvKeepServicer:
@@ -211,6 +221,20 @@ class KvKeepServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListResponses(self, request, context):
+        """Stored responses (the HTTP door's /v1/responses): the caller's own, listed a page at a
+        time, and deleted with the blocks no other state references.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteResponse(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvKeepServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -288,6 +312,16 @@ def add_KvKeepServicer_to_server(servicer, server):
                     servicer.ImportCheckpoint,
                     request_deserializer=kvkeep_dot_v1_dot_kvkeep__pb2.ImportCheckpointRequest.FromString,
                     response_serializer=kvkeep_dot_v1_dot_kvkeep__pb2.ImportCheckpointResponse.SerializeToString,
+            ),
+            'ListResponses': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListResponses,
+                    request_deserializer=kvkeep_dot_v1_dot_kvkeep__pb2.ListResponsesRequest.FromString,
+                    response_serializer=kvkeep_dot_v1_dot_kvkeep__pb2.ListResponsesResponse.SerializeToString,
+            ),
+            'DeleteResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteResponse,
+                    request_deserializer=kvkeep_dot_v1_dot_kvkeep__pb2.DeleteResponseRequest.FromString,
+                    response_serializer=kvkeep_dot_v1_dot_kvkeep__pb2.DeleteResponseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -696,6 +730,60 @@ class KvKeep:
             '/kvkeep.v1.KvKeep/ImportCheckpoint',
             kvkeep_dot_v1_dot_kvkeep__pb2.ImportCheckpointRequest.SerializeToString,
             kvkeep_dot_v1_dot_kvkeep__pb2.ImportCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListResponses(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvkeep.v1.KvKeep/ListResponses',
+            kvkeep_dot_v1_dot_kvkeep__pb2.ListResponsesRequest.SerializeToString,
+            kvkeep_dot_v1_dot_kvkeep__pb2.ListResponsesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvkeep.v1.KvKeep/DeleteResponse',
+            kvkeep_dot_v1_dot_kvkeep__pb2.DeleteResponseRequest.SerializeToString,
+            kvkeep_dot_v1_dot_kvkeep__pb2.DeleteResponseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,6 +53,11 @@ class KvKeepStub:
     DeleteCheckpoint: _grpc.UnaryUnaryMultiCallable[_kvkeep_pb2.DeleteCheckpointRequest, _kvkeep_pb2.DeleteCheckpointResponse]
     ExportCheckpoint: _grpc.UnaryStreamMultiCallable[_kvkeep_pb2.ExportCheckpointRequest, _kvkeep_pb2.ExportCheckpointResponse]
     ImportCheckpoint: _grpc.StreamUnaryMultiCallable[_kvkeep_pb2.ImportCheckpointRequest, _kvkeep_pb2.ImportCheckpointResponse]
+    ListResponses: _grpc.UnaryUnaryMultiCallable[_kvkeep_pb2.ListResponsesRequest, _kvkeep_pb2.ListResponsesResponse]
+    """Stored responses (the HTTP door's /v1/responses): the caller's own, listed a page at a
+    time, and deleted with the blocks no other state references.
+    """
+    DeleteResponse: _grpc.UnaryUnaryMultiCallable[_kvkeep_pb2.DeleteResponseRequest, _kvkeep_pb2.DeleteResponseResponse]
 
 @_typing.type_check_only
 class KvKeepAsyncStub(KvKeepStub):
@@ -79,6 +84,11 @@ class KvKeepAsyncStub(KvKeepStub):
     DeleteCheckpoint: _aio.UnaryUnaryMultiCallable[_kvkeep_pb2.DeleteCheckpointRequest, _kvkeep_pb2.DeleteCheckpointResponse]  # type: ignore[assignment]
     ExportCheckpoint: _aio.UnaryStreamMultiCallable[_kvkeep_pb2.ExportCheckpointRequest, _kvkeep_pb2.ExportCheckpointResponse]  # type: ignore[assignment]
     ImportCheckpoint: _aio.StreamUnaryMultiCallable[_kvkeep_pb2.ImportCheckpointRequest, _kvkeep_pb2.ImportCheckpointResponse]  # type: ignore[assignment]
+    ListResponses: _aio.UnaryUnaryMultiCallable[_kvkeep_pb2.ListResponsesRequest, _kvkeep_pb2.ListResponsesResponse]  # type: ignore[assignment]
+    """Stored responses (the HTTP door's /v1/responses): the caller's own, listed a page at a
+    time, and deleted with the blocks no other state references.
+    """
+    DeleteResponse: _aio.UnaryUnaryMultiCallable[_kvkeep_pb2.DeleteResponseRequest, _kvkeep_pb2.DeleteResponseResponse]  # type: ignore[assignment]
 
 class KvKeepServicer(metaclass=_abc_1.ABCMeta):
     """The kvkeep daemon. Every RPC takes its own request and returns its own response."""
@@ -192,5 +202,22 @@ class KvKeepServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_kvkeep_pb2.ImportCheckpointRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_kvkeep_pb2.ImportCheckpointResponse, _abc.Awaitable[_kvkeep_pb2.ImportCheckpointResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListResponses(
+        self,
+        request: _kvkeep_pb2.ListResponsesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvkeep_pb2.ListResponsesResponse, _abc.Awaitable[_kvkeep_pb2.ListResponsesResponse]]:
+        """Stored responses (the HTTP door's /v1/responses): the caller's own, listed a page at a
+        time, and deleted with the blocks no other state references.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteResponse(
+        self,
+        request: _kvkeep_pb2.DeleteResponseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvkeep_pb2.DeleteResponseResponse, _abc.Awaitable[_kvkeep_pb2.DeleteResponseResponse]]: ...
 
 def add_KvKeepServicer_to_server(servicer: KvKeepServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -12,6 +12,7 @@ from kvkeep.v1 import kvkeep_pb2 as pb
 from kvkeepd.engine.backend import GPU_KINDS, Device
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.sessions.manager import SessionView
+from kvkeepd.sessions.response_list import StoredResponse
 from kvkeepd.storage.catalog import CheckpointRow, ListedSession
 from kvkeepd.toolcall import CallDelta, Tool, ToolCall, ToolChoice
 from kvkeepd.values import (
@@ -166,6 +167,11 @@ def checkpoint_to_pb(r: CheckpointRow) -> pb.CheckpointInfo:
         bytes_referenced=r.bytes_referenced,
         created_at=r.created_at,
     )
+
+
+def response_to_pb(r: StoredResponse) -> pb.ResponseInfo:
+    # ResponseInfo mirrors StoredResponse field for field.
+    return pb.ResponseInfo(**dataclasses.asdict(r))
 
 
 def chunk_to_pb(c: Chunk) -> pb.GenerationChunk:

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvkeep.v1 import kvkeep_pb2 as pb
-from kvkeepd import __version__
+from kvkeepd import __version__, bulk
 from kvkeepd.api.access import Access
 from kvkeepd.api.convert import (
     checkpoint_to_pb,
@@ -23,6 +23,7 @@ from kvkeepd.api.convert import (
     listed_to_pb,
     message_from_pb,
     overrides_from_pb,
+    response_to_pb,
     session_to_pb,
     tools_from_pb,
     turn_from_pb,
@@ -30,6 +31,7 @@ from kvkeepd.api.convert import (
 from kvkeepd.api.wire import Requests
 from kvkeepd.errors import CAUSE_KEY, INTERNAL_CAUSE, RETRY_KEY, InvalidRequest, KvkeepError, Unavailable
 from kvkeepd.sessions.manager import SessionManager, SessionView
+from kvkeepd.sessions.response_list import PAGE, list_responses
 from kvkeepd.sessions.tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -305,7 +307,10 @@ class KvKeepService:
         if request.messages:
             if request.message:
                 raise InvalidRequest("give a message or messages, not both")
-            messages = [message_from_pb(m) for m in request.messages]
+            messages = await bulk.run(
+                lambda: [message_from_pb(m) for m in request.messages],
+                large=len(request.messages) > bulk.LARGE_MESSAGES,
+            )
             stream = self.manager.converse(
                 request.session_id, tenant, messages=messages, whole=request.whole, turn=turn
             )
@@ -378,6 +383,28 @@ class KvKeepService:
 
         row = await self.manager.checkpoints.import_checkpoint(data(), tenant)
         return pb.ImportCheckpointResponse(checkpoint=checkpoint_to_pb(row))
+
+    @unary
+    async def ListResponses(
+        self, request: pb.ListResponsesRequest, tenant: Tenant, context: Any
+    ) -> pb.ListResponsesResponse:
+        page = await list_responses(
+            self.manager.responses,
+            tenant,
+            after=request.after,
+            limit=request.limit or PAGE,
+            order=request.order or "desc",
+        )
+        return pb.ListResponsesResponse(
+            responses=[response_to_pb(r) for r in page.responses], has_more=page.has_more
+        )
+
+    @unary
+    async def DeleteResponse(
+        self, request: pb.DeleteResponseRequest, tenant: Tenant, context: Any
+    ) -> pb.DeleteResponseResponse:
+        await self.manager.responses.delete(request.response_id, tenant)
+        return pb.DeleteResponseResponse()
 
     def _session_pb(self, view: SessionView) -> pb.SessionInfo:
         return session_to_pb(view, self.manager.model.n_ctx_seq)

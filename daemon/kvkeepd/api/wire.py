@@ -224,6 +224,9 @@ def _field_bytes(text: int, prompt_limit: int, unbounded: int) -> dict[str, int]
         "tools": MAX_GRAMMAR_CHARS * UTF8_BYTES + MAX_TOOLS * (4 * FIELD_BYTES + ID_BYTES),
         "mode": ID_BYTES,
         "function": ID_BYTES,
+        "response_id": ID_BYTES,
+        "after": ID_BYTES,
+        "order": ID_BYTES,
         # A whole conversation may be longer than the context (its earlier turns dropped), and
         # an import's chunks are as large as its client makes them: only the message limit
         # bounds them.

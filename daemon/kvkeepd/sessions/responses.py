@@ -86,6 +86,8 @@ class ResponseRecord:
     document: dict[str, Any]
 
     def encode(self) -> bytes:
+        # NOTE: previous_response_id comes first: a listing reads it from the record's
+        # first bytes alone (response_list.py).
         body = {
             "previous_response_id": self.previous_response_id,
             "instructions": self.instructions,

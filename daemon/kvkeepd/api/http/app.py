@@ -83,6 +83,7 @@ class OpenAiDoor:
         routes = Starlette(
             routes=[
                 Route("/v1/responses", self._endpoint(self.responses.create, "input"), methods=["POST"]),
+                Route("/v1/responses", self._endpoint(self.responses.listing), methods=["GET"]),
                 Route(stored, self._endpoint(self.responses.retrieve), methods=["GET"]),
                 Route(stored, self._endpoint(self.responses.delete), methods=["DELETE"]),
                 Route(stored + "/input_items", self._endpoint(self.responses.input_items), methods=["GET"]),

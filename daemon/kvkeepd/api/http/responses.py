@@ -1,5 +1,7 @@
 """OpenAI's Responses API on the HTTP door: `POST /v1/responses`, `GET` and `DELETE
-/v1/responses/{id}`, `GET /v1/responses/{id}/input_items`.
+/v1/responses/{id}`, `GET /v1/responses/{id}/input_items`; and `GET /v1/responses`, the
+caller's stored responses listed (a route OpenAI does not have), so that one whose ids were
+lost can be deleted.
 
 Handlers translate: a body in, the SessionManager's stored responses (sessions/responses.py),
 a body or a stream of events out. What is stored with a response is its response object and
@@ -17,12 +19,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvkeepd import bulk
 from kvkeepd.api.http.bodies import domain_error
-from kvkeepd.api.http.response_schema import LOGPROBS, ResponseCreate
+from kvkeepd.api.http.response_schema import LOGPROBS, ResponseCreate, ResponseSpec
 from kvkeepd.api.http.response_shapes import ResponseShape, listing, replay
 from kvkeepd.api.http.waiting import counted, unless_left
 from kvkeepd.errors import InvalidRequest, KvkeepError
 from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.sessions.response_list import PAGE as LISTED
+from kvkeepd.sessions.response_list import StoredResponse, list_responses
 from kvkeepd.sessions.responses import ResponseRequest, new_response_id
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.values import Chunk
@@ -53,8 +58,13 @@ class ResponsesDoor:
 
     async def create(self, request: Request) -> Response:
         tenant = self.tenant(request)
-        body = ResponseCreate.model_validate_json(await self.body(request))
-        spec = body.checked()
+        raw = await self.body(request)
+
+        def parse() -> tuple[ResponseCreate, ResponseSpec]:
+            body = ResponseCreate.model_validate_json(raw)
+            return body, body.checked()
+
+        body, spec = await bulk.run(parse, large=len(raw) > bulk.LARGE_BYTES)
         shape = ResponseShape(new_response_id(), int(time.time()), self.model_id, body, spec)
         wanted = ResponseRequest(
             response_id=shape.response_id,
@@ -129,6 +139,29 @@ class ResponsesDoor:
         await self.manager.responses.delete(response_id, tenant)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
+    async def listing(self, request: Request) -> Response:
+        """`GET /v1/responses`: the caller's stored responses, a page at a time, in the shape
+        of OpenAI's list endpoints (`limit`, `after`, `order`)."""
+        tenant = self.tenant(request)
+        query = request.query_params
+        page = await list_responses(
+            self.manager.responses,
+            tenant,
+            after=query.get("after", ""),
+            limit=_number(query.get("limit"), "limit", LISTED),
+            order=query.get("order", "desc"),
+        )
+        data = [_summary(r) for r in page.responses]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": page.has_more,
+            }
+        )
+
     async def input_items(self, request: Request) -> Response:
         tenant = self.tenant(request)
         query = request.query_params
@@ -141,6 +174,20 @@ class ResponsesDoor:
         record = await self.manager.responses.lookup(request.path_params["response_id"], tenant)
         items: list[dict[str, Any]] = record.document["input"]
         return JSONResponse(listing(items, after=query.get("after", ""), limit=limit, order=order))
+
+
+def _summary(r: StoredResponse) -> dict[str, Any]:
+    """A listed response: its id and what it holds (GET /v1/responses/{id} gives it whole)."""
+    return {
+        "id": r.response_id,
+        "object": "response",
+        "created_at": int(r.created_at),
+        "previous_response_id": r.previous_response_id or None,
+        "expires_at": int(r.expires_at) if r.expires_at else None,
+        "n_tokens": r.n_tokens,
+        "bytes_written": r.bytes_written,
+        "bytes_referenced": r.bytes_referenced,
+    }
 
 
 def _flag(value: str | None, name: str) -> bool:

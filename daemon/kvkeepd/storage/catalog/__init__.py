@@ -25,6 +25,11 @@ class CheckpointRow:
     tenant: str = ""
 
 
+#: Bytes of a stored response's record that a listing reads (`tenant_responses`): the
+#: fields the record puts first.
+RECORD_HEAD = 64
+
+
 @dataclass(frozen=True)
 class SessionRow:
     """A persistent session as the catalog records it."""
@@ -136,6 +141,16 @@ class Catalog(Protocol):
 
     def tenant_checkpoints(self, tenant: str) -> list[CheckpointRow]:
         """A tenant's explicit and imported checkpoints, oldest first."""
+        ...
+
+    def tenant_responses(
+        self, tenant: str, after: str, limit: int, descending: bool
+    ) -> list[tuple[CheckpointRow, bytes]] | None:
+        """A page of the tenant's stored responses in the order of their creation (then of
+        their ids), oldest or newest first: up to `limit` of those after the response
+        `after` ("": from the first), each with the first RECORD_HEAD bytes of its record.
+        None if `after` is not one of the tenant's stored responses. Read by an index: a
+        page costs the same whatever the tenant holds."""
         ...
 
     def stored_bytes(self, tenant: str) -> int:

@@ -20,6 +20,8 @@ catalog needs one server (or a primary), not a cluster:
     P:ckpt:CID           hash: the row's fields and the manifest (and a stored response's
                          record)
     P:responses          zset: stored responses' CIDs by creation (expiry reads it)
+    P:tenant-responses:T zset: the tenant's stored responses' CIDs by creation (listings)
+    P:responses-indexed  set once the one above indexes every stored response
     P:ckpts:SID          set: the session's checkpoint ids
     P:tenant:TENANT      set: the tenant's explicit and imported checkpoint ids
     P:tenant-all:TENANT  set: all the tenant's checkpoint ids (heads too: stored bytes)
@@ -58,6 +60,7 @@ from redis.retry import Retry
 
 from kvkeepd.errors import CatalogUnavailable, SessionElsewhere, StaleClaim, StoreReadFailed
 from kvkeepd.storage.catalog import (
+    RECORD_HEAD,
     CheckpointRow,
     Claim,
     Lease,
@@ -137,10 +140,12 @@ class RedisCatalog:
         self._reserve = self._db.register_script(scripts.RESERVE)
         self._stored = self._db.register_script(scripts.STORED)
         self._release_stored = self._db.register_script(scripts.RELEASE_STORED)
+        self._list_responses = self._db.register_script(scripts.LIST_RESPONSES)
         self._manifest_bytes = 0
         self._call(self._db.ping)  # a server that cannot be reached stops the daemon's start
         # A catalog written before the session indexes existed gets them, once.
         self._call(self._db.register_script(scripts.INDEX), args=[self.prefix])
+        self._call(self._db.register_script(scripts.INDEX_RESPONSES), args=[self.prefix])
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -258,6 +263,15 @@ class RedisCatalog:
 
     def tenant_checkpoints(self, tenant: str) -> list[CheckpointRow]:
         return self._rows(self._call(self._db.smembers, self._k("tenant", tenant)))
+
+    def tenant_responses(
+        self, tenant: str, after: str, limit: int, descending: bool
+    ) -> list[tuple[CheckpointRow, bytes]] | None:
+        args = [self.prefix, tenant, after, str(limit), "1" if descending else "0", str(RECORD_HEAD)]
+        found = self._call(self._list_responses, args=args)
+        if not int(found[0]):
+            return None
+        return [(self._row(_str(f[0]), f[1:9]), bytes(f[9])) for f in found[1:]]
 
     def stored_bytes(self, tenant: str) -> int:
         return int(self._call(self._stored, args=[self.prefix, tenant]))

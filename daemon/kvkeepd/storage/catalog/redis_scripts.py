@@ -21,6 +21,7 @@ local function delete_ckpt(P, cid)
   end
   redis.call('DEL', P .. ':refs:' .. cid, ck)
   redis.call('ZREM', P .. ':responses', cid)
+  redis.call('ZREM', P .. ':tenant-responses:' .. f[2], cid)
   redis.call('SREM', P .. ':ckpts:' .. f[1], cid)
   redis.call('SREM', P .. ':tenant:' .. f[2], cid)
   redis.call('SREM', P .. ':tenant-all:' .. f[2], cid)
@@ -157,6 +158,7 @@ redis.call('INCRBY', P .. ':manifest-bytes', string.len(manifest))
 if response ~= '' then
   redis.call('HSET', ck, 'response', response)
   redis.call('ZADD', P .. ':responses', created_at, cid)
+  redis.call('ZADD', P .. ':tenant-responses:' .. tenant, created_at, cid)
 end
 for i = 19, #ARGV, 2 do
   local b = ARGV[i]
@@ -254,6 +256,56 @@ for i = 1, #found, 2 do
   end
 end
 return out
+"""
+
+# ARGV: prefix, tenant, after ('' for the first), limit, '1' for newest first (else oldest
+# first), the bytes of a record to read. A page of the tenant's stored responses, by creation
+# then id (a sorted set orders equal scores by member): {1, then per response its id, its
+# row's fields (in the order of redis_catalog._FIELDS) and its record's first bytes}, or {0}
+# when `after` is not one of them.
+LIST_RESPONSES = """
+local P, tenant, after, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local newest, head = ARGV[5] == '1', tonumber(ARGV[6])
+local key = P .. ':tenant-responses:' .. tenant
+local start = 0
+if after ~= '' then
+  local rank
+  if newest then rank = redis.call('ZREVRANK', key, after) else rank = redis.call('ZRANK', key, after) end
+  if not rank then return {0} end
+  start = rank + 1
+end
+local ids
+if newest then
+  ids = redis.call('ZREVRANGE', key, start, start + limit - 1)
+else
+  ids = redis.call('ZRANGE', key, start, start + limit - 1)
+end
+local out = {1}
+for _, cid in ipairs(ids) do
+  local ck = P .. ':ckpt:' .. cid
+  local f = redis.call('HMGET', ck, 'session_id', 'label', 'kind', 'n_tokens', 'bytes_written',
+    'bytes_referenced', 'created_at', 'tenant', 'response')
+  if f[1] and f[9] then
+    f[9] = string.sub(f[9], 1, head)
+    table.insert(f, 1, cid)
+    table.insert(out, f)
+  end
+end
+return out
+"""
+
+# ARGV: prefix. Indexes by tenant the stored responses of a catalog written before that index
+# existed, once.
+INDEX_RESPONSES = """
+local P = ARGV[1]
+if redis.call('GET', P .. ':responses-indexed') == '1' then return 0 end
+local found = redis.call('ZRANGE', P .. ':responses', 0, -1, 'WITHSCORES')
+for i = 1, #found, 2 do
+  local tenant = redis.call('HGET', P .. ':ckpt:' .. found[i], 'tenant')
+  if tenant then redis.call('ZADD', P .. ':tenant-responses:' .. tenant, found[i + 1], found[i]) end
+end
+redis.call('SET', P .. ':responses-indexed', '1')
+return 1
 """
 
 # ARGV: prefix, now, then per record: session id, fence, n_tokens, body. Makes each body its

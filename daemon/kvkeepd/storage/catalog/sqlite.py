@@ -22,6 +22,7 @@ from pathlib import Path
 from kvkeepd.errors import StoreReadFailed
 from kvkeepd.files import check_entry, private_file
 from kvkeepd.storage.catalog import (
+    RECORD_HEAD,
     CheckpointRow,
     Claim,
     Lease,
@@ -77,6 +78,11 @@ class SqliteCatalog:
                 if "tenant" not in columns:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN tenant TEXT NOT NULL DEFAULT ''")
             self._db.execute("CREATE INDEX IF NOT EXISTS checkpoints_tenant ON checkpoints (tenant)")
+            # A tenant's stored responses in their listing's order (tenant_responses).
+            self._db.execute(
+                "CREATE INDEX IF NOT EXISTS checkpoints_responses ON checkpoints "
+                "(tenant, created_at, checkpoint_id) WHERE kind = 'response'"
+            )
             found = self._db.execute("SELECT COALESCE(SUM(LENGTH(manifest)), 0) FROM checkpoints").fetchone()
             self._manifest_bytes = int(found[0])
 
@@ -254,6 +260,33 @@ class SqliteCatalog:
                 (tenant,),
             ).fetchall()
         return [CheckpointRow(*r) for r in rows]
+
+    def tenant_responses(
+        self, tenant: str, after: str, limit: int, descending: bool
+    ) -> list[tuple[CheckpointRow, bytes]] | None:
+        """A page of the tenant's stored responses, each with its record's first bytes; None
+        if `after` is not one of them."""
+        columns = ", ".join(f"c.{c.strip()}" for c in COLUMNS.split(","))
+        direction, beyond = ("DESC", "<") if descending else ("ASC", ">")
+        query = (
+            f"SELECT {columns}, substr(r.record, 1, ?) FROM checkpoints c "
+            "JOIN responses r USING (checkpoint_id) WHERE c.tenant = ? AND c.kind = 'response'"
+        )
+        args: list[object] = [RECORD_HEAD, tenant]
+        with self._reading():
+            if after:
+                found = self._db.execute(
+                    "SELECT created_at FROM checkpoints WHERE checkpoint_id = ? AND tenant = ? "
+                    "AND kind = 'response'",
+                    (after, tenant),
+                ).fetchone()
+                if found is None:
+                    return None
+                query += f" AND (c.created_at, c.checkpoint_id) {beyond} (?, ?)"
+                args += [found[0], after]
+            query += f" ORDER BY c.created_at {direction}, c.checkpoint_id {direction} LIMIT ?"
+            rows = self._db.execute(query, (*args, limit)).fetchall()
+        return [(CheckpointRow(*r[:-1]), bytes(r[-1])) for r in rows]
 
     def stored_bytes(self, tenant: str) -> int:
         """Bytes a tenant stores: its distinct blocks, manifests and records."""
