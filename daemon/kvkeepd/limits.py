@@ -10,6 +10,9 @@ MAX_LABEL = 256
 # A message's content, in characters (a gRPC message is at most 256 MiB anyway).
 MAX_MESSAGE_CHARS = 1 << 24
 MAX_MESSAGES = 1 << 16
+# CPU seconds a chat template may take to render one conversation (a template runs in a
+# worker thread; past this it is stopped, and the request refused).
+RENDER_SECONDS = 5.0
 MIN_BLOCK_TOKENS = 16
 MAX_BLOCK_TOKENS = 128
 # Imports received at once (each spooled to a temporary file), and checked at once (each

@@ -8,6 +8,12 @@ through `tojson` (Llama 3.1's tool results) is a content segment too, JSON-escap
 `tojson` would have written it. Tools and calls are given as the template's format expects
 them (kvkeepd.tools); `tojson` writes JSON as Hugging Face's templates expect: keys in their
 order, nothing HTML-escaped.
+
+A template is code the operator chose, run on what callers send: whatever it raises, and a
+rendering that runs past RENDER_SECONDS of its thread's CPU time, refuses the request with
+the reason. What the template writes between two messages (its framing, measured once on a
+probe conversation) lets a conversation too long for the context be refused before it is
+rendered at all (kvkeepd.sessions.tokens).
 """
 
 from __future__ import annotations
@@ -15,18 +21,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import secrets
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError, nodes
+from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvkeepd.config.option import ConfigError
 from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import FailedPrecondition, InvalidRequest
+from kvkeepd.limits import RENDER_SECONDS
 from kvkeepd.toolcall import AUTO_FORMAT, Tool, ToolCall
 from kvkeepd.tools import Toolkit
 from kvkeepd.tools.formats import format_named
@@ -34,6 +45,9 @@ from kvkeepd.tools.shaping import template_message
 from kvkeepd.values import Message
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
 # A conversation that shows whether a template renders tools, calls and results.
 _PROBE = "kvkeep_probe"
 _PROBE_TOOL = Tool(_PROBE, "Probe.", '{"type": "object", "properties": {"x": {"type": "integer"}}}')
@@ -43,6 +57,15 @@ _PROBE_MESSAGES = (
     Message("assistant", "", (_PROBE_CALL,)),
     Message("tool", f"{_PROBE}_result", tool_call_id=_PROBE_CALL.call_id),
 )
+# Conversations that show what a template writes between messages: the first it renders.
+_FRAMING_PROBES = (
+    tuple(Message(r, f"{_PROBE}_{i}") for i, r in enumerate(("system", "user", "assistant", "user"))),
+    tuple(Message(r, f"{_PROBE}_{i}") for i, r in enumerate(("user", "assistant", "user"))),
+)
+# A template's loop iterations and calls between two looks at the rendering thread's CPU clock.
+_TICKS_PER_LOOK = 256
+# The filter that paces a loop's iterable (a name no template uses).
+_PACED = "kvkeep_paced"
 
 
 @dataclass(frozen=True)
@@ -51,6 +74,69 @@ class Segment:
 
     text: str
     content: bool
+
+
+@dataclass(frozen=True)
+class Framing:
+    """What a template writes around messages, as a probe conversation showed: the contents
+    of messages of `roles`, each, and between two such contents at least `tokens` tokens of
+    its own text. Framing(0, frozenset()): nothing is known (no probe rendered)."""
+
+    tokens: int
+    roles: frozenset[str]
+
+
+class _Overtime(Exception):
+    """A rendering ran past its time."""
+
+
+class _Clock(threading.local):
+    """The CPU time left to the rendering under way in this thread (a template renders in
+    several threads at once)."""
+
+    limit = math.inf
+    countdown = _TICKS_PER_LOOK
+
+    def start(self, seconds: float) -> None:
+        self.limit = time.thread_time() + seconds
+
+    def stop(self) -> None:
+        self.limit = math.inf
+
+    def tick(self) -> None:
+        """_Overtime once the thread's CPU clock is past the limit (looked at every
+        _TICKS_PER_LOOK ticks: the clock is a system call)."""
+        self.countdown -= 1
+        if self.countdown <= 0:
+            self.countdown = _TICKS_PER_LOOK
+            if time.thread_time() > self.limit:
+                raise _Overtime
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, whose templates' every call ticks `clock` (and every loop's every
+    iteration, once `paced`): a template can run long only by looping or calling."""
+
+    def __init__(self, clock: _Clock, **options: Any) -> None:
+        super().__init__(**options)
+        self.clock = clock
+        self.filters[_PACED] = self._paced
+
+    def call(self, context: Context, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        self.clock.tick()
+        return super().call(context, obj, *args, **kwargs)
+
+    def _paced(self, iterable: Iterable[T]) -> Iterator[T]:
+        for item in iterable:
+            self.clock.tick()
+            yield item
+
+    def paced(self, source: str) -> Template:
+        """`source` compiled with each loop's iterable ticking the clock."""
+        tree = self.parse(source)
+        for loop in tree.find_all(nodes.For):
+            loop.iter = nodes.Filter(loop.iter, _PACED, [], [], None, None)
+        return self.from_string(tree)
 
 
 def _raise_exception(message: str) -> None:
@@ -110,16 +196,41 @@ class ChatTemplate:
                 )
             log.warning("the chat template looks %s but does not render tools: generic tool format", fmt)
             template = ChatTemplate(source, bos, eos, Toolkit("generic", specials, control))
+        template.framing = await template._measure_framing(engine)
         return template
 
     def __init__(self, source: str, bos_text: str, eos_text: str, toolkit: Toolkit) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._clock = _Clock()
+        env = _Sandbox(self._clock, trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_exception
         env.filters["tojson"] = _tojson
-        self._template = env.from_string(source)
+        self._template = env.paced(source)
         self._bos = bos_text
         self._eos = eos_text
         self.toolkit = toolkit
+        self.framing = Framing(0, frozenset())
+
+    async def _measure_framing(self, engine: Engine) -> Framing:
+        """The template's framing, from the first probe conversation it renders: the fewest
+        tokens of its own text between two contents (each such text is tokenized apart from
+        the contents around it, as a conversation's is)."""
+        for probe in _FRAMING_PROBES:
+            try:
+                segments = self.render(probe, True)
+            except InvalidRequest:
+                continue
+            break
+        else:
+            log.warning("no probe conversation renders with the chat template: none is refused unrendered")
+            return Framing(0, frozenset())
+        gaps = _gaps(segments)
+        counts = await asyncio.wrap_future(
+            engine.call(
+                lambda e: [len(e.ctx.tokenize(g, add_special=False, parse_special=True)) for g in gaps]
+            )
+        )
+        written = {s.text for s in segments if s.content}
+        return Framing(min(counts, default=0), frozenset(m.role for m in probe if m.content in written))
 
     def renders_tools(self) -> bool:
         """The template writes a tool, a call to it and its result into the prompt."""
@@ -148,12 +259,21 @@ class ChatTemplate:
         }
         if given.tools is not None:
             variables["tools"] = given.tools
+        self._clock.start(RENDER_SECONDS)
         try:
             text = self._template.render(**variables)
         except TemplateError as e:
             raise InvalidRequest(f"the chat template rejected the conversation: {e}") from None
-        except (TypeError, ValueError, LookupError) as e:  # a template's own expression failed
-            raise InvalidRequest(f"the chat template could not render the conversation: {e}") from None
+        except _Overtime:
+            raise InvalidRequest(
+                f"the chat template ran for more than {RENDER_SECONDS:g} s of CPU time on the conversation"
+            ) from None
+        except Exception as e:  # the template's own code failed, however it did
+            raise InvalidRequest(
+                f"the chat template could not render the conversation: {type(e).__name__}: {e}"
+            ) from None
+        finally:
+            self._clock.stop()
         # A marker as it is, or as `tojson` writes it.
         found = re.compile(f"\x00{nonce}:([0-9]+)\x00|\\\\u0000{nonce}:([0-9]+)\\\\u0000")
         segments: list[Segment] = []
@@ -176,6 +296,20 @@ class ChatTemplate:
         if at < len(text):
             segments.append(Segment(text[at:], False))
         return segments
+
+
+def _gaps(segments: Sequence[Segment]) -> list[str]:
+    """The template's text between each two consecutive contents ("" where none)."""
+    gaps: list[str] = []
+    gap: str | None = None
+    for seg in segments:
+        if seg.content:
+            if gap is not None:
+                gaps.append(gap)
+            gap = ""
+        elif gap is not None:
+            gap = seg.text
+    return gaps
 
 
 def text_of(segments: Sequence[Segment]) -> str:

@@ -3,7 +3,9 @@ and the context policy "truncate", which keeps the system prompt and the most re
 chat turns that fit.
 
 Every check runs before the session's history changes, so a turn refused here leaves the
-session as it was.
+session as it was. A turn that cannot fit is refused as early as its lower bound shows it:
+before its messages are rendered, then before the rendering is tokenized
+(Tokenizer.least_of, Tokenizer.least).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import replace
 from typing import TypeVar
 
 from kvkeepd.errors import ContextFull, InvalidRequest
-from kvkeepd.sessions.chat import ChatTemplate, after_prefix
+from kvkeepd.sessions.chat import ChatTemplate, Segment, after_prefix
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tokens import Tokenizer
 from kvkeepd.toolcall import Tool
@@ -42,6 +44,41 @@ class Fitting:
         limit = self.prompt_limit
         if len(request.prompt) > limit:
             raise InvalidRequest(f"the prompt has {len(request.prompt)} tokens; the limit is {limit}")
+
+    def check_messages(
+        self, messages: Sequence[Message], request: GenerationRequest, *, whole: bool, truncating: bool
+    ) -> None:
+        """Before rendering: InvalidRequest for messages to add that take more tokens than the
+        prompt limit, ContextFull for a whole conversation (not truncated) that cannot fit the
+        context with its reply, by the fewest tokens they can take (Tokenizer.least_of)."""
+        if whole and truncating:
+            return  # earlier turns may make way
+        least = self.tokens.least_of(messages)
+        what = f"the {len(messages)} messages take at least {least} tokens"
+        if not whole and least > self.prompt_limit:
+            raise InvalidRequest(f"{what}; the prompt limit is {self.prompt_limit}")
+        self._check_least(0, least, request, what)
+
+    def check_rendered(
+        self, n_history: int, segments: Sequence[Segment], request: GenerationRequest, *, prompt: bool
+    ) -> None:
+        """Before tokenizing, by the fewest tokens the rendered `segments` can take
+        (Tokenizer.least) after `n_history` tokens: InvalidRequest for a prompt over the prompt
+        limit (`prompt`: the segments are the prompt, not the whole context), ContextFull for
+        one without room for its reply."""
+        least = self.tokens.least(segments)
+        what = f"the rendered conversation takes at least {least} tokens"
+        if prompt and least > self.prompt_limit:
+            raise InvalidRequest(f"{what}; the prompt limit is {self.prompt_limit}")
+        self._check_least(n_history, least, request, what)
+
+    def _check_least(self, n_history: int, least: int, request: GenerationRequest, what: str) -> None:
+        room = request.max_tokens or 1
+        if n_history + least + room > self.n_ctx:
+            raise ContextFull(
+                f"{what}: with history ({n_history}) and max_tokens ({room}), more than the "
+                f"session's context of {self.n_ctx}"
+            )
 
     def fits(self, n_history: int, request: GenerationRequest, *, truncating: bool = False) -> bool:
         """Whether a prompt after `n_history` tokens leaves room for the reply: max_tokens,
@@ -93,7 +130,7 @@ class Fitting:
         starts = [i for i in range(k, last) if conversation[i].role == "user"] + [last]
 
         async def render(first: int) -> tuple[int, list[int]]:
-            segments = template.render([*head, *conversation[first:]], True, tools)
+            segments = await self.tokens.render([*head, *conversation[first:]], True, tools)
             delta = after_prefix(segments, system_text)
             if delta is not None:
                 return len(history), await self.tokens.segments(delta, first=not history)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TypeGuard
 
+from kvkeepd import bulk
 from kvkeepd.config.settings import Settings
 from kvkeepd.engine.context import ModelInfo
 from kvkeepd.engine.engine import Engine
@@ -148,12 +149,17 @@ class Conversations:
         With `whole`, `messages` is the whole conversation: the session keeps the part of
         its history that matches it (token by token) and evaluates only the rest.
         """
-        template = self.template
-        assert template is not None
-        check_messages(messages)
-        for given in messages:
-            self.tokens.check_bytes(given.content, "message")
+        assert self.template is not None
         request = self._request(session, turn)
+        truncating = session.context_policy == "truncate"
+
+        def check() -> None:
+            check_messages(messages)
+            for given in messages:
+                self.tokens.check_bytes(given.content, "message")
+            self.fit.check_messages(messages, request, whole=whole, truncating=truncating)
+
+        await bulk.run(check, large=len(messages) > bulk.LARGE_MESSAGES)
         tools = check_tools(turn.tools) if turn.tools is not None else session.tools
         choice = choice_for(tools, turn.tool_choice)
         spec = await self._grammar(session, turn, tools, choice)
@@ -175,23 +181,27 @@ class Conversations:
                 conversation, added = [*held, *messages], list(messages)
             if not added:
                 raise InvalidRequest("the conversation adds no message to what the session holds")
-            segments = template.render(conversation, True, tools)
+            segments = await self.tokens.render(conversation, True, tools)
             history = list(state.tokens)
             history_text = await self.tokens.vocab(lambda c: c.detokenize(history, True))
             delta = after_prefix(segments, history_text) if n_same == len(held) else None
             if delta is not None:
+                if not truncating:
+                    self.fit.check_rendered(len(history), delta, request, prompt=True)
                 tokens = await self.tokens.segments(delta, first=not state.tokens)
                 start = len(state.tokens)
             else:
                 # The history is not a prefix of the rendered conversation (raw generation, a
                 # stop string left text the template does not have, or another conversation):
                 # keep what matches.
+                if not truncating:
+                    self.fit.check_rendered(0, segments, request, prompt=False)
                 full = await self.tokens.segments(segments, first=True)
                 start = common_prefix(full, state.tokens)
                 tokens = full[start:]
             request = replace(request, prompt=tuple(tokens))
             truncated, dropped = False, 0
-            if session.context_policy == "truncate" and not self.fit.fits(start, request, truncating=True):
+            if truncating and not self.fit.fits(start, request, truncating=True):
                 # Earlier turns make way; everything is decided before the history changes.
                 k = sum(1 for m in session.messages[:n_same] if m.start < session.system_end)
                 # A whole conversation may be cut anywhere before its newest turn (the messages

@@ -1,13 +1,17 @@
 """Text to tokens for generation flows: prompts, template renderings, system prompts.
 
-Tokenizing runs in a worker thread beside the engine's steps (Engine.read_vocab). Template
-text has its control tokens parsed; message content never does, so a message cannot
-forge a turn. Text is refused before tokenizing when it cannot be within the prompt limit.
+Rendering and tokenizing run in worker threads, never on the event loop: a template
+renders in one of asyncio's, and tokenizing beside the engine's steps (Engine.read_vocab).
+Template text has its control tokens parsed; message content never does, so a message
+cannot forge a turn. Text is refused before tokenizing when it cannot be within the prompt
+limit, and conversations are bounded from below before they are rendered (`least_of`) and
+before they are tokenized (`least`), so a conversation far beyond the context costs little.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -43,13 +47,44 @@ class Tokenizer:
             system = [Message("system", system_prompt)]
             template.toolkit.shape((), tools)  # tools the template may not take are refused
             try:
-                segments = template.render(system, False, tools)
+                segments = await self.render(system, False, tools)
             except InvalidRequest:
                 if not tools:
                     raise
-                segments = template.render(system, False)
+                segments = await self.render(system, False)
             return await self.segments(segments, first=True)
         return await self.tokenize(system_prompt, first=True, parse_special=False)
+
+    async def render(
+        self, messages: Sequence[Message], add_generation_prompt: bool, tools: Sequence[Tool] = ()
+    ) -> list[Segment]:
+        """The chat template's rendering (ChatTemplate.render), in a worker thread."""
+        template = self.template
+        assert template is not None
+        return await asyncio.to_thread(template.render, messages, add_generation_prompt, tools)
+
+    def least_of(self, messages: Sequence[Message]) -> int:
+        """The fewest tokens `messages` can take once rendered, before rendering them: each
+        content the template writes (its framing's roles) takes at least a token per
+        `max_token_bytes` bytes of it, and the template's text between two such contents at
+        least the framing's tokens. Calls are not counted (they are written otherwise)."""
+        assert self.template is not None
+        framing = self.template.framing
+        least, after_content = 0, False
+        for m in messages:
+            counted = m.role in framing.roles and not m.tool_calls and bool(m.content)
+            if counted:
+                least += self._least_text(m.content) + (framing.tokens if after_content else 0)
+            after_content = counted
+        return least
+
+    def least(self, segments: Sequence[Segment]) -> int:
+        """The fewest tokens rendered `segments` can take: each is tokenized on its own, so
+        each takes a token or more, and at least one per `max_token_bytes` bytes."""
+        return sum(self._least_text(s.text) for s in segments if s.text)
+
+    def _least_text(self, text: str) -> int:
+        return max(1, math.ceil(len(text.encode("utf-8", "surrogatepass")) / self.model.max_token_bytes))
 
     async def tokenize(self, text: str, *, first: bool, parse_special: bool) -> list[int]:
         """Text, with the model's BOS before it when `first` and the model adds one."""

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from starlette.types import Message as AsgiMessage
 from starlette.types import Receive, Scope, Send
 
+from kvkeepd import bulk
 from kvkeepd.api.access import Access
 from kvkeepd.api.http.bodies import Reply, domain_error, error, sse
 from kvkeepd.api.http.browsers import BrowserGuard, BrowserPolicy
@@ -180,7 +181,8 @@ class OpenAiDoor:
         return tenant
 
     async def _parse(self, request: Request, model: type[B]) -> B:
-        return model.model_validate_json(await self._body(request))
+        body = await self._body(request)
+        return await bulk.run(lambda: model.model_validate_json(body), large=len(body) > bulk.LARGE_BYTES)
 
     async def _body(self, request: Request) -> bytes:
         """The request's body, read within the body limit."""
@@ -224,7 +226,7 @@ class OpenAiDoor:
         tenant = self._tenant(request)
         req = await self._parse(request, ChatCompletionRequest)
         turn = req.turn()
-        messages = req.chat_messages()
+        messages = await bulk.run(req.chat_messages, large=len(req.messages) > bulk.LARGE_MESSAGES)
         if self.manager.template is None:
             raise NoChatTemplate("the model has no chat template; use /v1/completions")
         m = self.manager
