@@ -3,8 +3,9 @@ circles.
 
 Every import counts, at the top of a module, inside a function or under TYPE_CHECKING (the
 tree is walked whole). A daemon module may import a module of a lower layer (LAYERS) or of
-its own folder, never one above; no modules import each other in a circle; and only the doors
-and the composition root reach the session manager itself (the flows get a SessionHost).
+its own folder, never one above, and inside a folder with rooms (ROOMS) the same again; no
+modules import each other in a circle; and only the doors and the composition root reach the
+session manager itself (the flows get a SessionHost).
 """
 
 from __future__ import annotations
@@ -65,6 +66,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvkeepd.cli",),
     ("kvkeepd.__main__",),
 )
+# Rooms inside a folder of LAYERS, lowest first, held like the layers: a module may import a
+# module of a lower room or of its own, never one above nor sideways to another of its rank.
+ROOMS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "kvkeepd.sessions": (
+        ("kvkeepd.sessions",),  # the vocabulary: session, tenants, ops, host, placement...
+        ("kvkeepd.sessions.prompting", "kvkeepd.sessions.durability"),
+        ("kvkeepd.sessions.memory",),
+        ("kvkeepd.sessions.flows",),
+        ("kvkeepd.sessions.manager",),
+    ),
+}
 # Who may import the session manager (the flows are given a SessionHost instead).
 MANAGER = "kvkeepd.sessions.manager"
 MANAGER_USERS = ("kvkeepd.api", "kvkeepd.server", "kvkeepd.sessions.manager")
@@ -81,6 +93,16 @@ def layer_of(module: str) -> tuple[int, str]:
     """(layer, the prefix that places it): the longest listed prefix of `module`."""
     best = (-1, "")
     for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best[1]):
+                best = (i, prefix)
+    return best
+
+
+def room_of(module: str, folder: str) -> tuple[int, str]:
+    """(rank, the prefix that places it) of `module` among `folder`'s ROOMS; (-1, "") if none."""
+    best = (-1, "")
+    for i, prefixes in enumerate(ROOMS.get(folder, ())):
         for prefix in prefixes:
             if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best[1]):
                 best = (i, prefix)
@@ -123,6 +145,14 @@ def layer_errors(graph: dict[str, set[str]]) -> list[str]:
                 errors.append(
                     f"{module} (layer {layer}) imports {target} (layer {their}): upward or sideways"
                 )
+            if their_prefix == prefix and prefix in ROOMS:
+                room, room_prefix = room_of(module, prefix)
+                their_room, their_room_prefix = room_of(target, prefix)
+                if their_room > room or (their_room == room and their_room_prefix != room_prefix):
+                    errors.append(
+                        f"{module} (room {room_prefix}) imports {target} (room {their_room_prefix}): "
+                        "upward or sideways inside its folder"
+                    )
             if target == MANAGER and not module.startswith(MANAGER_USERS):
                 errors.append(f"{module} imports the session manager: give it a SessionHost")
     return errors

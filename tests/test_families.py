@@ -41,7 +41,7 @@ from daemons import DaemonProcess, InProcessDaemon
 import kvkeep
 from kvkeepd.engine.context import BatchItem
 from kvkeepd.engine.engine import Engine
-from kvkeepd.sessions.residency import Residency
+from kvkeepd.sessions.memory.residency import Residency
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def test_restore_into_another_slot_beside_other_sessions_is_exact(fam: Running) 
             assert gen(a, "", 12) == ref[12:]
             fork = client.fork_session(checkpoint_id=ck.checkpoint_id)
             assert gen(fork, "", 12) == ref[12:]
-            # Loaded from its blocks too, its whole state given up (sessions/wholes.py).
+            # Loaded from its blocks too, its whole state given up (sessions/whole_states.py).
             fam.daemon.run(_forget_whole_states(residency))
             assembled = client.fork_session(checkpoint_id=ck.checkpoint_id)
             assert gen(assembled, "", 12) == ref[12:]

@@ -22,7 +22,7 @@ from kvkeepd.api.convert import device_fields
 from kvkeepd.engine import backend, streams
 from kvkeepd.engine.context import ContextConfig, LlamaContext
 from kvkeepd.errors import KvkeepError
-from kvkeepd.sessions.docks import Docks
+from kvkeepd.sessions.dock_table import Docks
 from kvkeepd.sessions.session import Session
 from kvkeepd.values import SamplingParams as kvkeep_sampling
 

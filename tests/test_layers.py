@@ -40,7 +40,7 @@ def check_imports() -> ModuleType:
 def test_the_daemon_follows_its_layers_without_circles() -> None:
     checker = check_imports()
     graph = checker.daemon_graph()
-    assert "kvkeepd.sessions.generation" in graph  # the graph is the real one
+    assert "kvkeepd.sessions.flows.generation" in graph  # the graph is the real one
     assert checker.layer_errors(graph) == []
     assert checker.circles(graph) == []
 
@@ -50,16 +50,45 @@ def test_the_checker_catches_an_upward_import_and_a_circle() -> None:
     graph = {
         "kvkeepd.state.manifest": {"kvkeepd.engine.grammar"},  # up a layer
         "kvkeepd.engine.grammar": set(),
-        "kvkeepd.sessions.prefix": {"kvkeepd.sessions.manager"},  # the manager, not a host
-        "kvkeepd.sessions.manager": {"kvkeepd.sessions.prefix"},  # ...and a circle
+        "kvkeepd.sessions.memory.prefix_cache": {"kvkeepd.sessions.manager"},  # the manager, not a host
+        "kvkeepd.sessions.manager": {"kvkeepd.sessions.memory.prefix_cache"},  # ...and a circle
         "kvkeepd.config.settings": {"kvkeepd.state.layout"},  # sideways
         "kvkeepd.state.layout": set(),
     }
     errors = checker.layer_errors(graph)
     assert any("kvkeepd.state.manifest" in e and "upward" in e for e in errors)
     assert any("kvkeepd.config.settings" in e and "sideways" in e for e in errors)
-    assert any("kvkeepd.sessions.prefix imports the session manager" in e for e in errors)
-    assert checker.circles(graph) == [["kvkeepd.sessions.manager", "kvkeepd.sessions.prefix"]]
+    assert any("kvkeepd.sessions.memory.prefix_cache imports the session manager" in e for e in errors)
+    assert checker.circles(graph) == [["kvkeepd.sessions.manager", "kvkeepd.sessions.memory.prefix_cache"]]
+
+
+def test_the_checker_holds_the_rooms_inside_sessions() -> None:
+    checker = check_imports()
+    graph = {
+        # The vocabulary reaching up into a flow, durability into memory, and prompting sideways
+        # into durability: each breaks the rooms' order.
+        "kvkeepd.sessions.placement": {"kvkeepd.sessions.flows.generation"},
+        "kvkeepd.sessions.durability.persistence": {"kvkeepd.sessions.memory.residency"},
+        "kvkeepd.sessions.prompting.fitting": {"kvkeepd.sessions.durability.leases"},
+        # Down the rooms, and inside one, is allowed.
+        "kvkeepd.sessions.flows.generation": {
+            "kvkeepd.sessions.flows.head_saves",
+            "kvkeepd.sessions.memory.residency",
+            "kvkeepd.sessions.prompting.tokens",
+            "kvkeepd.sessions.session",
+        },
+        "kvkeepd.sessions.manager": {"kvkeepd.sessions.flows.generation"},
+        "kvkeepd.sessions.flows.head_saves": set(),
+        "kvkeepd.sessions.memory.residency": set(),
+        "kvkeepd.sessions.prompting.tokens": set(),
+        "kvkeepd.sessions.session": set(),
+        "kvkeepd.sessions.durability.leases": set(),
+    }
+    errors = checker.layer_errors(graph)
+    assert len(errors) == 3, errors
+    assert any(e.startswith("kvkeepd.sessions.placement ") and "upward" in e for e in errors)
+    assert any(e.startswith("kvkeepd.sessions.durability.persistence ") for e in errors)
+    assert any(e.startswith("kvkeepd.sessions.prompting.fitting ") and "sideways" in e for e in errors)
 
 
 @pytest.mark.parametrize("module", ["kvkeepd.state.manifest", "kvkeepd.values", "kvkeepd.storage.exports"])

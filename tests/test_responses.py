@@ -31,7 +31,7 @@ from servers import free_port
 from test_tenants import TOKENS, write_auth
 
 import kvkeep
-from kvkeepd.sessions.responses import checkpoint_of
+from kvkeepd.sessions.flows.responses import checkpoint_of
 
 MODEL = model_path().stem
 INSTRUCTIONS = (

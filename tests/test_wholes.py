@@ -1,4 +1,4 @@
-"""Ephemeral checkpoints' whole states, kept in the RAM budget's free room (sessions/wholes.py).
+"""Ephemeral checkpoints' whole states, kept in the RAM budget's free room (sessions/whole_states.py).
 
 - the cache itself: least recently used states go first, one larger than its room is not
   kept, a session's states leave with it, a state counts the memory it holds;
@@ -20,9 +20,9 @@ from test_metrics import scrape
 
 import kvkeep
 from kvkeepd.heap import allocated, state_buffer
+from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.placement import Parked
-from kvkeepd.sessions.residency import Residency
-from kvkeepd.sessions.wholes import StateCache
+from kvkeepd.sessions.whole_states import StateCache
 from kvkeepd.state.cells import SeqKv
 from kvkeepd.state.layout import StateLayout
 

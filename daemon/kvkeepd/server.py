@@ -26,8 +26,8 @@ from kvkeepd.config.settings import ConfigError, Settings, user_cache_dir
 from kvkeepd.engine.context import ContextConfig, ModelInfo
 from kvkeepd.engine.engine import Engine
 from kvkeepd.heap import keep_freed_memory
-from kvkeepd.sessions.chat import ChatTemplate
 from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.sessions.prompting.templates import ChatTemplate
 from kvkeepd.sessions.tenants import AuthFileError, Quota, Tenants
 from kvkeepd.storage.blocks import open_durable
 from kvkeepd.storage.blocks.base import BlockStore

@@ -34,7 +34,7 @@ FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
 Tier = Literal["hot", "warm", "cold"]
 TIERS: tuple[Tier, ...] = get_args(Tier)
 #: What a chat turn that does not fit the session's context does: refused, or earlier turns
-#: dropped (sessions/fitting.py).
+#: dropped (sessions/prompting/fitting.py).
 ContextPolicy = Literal["error", "truncate"]
 CONTEXT_POLICIES: tuple[ContextPolicy, ...] = get_args(ContextPolicy)
 

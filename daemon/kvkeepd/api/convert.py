@@ -11,8 +11,8 @@ from typing import Any
 from kvkeep.v1 import kvkeep_pb2 as pb
 from kvkeepd.engine.backend import GPU_KINDS, Device
 from kvkeepd.errors import InvalidRequest
+from kvkeepd.sessions.flows.response_list import StoredResponse
 from kvkeepd.sessions.manager import SessionView
-from kvkeepd.sessions.response_list import StoredResponse
 from kvkeepd.storage.catalog import CheckpointRow, ListedSession
 from kvkeepd.toolcall import CallDelta, Tool, ToolCall, ToolChoice
 from kvkeepd.values import (

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector, start_http_se
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvkeepd.heap import heap_usage
+from kvkeepd.sessions.flows.responses import SOURCES as RESUME_SOURCES
 from kvkeepd.sessions.manager import SessionManager
-from kvkeepd.sessions.responses import SOURCES as RESUME_SOURCES
 
 
 class ManagerCollector:

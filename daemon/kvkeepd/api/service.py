@@ -30,8 +30,8 @@ from kvkeepd.api.convert import (
 )
 from kvkeepd.api.wire import Requests
 from kvkeepd.errors import CAUSE_KEY, INTERNAL_CAUSE, RETRY_KEY, InvalidRequest, KvkeepError, Unavailable
+from kvkeepd.sessions.flows.response_list import PAGE, list_responses
 from kvkeepd.sessions.manager import SessionManager, SessionView
-from kvkeepd.sessions.response_list import PAGE, list_responses
 from kvkeepd.sessions.tenants import Tenant
 
 log = logging.getLogger(__name__)

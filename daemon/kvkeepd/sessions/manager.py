@@ -2,7 +2,7 @@
 
 Every flow runs as an operation that finishes once started (ops.py): a client that gives
 up stops waiting, not the work. One operation at a time acts on a session (its lock); a
-second one waits its turn. Where a session's state lives is the Residency's (sessions/residency.py);
+second one waits its turn. Where a session's state lives is the Residency's (sessions/memory/residency.py);
 saving and finding checkpoints is the Persistence's; taking sessions over from a shared
 catalog and handing them to other daemons is the Handover's (handover.py); the flows of
 generation and of checkpoints are in generation.py and checkpointing.py; expiry and the
@@ -32,18 +32,18 @@ from kvkeepd.errors import (
     SessionElsewhere,
 )
 from kvkeepd.sessions import ops as opsmod
-from kvkeepd.sessions.census import Census
-from kvkeepd.sessions.chat import ChatTemplate
-from kvkeepd.sessions.checkpointing import Checkpointing
-from kvkeepd.sessions.expiry import Sweeper
-from kvkeepd.sessions.generation import Conversations
-from kvkeepd.sessions.handover import Handover
-from kvkeepd.sessions.leases import Leases
-from kvkeepd.sessions.lifecycle import Lifecycle
-from kvkeepd.sessions.persistence import Persistence
-from kvkeepd.sessions.prefix import PrefixCache
-from kvkeepd.sessions.residency import Residency
-from kvkeepd.sessions.responses import Responses
+from kvkeepd.sessions.durability.leases import Leases
+from kvkeepd.sessions.durability.persistence import Persistence
+from kvkeepd.sessions.flows.census import Census
+from kvkeepd.sessions.flows.checkpointing import Checkpointing
+from kvkeepd.sessions.flows.expiry import Sweeper
+from kvkeepd.sessions.flows.generation import Conversations
+from kvkeepd.sessions.flows.handover import Handover
+from kvkeepd.sessions.flows.lifecycle import Lifecycle
+from kvkeepd.sessions.flows.responses import Responses
+from kvkeepd.sessions.memory.prefix_cache import PrefixCache
+from kvkeepd.sessions.memory.residency import Residency
+from kvkeepd.sessions.prompting.templates import ChatTemplate
 from kvkeepd.sessions.session import Counters, Session
 from kvkeepd.sessions.tenants import Tenant, Tenants
 from kvkeepd.state.manifest import Snapshot

@@ -1,5 +1,5 @@
 """Where a session's computed state is: one `Placement` value per session, kept with the slot
-and dock tables in `Placements`, which its subclass the Residency (sessions/residency.py)
+and dock tables in `Placements`, which its subclass the Residency (sessions/memory/residency.py)
 alone writes; everyone else reads.
 
 - `InSlot`: in an engine slot (hot);
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvkeepd.engine.streams import StreamPlan
-from kvkeepd.sessions.docks import Docks
+from kvkeepd.sessions.dock_table import Docks
 from kvkeepd.sessions.session import Session
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state.manifest import Snapshot

@@ -206,8 +206,8 @@ class Counters:
     journal_records: int = 0
     journal_syncs: int = 0
     # Whole states of ephemeral checkpoints kept in the RAM budget's free room, and the
-    # restores and forks that loaded one (sessions/wholes.py).
+    # restores and forks that loaded one (sessions/whole_states.py).
     whole_bytes: int = 0
     whole_hits: int = 0
-    # Stored responses resumed, by where their state came from (sessions/responses.py).
+    # Stored responses resumed, by where their state came from (sessions/flows/responses.py).
     response_resumes: tuple[tuple[str, int], ...] = ()

@@ -285,7 +285,7 @@ class CheckpointStore:
     ) -> Loaded:
         """A checkpoint's manifest and state, read and checked; `snap`: its manifest, if
         `snapshot` gave it already (checkpoints are immutable: it is not decoded again);
-        `whole`: its state as this daemon saved it (sessions/wholes.py): its blocks are not read."""
+        `whole`: its state as this daemon saved it (sessions/whole_states.py): its blocks are not read."""
         row, data = self.row(checkpoint_id)
         snap = snap or mf.decode(data, self.key, self.n_vocab)
         kv: kvstate.SeqKv | None = whole

@@ -3,7 +3,7 @@
 caller's stored responses listed (a route OpenAI does not have), so that one whose ids were
 lost can be deleted.
 
-Handlers translate: a body in, the SessionManager's stored responses (sessions/responses.py),
+Handlers translate: a body in, the SessionManager's stored responses (sessions/flows/responses.py),
 a body or a stream of events out. What is stored with a response is its response object and
 input items as these handlers shape them (response_shapes.py), so a retrieval, a listing or
 a replayed stream answers from the record alone.
@@ -25,10 +25,10 @@ from kvkeepd.api.http.response_schema import LOGPROBS, ResponseCreate, ResponseS
 from kvkeepd.api.http.response_shapes import ResponseShape, listing, replay
 from kvkeepd.api.http.waiting import counted, unless_left
 from kvkeepd.errors import InvalidRequest, KvkeepError
+from kvkeepd.sessions.flows.response_list import PAGE as LISTED
+from kvkeepd.sessions.flows.response_list import StoredResponse, list_responses
+from kvkeepd.sessions.flows.responses import ResponseRequest, new_response_id
 from kvkeepd.sessions.manager import SessionManager
-from kvkeepd.sessions.response_list import PAGE as LISTED
-from kvkeepd.sessions.response_list import StoredResponse, list_responses
-from kvkeepd.sessions.responses import ResponseRequest, new_response_id
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.values import Chunk
 

@@ -13,7 +13,7 @@ A template is code the operator chose, run on what callers send: whatever it rai
 rendering that runs past RENDER_SECONDS of its thread's CPU time, refuses the request with
 the reason. What the template writes between two messages (its framing, measured once on a
 probe conversation) lets a conversation too long for the context be refused before it is
-rendered at all (kvkeepd.sessions.tokens).
+rendered at all (kvkeepd.sessions.prompting.tokens).
 """
 
 from __future__ import annotations

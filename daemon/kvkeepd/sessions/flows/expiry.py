@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 
 from kvkeepd.config.settings import Settings
 from kvkeepd.errors import KvkeepError
+from kvkeepd.sessions.durability.leases import Leases
 from kvkeepd.sessions.host import SessionHost
-from kvkeepd.sessions.leases import Leases
-from kvkeepd.sessions.residency import Residency
+from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.session import Session
 from kvkeepd.storage.collector import collect
 from kvkeepd.storage.stores import Stores

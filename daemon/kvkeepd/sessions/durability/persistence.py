@@ -22,11 +22,11 @@ from typing import BinaryIO
 
 from kvkeepd.config.settings import Settings
 from kvkeepd.errors import Busy, CorruptCheckpoint, KvkeepError, NotFound, SessionElsewhere
-from kvkeepd.sessions.leases import Leases
+from kvkeepd.sessions.durability.leases import Leases
 from kvkeepd.sessions.placement import HistoryOnly, Placement, Stored
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
-from kvkeepd.sessions.wholes import StateCache
+from kvkeepd.sessions.whole_states import StateCache
 from kvkeepd.state import manifest as mf
 from kvkeepd.state.cells import SeqKv
 from kvkeepd.state.manifest import Snapshot

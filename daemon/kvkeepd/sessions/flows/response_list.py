@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from kvkeepd.errors import InvalidRequest, NotFound
-from kvkeepd.sessions.responses import RESPONSE_ID_PREFIX, Responses, checkpoint_of
+from kvkeepd.sessions.flows.responses import RESPONSE_ID_PREFIX, Responses, checkpoint_of
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.storage.catalog import CheckpointRow
 from kvkeepd.storage.checkpoints import CHECKPOINT_ID_PREFIX

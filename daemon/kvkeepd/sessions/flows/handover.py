@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 from kvkeepd.errors import KvkeepError, NotFound
 from kvkeepd.sessions import ops as opsmod
+from kvkeepd.sessions.durability.leases import Leases
+from kvkeepd.sessions.durability.persistence import Persistence
 from kvkeepd.sessions.host import SessionHost
-from kvkeepd.sessions.leases import Leases
-from kvkeepd.sessions.persistence import Persistence
+from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.placement import Stored
-from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.state.manifest import Snapshot

@@ -14,14 +14,14 @@ from dataclasses import replace
 
 from kvkeepd import values
 from kvkeepd.errors import ContextFull, InvalidRequest
-from kvkeepd.sessions.heads import save_or_put_back
+from kvkeepd.sessions.durability.leases import Leases
+from kvkeepd.sessions.durability.persistence import Persistence
+from kvkeepd.sessions.flows.head_saves import save_or_put_back
 from kvkeepd.sessions.host import SessionHost
-from kvkeepd.sessions.leases import Leases
-from kvkeepd.sessions.persistence import Persistence
-from kvkeepd.sessions.residency import Residency
+from kvkeepd.sessions.memory.residency import Residency
+from kvkeepd.sessions.prompting.tokens import Tokenizer
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant, session_salt
-from kvkeepd.sessions.tokens import Tokenizer
 from kvkeepd.toolcall import Tool, check_tools
 from kvkeepd.values import MAX_SEED, ChatMessage, SamplingOverrides, SamplingParams, check_stop
 

@@ -10,9 +10,9 @@ import asyncio
 from collections.abc import Callable, Mapping
 
 from kvkeepd.engine.engine import Engine
+from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.ops import Ops
 from kvkeepd.sessions.placement import Docked, HistoryOnly, InSlot, Parked, Placement, Stored
-from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.session import Counters, Session
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.storage.stores import Stores

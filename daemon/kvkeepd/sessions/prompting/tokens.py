@@ -18,7 +18,7 @@ from typing import TypeVar
 from kvkeepd.engine.context import LlamaContext, ModelInfo
 from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import InvalidRequest
-from kvkeepd.sessions.chat import ChatTemplate, Segment, text_of
+from kvkeepd.sessions.prompting.templates import ChatTemplate, Segment, text_of
 from kvkeepd.toolcall import Tool
 from kvkeepd.values import Message
 

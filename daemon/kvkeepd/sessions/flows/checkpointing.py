@@ -20,10 +20,10 @@ from kvkeepd.engine.context import ModelInfo
 from kvkeepd.errors import Busy, CheckpointInUse, InvalidRequest
 from kvkeepd.limits import IMPORTS_CHECKED, MAX_IMPORTS, MAX_LABEL
 from kvkeepd.sessions import ops as opsmod
-from kvkeepd.sessions.heads import save_or_put_back
+from kvkeepd.sessions.durability.persistence import Persistence
+from kvkeepd.sessions.flows.head_saves import save_or_put_back
 from kvkeepd.sessions.host import SessionHost
-from kvkeepd.sessions.persistence import Persistence
-from kvkeepd.sessions.residency import Residency
+from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.state import cells as kvstate
@@ -96,7 +96,7 @@ class Checkpointing:
 
     async def _restore(self, session: Session, checkpoint_id: str, tenant: Tenant) -> tuple[Session, bool]:
         """A persistent session's restore is whole or nothing: its new head is saved, or the
-        session is put back as it was (heads.py)."""
+        session is put back as it was (head_saves.py)."""
         store = await self.persistence.find(checkpoint_id, tenant)
         snap = None
         if self.residency.lineage.remembers(session, checkpoint_id):

@@ -32,12 +32,12 @@ from kvkeepd.config.settings import Settings
 from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import Busy, CorruptCheckpoint, KvkeepError
 from kvkeepd.sessions import ops
+from kvkeepd.sessions.durability.persistence import Persistence
 from kvkeepd.sessions.lineage import Lineage
-from kvkeepd.sessions.persistence import Persistence
 from kvkeepd.sessions.placement import Docked, HistoryOnly, InSlot, Parked, Placements, Stored
 from kvkeepd.sessions.session import Session, TenantUsage
 from kvkeepd.sessions.tenants import Tenants
-from kvkeepd.sessions.wholes import StateCache
+from kvkeepd.sessions.whole_states import StateCache
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import pieces
 from kvkeepd.state.manifest import Snapshot
@@ -398,7 +398,7 @@ class Residency(Placements):
 
     def keep_whole(self, checkpoint_id: str, session: Session, kv: kvstate.SeqKv | None) -> None:
         """Keep the whole state of an ephemeral session's new checkpoint where the RAM budget
-        has room for it (see sessions/wholes.py)."""
+        has room for it (see sessions/whole_states.py)."""
         if kv is not None and not session.persistent:
             self.wholes.put(checkpoint_id, session.session_id, kv, self.settings.ram_cache - self.ram_bytes())
 

@@ -26,15 +26,15 @@ from kvkeepd.engine.job import Job
 from kvkeepd.errors import ContextFull, InvalidRequest, KvkeepError, noted
 from kvkeepd.limits import MAX_LOGPROBS
 from kvkeepd.sessions import ops
-from kvkeepd.sessions.chat import ChatTemplate, after_prefix
-from kvkeepd.sessions.fitting import Fitting, common_prefix
+from kvkeepd.sessions.durability.persistence import Persistence
 from kvkeepd.sessions.host import SessionHost
-from kvkeepd.sessions.persistence import Persistence
-from kvkeepd.sessions.prefix import PrefixCache
-from kvkeepd.sessions.residency import Residency
+from kvkeepd.sessions.memory.prefix_cache import PrefixCache
+from kvkeepd.sessions.memory.residency import Residency
+from kvkeepd.sessions.prompting.fitting import Fitting, common_prefix
+from kvkeepd.sessions.prompting.templates import ChatTemplate, after_prefix
+from kvkeepd.sessions.prompting.tokens import Tokenizer
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenants
-from kvkeepd.sessions.tokens import Tokenizer
 from kvkeepd.toolcall import Tool, ToolChoice, check_tools, choice_for, join_deltas
 from kvkeepd.tools import CallStream, call_ids_for
 from kvkeepd.values import (

@@ -31,8 +31,8 @@ from kvkeepd.config.settings import Settings
 from kvkeepd.engine.context import ModelInfo
 from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import CorruptCheckpoint, StoreReadFailed
+from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.placement import Parked
-from kvkeepd.sessions.residency import Residency
 from kvkeepd.sessions.session import Session
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import pieces

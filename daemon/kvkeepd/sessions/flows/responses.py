@@ -33,14 +33,14 @@ from typing import Any
 
 from kvkeepd.config.settings import Settings
 from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound, Unavailable
-from kvkeepd.sessions.chat import ChatTemplate
-from kvkeepd.sessions.checkpointing import Checkpointing
-from kvkeepd.sessions.generation import Conversations
+from kvkeepd.sessions.durability.persistence import Persistence
+from kvkeepd.sessions.flows.checkpointing import Checkpointing
+from kvkeepd.sessions.flows.generation import Conversations
+from kvkeepd.sessions.flows.lifecycle import Lifecycle
 from kvkeepd.sessions.host import SessionHost
-from kvkeepd.sessions.lifecycle import Lifecycle
-from kvkeepd.sessions.persistence import Persistence
+from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.placement import Docked, HistoryOnly, InSlot, Parked, Stored
-from kvkeepd.sessions.residency import Residency
+from kvkeepd.sessions.prompting.templates import ChatTemplate
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.storage.checkpoints import CHECKPOINT_ID_PREFIX

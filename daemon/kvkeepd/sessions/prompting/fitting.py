@@ -15,9 +15,9 @@ from dataclasses import replace
 from typing import TypeVar
 
 from kvkeepd.errors import ContextFull, InvalidRequest
-from kvkeepd.sessions.chat import ChatTemplate, Segment, after_prefix
+from kvkeepd.sessions.prompting.templates import ChatTemplate, Segment, after_prefix
+from kvkeepd.sessions.prompting.tokens import Tokenizer
 from kvkeepd.sessions.session import Session
-from kvkeepd.sessions.tokens import Tokenizer
 from kvkeepd.toolcall import Tool
 from kvkeepd.values import GenerationRequest, Message
 

@@ -15,7 +15,7 @@ operation its requester's cancellation does not cut short (ops.py).
 from __future__ import annotations
 
 from kvkeepd.errors import KvkeepError, noted
-from kvkeepd.sessions.residency import Residency
+from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.session import Before, Session
 
 UNDONE = "the session is as it was before this request"
