@@ -80,6 +80,9 @@ ROOMS: dict[str, tuple[tuple[str, ...], ...]] = {
 # Who may import the session manager (the flows are given a SessionHost instead).
 MANAGER = "kvkeepd.sessions.manager"
 MANAGER_USERS = ("kvkeepd.api", "kvkeepd.server", "kvkeepd.sessions.manager")
+# One hop from a door: outside sessions/, code calls the manager's own methods and reads only
+# these values of it, never a part of it (`manager.checkpoints.restore`).
+MANAGER_VALUES = {"settings", "model"}
 
 
 def module_of(path: Path) -> str:
@@ -158,6 +161,30 @@ def layer_errors(graph: dict[str, set[str]]) -> list[str]:
     return errors
 
 
+def hop_errors(module: str, tree: ast.AST) -> list[str]:
+    """Where `module`, outside sessions/, reaches through the manager into one of its parts."""
+    if module.startswith("kvkeepd.sessions"):
+        return []
+
+    def is_manager(node: ast.expr) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "manager") or (
+            isinstance(node, ast.Attribute) and node.attr == "manager"
+        )
+
+    errors = []
+    # The attribute nodes something is read from: `manager.part` in `manager.part.method`.
+    read_from = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not is_manager(node.value):
+            continue
+        part = node.attr
+        if part.startswith("_") or (id(node) in read_from and part not in MANAGER_VALUES):
+            errors.append(
+                f"{module}:{node.lineno} reaches into the manager's {part!r}: call a SessionManager method"
+            )
+    return errors
+
+
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The import graph's strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -222,6 +249,8 @@ def main() -> int:
             allowed = CLIENT_RULES.get(name.split(".")[0])
             if allowed is not None and rel not in allowed:
                 errors.append(f"{rel}: imports {name}")
+    for path in sorted((ROOT / "daemon").rglob("*.py")):
+        errors += hop_errors(module_of(path), ast.parse(path.read_text(), str(path)))
     graph = daemon_graph()
     errors += layer_errors(graph)
     errors += [f"a circle: {' -> '.join(c)}" for c in circles(graph)]

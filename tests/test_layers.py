@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import subprocess
 import sys
@@ -89,6 +90,22 @@ def test_the_checker_holds_the_rooms_inside_sessions() -> None:
     assert any(e.startswith("kvkeepd.sessions.placement ") and "upward" in e for e in errors)
     assert any(e.startswith("kvkeepd.sessions.durability.persistence ") for e in errors)
     assert any(e.startswith("kvkeepd.sessions.prompting.fitting ") and "sideways" in e for e in errors)
+
+
+def test_the_checker_keeps_the_doors_one_hop_from_the_manager() -> None:
+    checker = check_imports()
+    code = (
+        "async def handler(self, tenant):\n"
+        "    await self.manager.checkpoints.restore('s', 'c', tenant)\n"  # a part's method
+        "    flows = self.manager._responses\n"  # a private part
+        "    await self.manager.restore('s', 'c', tenant)\n"  # the façade: allowed
+        "    return self.manager.settings.slots\n"  # a value: allowed
+    )
+    tree = ast.parse(code)
+    errors = checker.hop_errors("kvkeepd.api.service", tree)
+    where = sorted(e.split(" reaches")[0] for e in errors)
+    assert where == ["kvkeepd.api.service:2", "kvkeepd.api.service:3"]
+    assert checker.hop_errors("kvkeepd.sessions.manager", tree) == []  # its own parts
 
 
 @pytest.mark.parametrize("module", ["kvkeepd.state.manifest", "kvkeepd.values", "kvkeepd.storage.exports"])

@@ -259,7 +259,7 @@ class Daemon:
             manager = SessionManager(self.engine, settings, stores, template, tenants, clock=self.clock)
             await manager.start()
             self.manager = manager
-            self._sweeper = asyncio.create_task(manager.sweeper.run())
+            self._sweeper = asyncio.create_task(manager.run_expiry())
             if settings.metrics_address:
                 self._metrics = serve_metrics(settings.metrics_address, manager)
                 self.metrics_port = int(self._metrics.server_port)
@@ -337,7 +337,7 @@ class Daemon:
         except AuthFileError as e:
             log.error("the auth file was not reloaded: %s", e)
             return
-        self.manager.tenants.replace_with(tenants)
+        self.manager.replace_tenants(tenants)
         log.info("auth file reloaded: %d tenants", len(tenants.names))
 
     @property

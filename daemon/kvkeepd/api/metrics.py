@@ -52,7 +52,7 @@ class ManagerCollector:
         yield GaugeMetricFamily(
             "kvkeep_catalog_reachable",
             "Whether the catalog answered its last request (1) or not (0); sqlite: always 1.",
-            value=1 if self.manager.leases.reachable else 0,
+            value=1 if self.manager.catalog_reachable else 0,
         )
         yield CounterMetricFamily("kvkeep_swap_ins", "Sessions loaded into a slot.", value=c.swap_ins)
         yield CounterMetricFamily(

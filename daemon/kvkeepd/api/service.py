@@ -30,7 +30,7 @@ from kvkeepd.api.convert import (
 )
 from kvkeepd.api.wire import Requests
 from kvkeepd.errors import CAUSE_KEY, INTERNAL_CAUSE, RETRY_KEY, InvalidRequest, KvkeepError, Unavailable
-from kvkeepd.sessions.flows.response_list import PAGE, list_responses
+from kvkeepd.sessions.flows.response_list import PAGE
 from kvkeepd.sessions.manager import SessionManager, SessionView
 from kvkeepd.sessions.tenants import Tenant
 
@@ -182,7 +182,7 @@ class KvKeepService:
         """The caller's tenant, from its bearer token; Unauthenticated if it has none."""
         metadata = context.invocation_metadata() or ()
         authorization = next((v for k, v in metadata if k == "authorization"), None)
-        return self.manager.tenants.resolve(authorization if isinstance(authorization, str) else None)
+        return self.manager.resolve_tenant(authorization if isinstance(authorization, str) else None)
 
     def _check_accepting(self) -> None:
         if not self.accepting:
@@ -239,7 +239,7 @@ class KvKeepService:
         self, request: pb.CreateSessionRequest, tenant: Tenant, context: Any
     ) -> pb.CreateSessionResponse:
         self._check_accepting()
-        session = await self.manager.lifecycle.create(
+        session = await self.manager.create_session(
             tenant,
             cache_salt=request.cache_salt,
             system_prompt=request.system_prompt,
@@ -273,13 +273,13 @@ class KvKeepService:
     async def CloseSession(
         self, request: pb.CloseSessionRequest, tenant: Tenant, context: Any
     ) -> pb.CloseSessionResponse:
-        await self.manager.lifecycle.close(request.session_id, tenant)
+        await self.manager.close_session(request.session_id, tenant)
         return pb.CloseSessionResponse()
 
     @unary
     async def Rewind(self, request: pb.RewindRequest, tenant: Tenant, context: Any) -> pb.RewindResponse:
         self._check_accepting()
-        session = await self.manager.lifecycle.rewind(request.session_id, tenant, request.n_tokens)
+        session = await self.manager.rewind(request.session_id, tenant, request.n_tokens)
         return pb.RewindResponse(session=self._session_pb(await self.manager.view(session)))
 
     @streaming
@@ -324,14 +324,14 @@ class KvKeepService:
         self, request: pb.CheckpointRequest, tenant: Tenant, context: Any
     ) -> pb.CheckpointResponse:
         self._check_accepting()
-        row = await self.manager.checkpoints.checkpoint(request.session_id, tenant, request.label)
+        row = await self.manager.checkpoint(request.session_id, tenant, request.label)
         return pb.CheckpointResponse(checkpoint=checkpoint_to_pb(row))
 
     @unary
     async def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, tenant: Tenant, context: Any
     ) -> pb.ListCheckpointsResponse:
-        rows = await self.manager.checkpoints.list_checkpoints(request.session_id, tenant)
+        rows = await self.manager.list_checkpoints(request.session_id, tenant)
         return pb.ListCheckpointsResponse(checkpoints=[checkpoint_to_pb(r) for r in rows])
 
     @unary
@@ -339,9 +339,7 @@ class KvKeepService:
         self, request: pb.RestoreCheckpointRequest, tenant: Tenant, context: Any
     ) -> pb.RestoreCheckpointResponse:
         self._check_accepting()
-        session, reprefilled = await self.manager.checkpoints.restore(
-            request.session_id, request.checkpoint_id, tenant
-        )
+        session, reprefilled = await self.manager.restore(request.session_id, request.checkpoint_id, tenant)
         view = await self.manager.view(session)
         return pb.RestoreCheckpointResponse(session=self._session_pb(view), reprefilled=reprefilled)
 
@@ -350,7 +348,7 @@ class KvKeepService:
         self, request: pb.ForkSessionRequest, tenant: Tenant, context: Any
     ) -> pb.ForkSessionResponse:
         self._check_accepting()
-        session, reprefilled = await self.manager.checkpoints.fork(
+        session, reprefilled = await self.manager.fork(
             request.session_id, request.checkpoint_id, request.persistent, tenant
         )
         await send_session_header(context, session.session_id)
@@ -361,14 +359,14 @@ class KvKeepService:
     async def DeleteCheckpoint(
         self, request: pb.DeleteCheckpointRequest, tenant: Tenant, context: Any
     ) -> pb.DeleteCheckpointResponse:
-        await self.manager.checkpoints.delete_checkpoint(request.checkpoint_id, tenant)
+        await self.manager.delete_checkpoint(request.checkpoint_id, tenant)
         return pb.DeleteCheckpointResponse()
 
     @streaming
     async def ExportCheckpoint(
         self, request: pb.ExportCheckpointRequest, tenant: Tenant, context: Any
     ) -> AsyncGenerator[pb.ExportCheckpointResponse, None]:
-        async for data in self.manager.checkpoints.export_checkpoint(request.checkpoint_id, tenant):
+        async for data in self.manager.export_checkpoint(request.checkpoint_id, tenant):
             yield pb.ExportCheckpointResponse(data=data)
 
     @unary
@@ -381,15 +379,14 @@ class KvKeepService:
             async for request in requests:
                 yield request.data
 
-        row = await self.manager.checkpoints.import_checkpoint(data(), tenant)
+        row = await self.manager.import_checkpoint(data(), tenant)
         return pb.ImportCheckpointResponse(checkpoint=checkpoint_to_pb(row))
 
     @unary
     async def ListResponses(
         self, request: pb.ListResponsesRequest, tenant: Tenant, context: Any
     ) -> pb.ListResponsesResponse:
-        page = await list_responses(
-            self.manager.responses,
+        page = await self.manager.list_responses(
             tenant,
             after=request.after,
             limit=request.limit or PAGE,
@@ -403,7 +400,7 @@ class KvKeepService:
     async def DeleteResponse(
         self, request: pb.DeleteResponseRequest, tenant: Tenant, context: Any
     ) -> pb.DeleteResponseResponse:
-        await self.manager.responses.delete(request.response_id, tenant)
+        await self.manager.delete_response(request.response_id, tenant)
         return pb.DeleteResponseResponse()
 
     def _session_pb(self, view: SessionView) -> pb.SessionInfo:

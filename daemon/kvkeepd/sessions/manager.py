@@ -40,21 +40,18 @@ from kvkeepd.sessions.flows.expiry import Sweeper
 from kvkeepd.sessions.flows.generation import Conversations
 from kvkeepd.sessions.flows.handover import Handover
 from kvkeepd.sessions.flows.lifecycle import Lifecycle
-from kvkeepd.sessions.flows.responses import Responses
+from kvkeepd.sessions.flows.response_list import PAGE, ResponsePage, list_responses
+from kvkeepd.sessions.flows.responses import Describe, ResponseRecord, ResponseRequest, Responses
 from kvkeepd.sessions.memory.prefix_cache import PrefixCache
 from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.prompting.templates import ChatTemplate
 from kvkeepd.sessions.session import Counters, Session
 from kvkeepd.sessions.tenants import Tenant, Tenants
 from kvkeepd.state.manifest import Snapshot
-from kvkeepd.storage.catalog import ListedSession
+from kvkeepd.storage.catalog import CheckpointRow, ListedSession
 from kvkeepd.storage.stores import Stores
-from kvkeepd.values import (
-    Chunk,
-    Message,
-    Tier,
-    Turn,
-)
+from kvkeepd.toolcall import Tool
+from kvkeepd.values import Chunk, Message, SamplingOverrides, Tier, Turn
 
 log = logging.getLogger(__name__)
 
@@ -108,74 +105,74 @@ class SessionManager:
         )
         self.persistence = Persistence(stores, settings, lambda: self.clock(), self.leases)
         self.residency = Residency(engine, settings, stores, self.persistence, tenants)
-        self.prefixes = PrefixCache(
+        self._prefixes = PrefixCache(
             settings, self.model, engine, stores, self.residency, live=lambda: self.sessions.values()
         )
-        self.grammars = Grammars(
+        self._grammars = Grammars(
             # Reads the vocabulary only: built in a worker thread, beside the engine's steps.
             lambda: asyncio.to_thread(engine.read_vocab, lambda c: c.grammar_tokenizer()),
             self.model.n_vocab,
         )
-        self.conversations = Conversations(
+        self._conversations = Conversations(
             self,
             settings=settings,
             model=self.model,
             engine=engine,
             residency=self.residency,
             persistence=self.persistence,
-            prefixes=self.prefixes,
-            grammars=self.grammars,
+            prefixes=self._prefixes,
+            grammars=self._grammars,
             tenants=tenants,
             template=template,
         )
-        self.checkpoints = Checkpointing(
+        self._checkpointing = Checkpointing(
             self, settings=settings, model=self.model, residency=self.residency, persistence=self.persistence
         )
-        self.handover = Handover(
+        self._handover = Handover(
             self,
             leases=self.leases,
             persistence=self.persistence,
             residency=self.residency,
             restored=self.restored_session,
         )
-        self.lifecycle = Lifecycle(
+        self._lifecycle = Lifecycle(
             self,
             n_ctx=self.model.n_ctx_seq,
-            tokens=self.conversations.tokens,
+            tokens=self._conversations.tokens,
             residency=self.residency,
             persistence=self.persistence,
             leases=self.leases,
         )
-        self.responses = Responses(
+        self._responses = Responses(
             self,
             settings=settings,
             residency=self.residency,
             persistence=self.persistence,
-            lifecycle=self.lifecycle,
-            checkpointing=self.checkpoints,
-            conversations=self.conversations,
+            lifecycle=self._lifecycle,
+            checkpointing=self._checkpointing,
+            conversations=self._conversations,
             template=template,
         )
-        self.sweeper = Sweeper(
+        self._sweeper = Sweeper(
             self,
             settings,
             self.residency,
             stores,
             self.leases,
-            self.lifecycle.close_session,
-            self.responses.expire,
+            self._lifecycle.close_session,
+            self._responses.expire,
         )
         # Persistent sessions of the catalog that were not loaded at start (Census.problems).
         self.unloaded: set[str] = set()
-        self.census = Census(
+        self._census = Census(
             self.sessions,
             self.residency,
             engine,
             stores,
             self.ops,
-            lambda: self.conversations.tokens_reused,
+            lambda: self._conversations.tokens_reused,
             self.unloaded,
-            lambda: self.responses.resumes,
+            lambda: self._responses.resumes,
         )
         self.counters = Counters()
         self.invariant_violations = 0
@@ -186,7 +183,7 @@ class SessionManager:
         """Finish set-up: persistent sessions from disk (with a shared catalog, the leases'
         renewal instead: other daemons' sessions are theirs until asked for)."""
         if self.shared:
-            self.handover.start()
+            self._handover.start()
             self.publish()
             return
         loaded = await asyncio.to_thread(self.persistence.load_persistent, self.restored_session)
@@ -226,7 +223,7 @@ class SessionManager:
                     await self.ops.run(self._save(session))
                 except KvkeepError as e:
                     log.error("session %s was not saved at shutdown: %s", session.session_id, e)
-        await self.handover.stop()
+        await self._handover.stop()
 
     async def _save(self, session: Session) -> None:
         async with self.use(session):
@@ -274,7 +271,7 @@ class SessionManager:
         except NotFound:
             if not self.shared:
                 raise
-        return await self.ops.run(self.handover.take_over(session_id, tenant))
+        return await self.ops.run(self._handover.take_over(session_id, tenant))
 
     async def view(self, session: Session) -> SessionView:
         """The session as the RPCs report it; NotFound if it was closed meanwhile, and
@@ -336,6 +333,97 @@ class SessionManager:
         """The session is no longer found (closed, or let go to another daemon)."""
         self.sessions.pop(session.session_id, None)
 
+    # ---- what the doors call: every RPC and route is one of these --------------------------
+
+    def resolve_tenant(self, authorization: str | None) -> Tenant:
+        """The caller's tenant from its Authorization value; Unauthenticated if it names none."""
+        return self.tenants.resolve(authorization)
+
+    def replace_tenants(self, tenants: Tenants) -> None:
+        """Serve the auth file's new tenants and quotas from now on (SIGHUP)."""
+        self.tenants.replace_with(tenants)
+
+    @property
+    def catalog_reachable(self) -> bool:
+        """Whether the shared catalog answered the last lease renewal."""
+        return self.leases.reachable
+
+    async def run_expiry(self) -> None:
+        """Expire sessions, checkpoints and responses by age and budget until cancelled."""
+        await self._sweeper.run()
+
+    async def create_session(
+        self,
+        tenant: Tenant,
+        system_prompt: str,
+        sampling: SamplingOverrides,
+        stop: Sequence[str],
+        persistent: bool,
+        cache_salt: bytes = b"",
+        context_policy: str = "",
+        tools: Sequence[Tool] = (),
+    ) -> Session:
+        """A new session of the tenant's (Lifecycle.create)."""
+        return await self._lifecycle.create(
+            tenant, system_prompt, sampling, stop, persistent, cache_salt, context_policy, tools
+        )
+
+    async def close_session(self, session_id: str, tenant: Tenant) -> None:
+        """Close the session and forget its state (Lifecycle.close)."""
+        await self._lifecycle.close(session_id, tenant)
+
+    async def rewind(self, session_id: str, tenant: Tenant, n_tokens: int) -> Session:
+        """Drop the session's last `n_tokens` (Lifecycle.rewind)."""
+        return await self._lifecycle.rewind(session_id, tenant, n_tokens)
+
+    async def checkpoint(self, session_id: str, tenant: Tenant, label: str) -> CheckpointRow:
+        """Checkpoint the session as it is now (Checkpointing.checkpoint)."""
+        return await self._checkpointing.checkpoint(session_id, tenant, label)
+
+    async def list_checkpoints(self, session_id: str, tenant: Tenant) -> list[CheckpointRow]:
+        """The session's checkpoints, oldest first."""
+        return await self._checkpointing.list_checkpoints(session_id, tenant)
+
+    async def restore(self, session_id: str, checkpoint_id: str, tenant: Tenant) -> tuple[Session, bool]:
+        """Put the session back to a checkpoint; True with it if it was evaluated again."""
+        return await self._checkpointing.restore(session_id, checkpoint_id, tenant)
+
+    async def fork(
+        self, session_id: str, checkpoint_id: str, persistent: bool, tenant: Tenant
+    ) -> tuple[Session, bool]:
+        """A new session from the session's state or one of its checkpoints."""
+        return await self._checkpointing.fork(session_id, checkpoint_id, persistent, tenant)
+
+    async def delete_checkpoint(self, checkpoint_id: str, tenant: Tenant) -> None:
+        """Delete one of the tenant's checkpoints."""
+        await self._checkpointing.delete_checkpoint(checkpoint_id, tenant)
+
+    def export_checkpoint(self, checkpoint_id: str, tenant: Tenant) -> AsyncIterator[bytes]:
+        """The checkpoint as an export file, in chunks (storage/exports.py)."""
+        return self._checkpointing.export_checkpoint(checkpoint_id, tenant)
+
+    async def import_checkpoint(self, chunks: AsyncIterator[bytes], tenant: Tenant) -> CheckpointRow:
+        """A checkpoint of the tenant's from an export file's chunks."""
+        return await self._checkpointing.import_checkpoint(chunks, tenant)
+
+    def answer(self, tenant: Tenant, request: ResponseRequest, describe: Describe) -> AsyncIterator[Chunk]:
+        """A response to `request`, streamed, and stored when it asks (Responses.answer)."""
+        return self._responses.answer(tenant, request, describe)
+
+    async def lookup_response(self, response_id: str, tenant: Tenant) -> ResponseRecord:
+        """The tenant's stored response with this id; NotFound otherwise."""
+        return await self._responses.lookup(response_id, tenant)
+
+    async def delete_response(self, response_id: str, tenant: Tenant) -> None:
+        """Delete the tenant's stored response, freeing what it held against the quota."""
+        await self._responses.delete(response_id, tenant)
+
+    async def list_responses(
+        self, tenant: Tenant, *, after: str = "", limit: int = PAGE, order: str = "desc"
+    ) -> ResponsePage:
+        """A page of the tenant's stored responses (flows/response_list.py)."""
+        return await list_responses(self._responses, tenant, after=after, limit=limit, order=order)
+
     # ---- generation --------------------------------------------------------------------------
 
     async def generate(
@@ -351,7 +439,7 @@ class SessionManager:
         """Extend the session by a prompt (text or token ids) and stream the continuation."""
         session = await self.find(session_id, tenant)
         stream: AsyncIterator[Chunk] = self.ops.stream(
-            lambda put: self.conversations.generate(
+            lambda put: self._conversations.generate(
                 session,
                 put,
                 prompt=prompt,
@@ -372,7 +460,7 @@ class SessionManager:
             raise NoChatTemplate("the model has no chat template; use Generate")
         session = await self.find(session_id, tenant)
         stream: AsyncIterator[Chunk] = self.ops.stream(
-            lambda put: self.conversations.chat(session, put, message=message, turn=turn)
+            lambda put: self._conversations.chat(session, put, message=message, turn=turn)
         )
         async for chunk in stream:
             yield chunk
@@ -388,7 +476,7 @@ class SessionManager:
             raise NoChatTemplate("the model has no chat template; use Generate")
         session = await self.find(session_id, tenant)
         stream: AsyncIterator[Chunk] = self.ops.stream(
-            lambda put: self.conversations.converse(session, put, messages=messages, whole=whole, turn=turn)
+            lambda put: self._conversations.converse(session, put, messages=messages, whole=whole, turn=turn)
         )
         async for chunk in stream:
             yield chunk
@@ -397,17 +485,17 @@ class SessionManager:
 
     def tenant_counters(self, tenant: Tenant) -> Counters:
         """The counters of one tenant's sessions and requests (GetInfo shows a caller its own)."""
-        return self.census.tenant_counters(tenant)
+        return self._census.tenant_counters(tenant)
 
     def publish(self) -> Counters:
         """Recompute the counters; the metrics thread reads the last value published."""
-        self.counters = self.census.counters()
+        self.counters = self._census.counters()
         return self.counters
 
     async def check_invariant(self, deep: bool = True) -> list[str]:
         """Everything that should agree and does not (Census.problems). Meaningful when no
         operation runs."""
-        return await self.census.problems(deep)
+        return await self._census.problems(deep)
 
     async def settle(self) -> None:
         """Wait until no operation runs (tests, before an invariant check)."""

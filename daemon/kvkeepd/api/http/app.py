@@ -176,7 +176,7 @@ class OpenAiDoor:
     def _tenant(self, request: Request) -> Tenant:
         if not self.accepting:
             raise Unavailable("the daemon is shutting down")
-        tenant = self.manager.tenants.resolve(request.headers.get("authorization"))
+        tenant = self.manager.resolve_tenant(request.headers.get("authorization"))
         access(request).tenant = tenant.name
         return tenant
 
@@ -271,7 +271,7 @@ class OpenAiDoor:
         if not rest:
             raise InvalidRequest("the conversation has no message after its system prompt")
         await self.keep.make_room(tenant)
-        session = await self.manager.lifecycle.create(
+        session = await self.manager.create_session(
             tenant, system, SamplingOverrides(), (), persistent=persistent, tools=turn.tools or ()
         )
         return session, rest
@@ -288,7 +288,7 @@ class OpenAiDoor:
             if not prompt and not token_ids:
                 raise InvalidRequest("the prompt is empty")
             await self.keep.make_room(tenant)
-            session = await self.manager.lifecycle.create(
+            session = await self.manager.create_session(
                 tenant, "", SamplingOverrides(), (), persistent=req.persistent
             )
             if req.session_id is None:
@@ -325,7 +325,7 @@ class OpenAiDoor:
 
         async def close() -> None:
             with contextlib.suppress(KvkeepError):
-                await self.manager.lifecycle.close(session.session_id, tenant)
+                await self.manager.close_session(session.session_id, tenant)
 
         return close
 

@@ -91,7 +91,7 @@ class SessionKeep:
 
     async def _close_now(self, session: Session, tenant: Tenant) -> None:
         try:
-            await self.manager.lifecycle.close(session.session_id, tenant)
+            await self.manager.close_session(session.session_id, tenant)
         except KvkeepError as e:
             log.debug("a kept session was not closed: %s", e)
 

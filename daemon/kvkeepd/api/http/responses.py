@@ -26,7 +26,7 @@ from kvkeepd.api.http.response_shapes import ResponseShape, listing, replay
 from kvkeepd.api.http.waiting import counted, unless_left
 from kvkeepd.errors import InvalidRequest, KvkeepError
 from kvkeepd.sessions.flows.response_list import PAGE as LISTED
-from kvkeepd.sessions.flows.response_list import StoredResponse, list_responses
+from kvkeepd.sessions.flows.response_list import StoredResponse
 from kvkeepd.sessions.flows.responses import ResponseRequest, new_response_id
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.tenants import Tenant
@@ -75,7 +75,7 @@ class ResponsesDoor:
             store=spec.store,
             context_policy="truncate" if body.truncation == "auto" else "error",
         )
-        stream = counted(request, self.manager.responses.answer(tenant, wanted, shape.document))
+        stream = counted(request, self.manager.answer(tenant, wanted, shape.document))
         if spec.stream:
             return await self._events(request, stream, shape)
 
@@ -126,7 +126,7 @@ class ResponsesDoor:
                 raise InvalidRequest(f"include {name[:80]!r} is not supported: only {LOGPROBS!r}")
         stream = _flag(query.get("stream"), "stream")
         after = _number(query.get("starting_after"), "starting_after", -1)
-        record = await self.manager.responses.lookup(request.path_params["response_id"], tenant)
+        record = await self.manager.lookup_response(request.path_params["response_id"], tenant)
         if stream:
             return StreamingResponse(
                 _aiter(replay(record.document, after)), media_type="text/event-stream", headers=STREAM_HEADERS
@@ -136,7 +136,7 @@ class ResponsesDoor:
     async def delete(self, request: Request) -> Response:
         tenant = self.tenant(request)
         response_id = request.path_params["response_id"]
-        await self.manager.responses.delete(response_id, tenant)
+        await self.manager.delete_response(response_id, tenant)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def listing(self, request: Request) -> Response:
@@ -144,8 +144,7 @@ class ResponsesDoor:
         of OpenAI's list endpoints (`limit`, `after`, `order`)."""
         tenant = self.tenant(request)
         query = request.query_params
-        page = await list_responses(
-            self.manager.responses,
+        page = await self.manager.list_responses(
             tenant,
             after=query.get("after", ""),
             limit=_number(query.get("limit"), "limit", LISTED),
@@ -171,7 +170,7 @@ class ResponsesDoor:
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise InvalidRequest("order must be asc or desc")
-        record = await self.manager.responses.lookup(request.path_params["response_id"], tenant)
+        record = await self.manager.lookup_response(request.path_params["response_id"], tenant)
         items: list[dict[str, Any]] = record.document["input"]
         return JSONResponse(listing(items, after=query.get("after", ""), limit=limit, order=order))
 
