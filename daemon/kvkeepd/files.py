@@ -139,17 +139,27 @@ def private_file(path: Path) -> None:
     os.close(open_private(path, os.O_RDONLY))
 
 
-def write_private(path: Path, data: bytes) -> None:
-    """Replace the file's contents atomically: a new 0600 temp file beside it (a name of its
-    own, made with O_EXCL: nothing planted there is written through), fsynced, renamed over it
-    (a link at `path` is replaced, not followed)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+def write_new(path: Path, data: bytes) -> None:
+    """Make the file at `path`, 0600, holding `data`, fsynced (its directory is not: the caller
+    renames it or syncs that). FileExistsError if anything is at `path`, a link among them:
+    O_EXCL, so nothing planted there is written through. A write that fails removes the file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Replace the file's contents atomically: a new 0600 temp file beside it (a name of its
+    own, made by `write_new`), renamed over it (a link at `path` is replaced, not followed)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    write_new(tmp, data)
+    try:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -121,8 +121,8 @@ MAX_SEED = 2**64 - 1
 class SamplingParams:
     """A session's sampling parameters. `seed` is always set once a session exists.
 
-    The one declaration of the sampling fields: the proto and the manifest write them out
-    (formats), everything else derives them from this class's fields."""
+    The one declaration of the sampling fields: the proto writes them out (a format),
+    everything else, the manifest included, derives them from this class's fields."""
 
     temperature: float = 0.8
     top_k: int = 40

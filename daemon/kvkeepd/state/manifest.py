@@ -36,6 +36,7 @@ from kvkeepd.toolcall import Tool
 from kvkeepd.values import (
     CONTEXT_POLICIES,
     KINDS,
+    SAMPLING_FIELDS,
     ChatMessage,
     Constraint,
     ContextPolicy,
@@ -48,6 +49,8 @@ MAGIC = b"KVKPMAN1"
 FORMAT = 1
 MAC_BYTES = 32
 MAX_TOKENS = 1 << 20
+# Each sampling field's default says its type: what a manifest's value of it must be.
+_SAMPLING_DEFAULTS = SamplingParams()
 
 
 @dataclass
@@ -109,15 +112,7 @@ def encode(s: Snapshot, key: bytes) -> bytes:
         "label": s.label,
         "n_kv": s.n_kv,
         "draws": s.draws,
-        "params": {
-            "temperature": s.params.temperature,
-            "top_k": s.params.top_k,
-            "top_p": s.params.top_p,
-            "min_p": s.params.min_p,
-            "repeat_penalty": s.params.repeat_penalty,
-            "penalty_last_n": s.params.penalty_last_n,
-            "seed": s.params.seed,
-        },
+        "params": {name: getattr(s.params, name) for name in SAMPLING_FIELDS},
         "stop": list(s.stop),
         "messages": messages_value(s.messages),
         "tools": tools_value(s.tools),
@@ -208,6 +203,14 @@ def _get(meta: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     return value
 
 
+def _sampling_field(p: dict[str, Any], name: str) -> float | int:
+    """A sampling field as the manifest holds it: a float field is taken written as an integer
+    too (JSON does not tell 1 from 1.0 in every writer), an integer field only as an integer."""
+    if isinstance(getattr(_SAMPLING_DEFAULTS, name), float):
+        return float(_get(p, name, (int, float)))
+    return int(_get(p, name, int))
+
+
 def _snapshot(
     meta: dict[str, Any], tokens: np.ndarray[Any, Any], logits: Logits | None, n_vocab: int
 ) -> Snapshot:
@@ -223,15 +226,9 @@ def _snapshot(
         raise CorruptCheckpoint("the checkpoint's KV length exceeds its history")
     p = _get(meta, "params", dict)
     try:
-        params = SamplingParams(
-            temperature=float(_get(p, "temperature", (int, float))),
-            top_k=_get(p, "top_k", int),
-            top_p=float(_get(p, "top_p", (int, float))),
-            min_p=float(_get(p, "min_p", (int, float))),
-            repeat_penalty=float(_get(p, "repeat_penalty", (int, float))),
-            penalty_last_n=_get(p, "penalty_last_n", int),
-            seed=_get(p, "seed", int),
-        ).validate()
+        # Any: `_sampling_field` checks each field's type, which mypy cannot tie to its name.
+        fields: dict[str, Any] = {name: _sampling_field(p, name) for name in SAMPLING_FIELDS}
+        params = SamplingParams(**fields).validate()
     except CorruptCheckpoint:
         raise
     except Exception as e:

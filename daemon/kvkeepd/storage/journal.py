@@ -87,6 +87,22 @@ class TurnJournal(Protocol):
         ...
 
 
+def settle(done: asyncio.Future[None], error: BaseException | None) -> None:
+    """Complete an append's future with its outcome, unless it is already done (its waiter
+    was cancelled, which cancels a future awaited directly)."""
+    if done.done():
+        return
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(error)
+        # NOTE: marked retrieved because a waiter behind `asyncio.shield` (the shared journal's)
+        # may have been cancelled meanwhile, leaving the future to nobody: asyncio would log
+        # "exception was never retrieved" when it is collected. A waiter still there gets the
+        # exception raised all the same.
+        done.exception()
+
+
 def frame(key: str, body: bytes) -> bytes:
     k = key.encode()
     if len(k) > 255:
@@ -190,16 +206,8 @@ class FileJournal:
         done: asyncio.Future[None] = loop.create_future()
 
         def finish(error: BaseException | None) -> None:
-            def settle() -> None:
-                if done.done():
-                    return
-                if error is None:
-                    done.set_result(None)
-                else:
-                    done.set_exception(error)
-
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
-                loop.call_soon_threadsafe(settle)
+                loop.call_soon_threadsafe(settle, done, error)
 
         self._enqueue(_Append(key, frame(key, body), finish))
         await done

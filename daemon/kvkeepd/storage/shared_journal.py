@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from kvkeepd.errors import SessionElsewhere
 from kvkeepd.storage.catalog.redis import RedisCatalog
+from kvkeepd.storage.journal import settle
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +97,12 @@ class SharedJournal:
                 kept = await asyncio.to_thread(self.catalog.append_turns, records, self.clock())
             except Exception as e:
                 for a in batch:
-                    _settle(a.done, e)
+                    settle(a.done, e)
                 continue
             self.syncs += 1
             self.records += sum(kept)
             for a, ok in zip(batch, kept, strict=True):
-                _settle(a.done, None if ok else _elsewhere(a.key))
+                settle(a.done, None if ok else _elsewhere(a.key))
 
     def forget(self, key: str, *, erase: bool = False) -> None:
         """Nothing to do: the head save that covers a record deletes it in the same script,
@@ -117,13 +118,3 @@ class SharedJournal:
 
 def _elsewhere(session_id: str) -> SessionElsewhere:
     return SessionElsewhere(f"session {session_id} was taken over by another daemon; it continues there")
-
-
-def _settle(done: asyncio.Future[None], error: BaseException | None) -> None:
-    if done.done():
-        return
-    if error is None:
-        done.set_result(None)
-    else:
-        done.set_exception(error)
-        done.exception()  # retrieved: a waiter cancelled meanwhile leaves nobody to read it

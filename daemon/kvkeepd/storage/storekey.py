@@ -14,13 +14,12 @@ also records): enough to tell two keys apart in logs, nothing from which the key
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvkeepd.files import fsync_dir
+from kvkeepd.files import fsync_dir, write_new
 
 KEY_BYTES = 32
 FILE_NAME = "store.key"
@@ -88,14 +87,10 @@ def store_key(state_dir: Path, *, text: str = "", file: Path | None = None) -> S
 
 def _own_key(path: Path, state_dir: Path) -> bytes:
     """The state directory's own key, made once: 32 random bytes, readable by owner only."""
+    key = secrets.token_bytes(KEY_BYTES)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        write_new(path, key)
     except FileExistsError:
         return parse_key(path.read_bytes(), str(path))
-    key = secrets.token_bytes(KEY_BYTES)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key)
-        f.flush()
-        os.fsync(f.fileno())
     fsync_dir(state_dir)
     return key

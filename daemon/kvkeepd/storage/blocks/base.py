@@ -3,9 +3,14 @@ provides, and the form of a key."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator, Sequence
 from typing import Protocol
+
+from kvkeepd.errors import StoreReadFailed, StoreUnreachable
+
+log = logging.getLogger(__name__)
 
 KEY = re.compile(r"^[0-9a-f]{64}$")
 
@@ -55,3 +60,20 @@ def check_key(key: str) -> str:
     if not KEY.match(key):
         raise ValueError(f"bad block key {key[:80]!r}")
     return key
+
+
+def read_failed(store: object, e: Exception) -> StoreReadFailed:
+    """The error a remote store raises for a read that failed past its retries. The cause
+    (which names the server and what it answered) goes to the daemon's log, not to the
+    client."""
+    log.error("cannot read the block store %s: %s", store, e)
+    return StoreReadFailed("the block store cannot be read (see the daemon's log)")
+
+
+def write_failed(store: object, e: Exception) -> StoreUnreachable:
+    """The error a remote store raises for a write that failed past its retries, logged as
+    `read_failed` is."""
+    log.error("cannot write to the block store %s: %s", store, e)
+    return StoreUnreachable(
+        "the block store did not take the write (see the daemon's log); nothing was saved"
+    )

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvkeepd.errors import StoreReadFailed
-from kvkeepd.files import FILE_MODE, StateDirError, fsync_dir, private_subdir, refusal
+from kvkeepd.files import StateDirError, fsync_dir, private_subdir, refusal, write_new
 from kvkeepd.storage.blocks.base import check_key
 
 log = logging.getLogger(__name__)
@@ -104,12 +104,8 @@ class LocalBlockStore:
         if self.has(key):
             return 0
         tmp = self.tmp / f"{key}.{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        write_new(tmp, data)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             # StateDirError (an OSError: the write fails) if a link was planted there; the
             # rename replaces a link at the block's own path, never follows it.
             private_subdir(path.parent)  # fsyncs the root when the directory is new

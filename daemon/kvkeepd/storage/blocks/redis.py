@@ -22,8 +22,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kvkeepd.errors import StoreReadFailed, StoreUnreachable, StoreWriteFailed
-from kvkeepd.storage.blocks.base import check_key
+from kvkeepd.errors import StoreWriteFailed
+from kvkeepd.storage.blocks.base import check_key, read_failed, write_failed
 from kvkeepd.urls import redacted
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class RedisBlockStore:
                     pipe.exists(PREFIX + check_key(key))
                 found = pipe.execute()
         except redis.RedisError as e:
-            raise self._read_failed(e) from None
+            raise read_failed(self, e) from None
         return {k for k, n in zip(keys, found, strict=True) if n}
 
     def get(self, key: str) -> bytes:
@@ -109,7 +109,7 @@ class RedisBlockStore:
                     pipe.mget([PREFIX + check_key(k) for k in keys[at : at + _BATCH]])
                 batches = pipe.execute()
         except redis.RedisError as e:
-            raise self._read_failed(e) from None
+            raise read_failed(self, e) from None
         for at, values in zip(range(0, len(keys), _BATCH), batches, strict=True):
             for key, value in zip(keys[at : at + _BATCH], values, strict=True):
                 if value is not None:
@@ -123,16 +123,16 @@ class RedisBlockStore:
             if str(e).startswith("OOM"):
                 log.error("the block store %s is full: %s", self, e)
                 raise StoreWriteFailed("the block store is full; nothing was saved") from None
-            raise self._write_failed(e) from None
+            raise write_failed(self, e) from None
         except redis.RedisError as e:
-            raise self._write_failed(e) from None
+            raise write_failed(self, e) from None
         return len(data) if written else 0
 
     def delete(self, key: str) -> None:
         try:
             self._redis.delete(PREFIX + check_key(key))
         except redis.RedisError as e:
-            raise self._write_failed(e) from None
+            raise write_failed(self, e) from None
 
     def block_keys(self) -> Iterator[str]:
         try:
@@ -140,20 +140,10 @@ class RedisBlockStore:
                 key = name.decode() if isinstance(name, bytes) else str(name)
                 yield key[len(PREFIX) :]
         except redis.RedisError as e:
-            raise self._read_failed(e) from None
+            raise read_failed(self, e) from None
 
     def total_bytes(self) -> int:
         return self._known_bytes()
 
     def close(self) -> None:
         self._redis.close()
-
-    def _read_failed(self, e: Exception) -> StoreReadFailed:
-        log.error("cannot read the block store %s: %s", self, e)
-        return StoreReadFailed("the block store cannot be read (see the daemon's log)")
-
-    def _write_failed(self, e: Exception) -> StoreUnreachable:
-        log.error("cannot write to the block store %s: %s", self, e)
-        return StoreUnreachable(
-            "the block store did not take the write (see the daemon's log); nothing was saved"
-        )

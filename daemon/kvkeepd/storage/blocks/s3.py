@@ -23,8 +23,7 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config
 
-from kvkeepd.errors import StoreReadFailed, StoreUnreachable
-from kvkeepd.storage.blocks.base import KEY, check_key
+from kvkeepd.storage.blocks.base import KEY, check_key, read_failed, write_failed
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +94,9 @@ class S3BlockStore:
         except botocore.exceptions.ClientError as e:
             if e.response.get("Error", {}).get("Code", "") in _ABSENT:
                 return False
-            raise self._read_failed(e) from None
+            raise read_failed(self, e) from None
         except botocore.exceptions.BotoCoreError as e:
-            raise self._read_failed(e) from None
+            raise read_failed(self, e) from None
         return True
 
     def present(self, keys: Sequence[str]) -> set[str]:
@@ -110,9 +109,9 @@ class S3BlockStore:
         except botocore.exceptions.ClientError as e:
             if e.response.get("Error", {}).get("Code", "") in _ABSENT:
                 raise KeyError(key) from None
-            raise self._read_failed(e) from None
+            raise read_failed(self, e) from None
         except botocore.exceptions.BotoCoreError as e:
-            raise self._read_failed(e) from None
+            raise read_failed(self, e) from None
 
     def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
         def fetch(key: str) -> bytes | None:
@@ -131,16 +130,16 @@ class S3BlockStore:
             code = e.response.get("Error", {}).get("Code", "")
             if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
                 return 0  # present already (or being written by another daemon: same bytes)
-            raise self._write_failed(e) from None
+            raise write_failed(self, e) from None
         except botocore.exceptions.BotoCoreError as e:
-            raise self._write_failed(e) from None
+            raise write_failed(self, e) from None
         return len(data)
 
     def delete(self, key: str) -> None:
         try:
             self._s3.delete_object(Bucket=self.bucket, Key=self._name(key))
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
-            raise self._write_failed(e) from None
+            raise write_failed(self, e) from None
 
     def block_keys(self) -> Iterator[str]:
         try:
@@ -151,7 +150,7 @@ class S3BlockStore:
                     if KEY.match(key):
                         yield key
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
-            raise self._read_failed(e) from None
+            raise read_failed(self, e) from None
 
     def total_bytes(self) -> int:
         return self._known_bytes()
@@ -159,13 +158,3 @@ class S3BlockStore:
     def close(self) -> None:
         self._pool.shutdown(wait=False)
         self._s3.close()
-
-    def _read_failed(self, e: Exception) -> StoreReadFailed:
-        log.error("cannot read the block store %s: %s", self, e)
-        return StoreReadFailed("the block store cannot be read (see the daemon's log)")
-
-    def _write_failed(self, e: Exception) -> StoreUnreachable:
-        log.error("cannot write to the block store %s: %s", self, e)
-        return StoreUnreachable(
-            "the block store did not take the write (see the daemon's log); nothing was saved"
-        )
