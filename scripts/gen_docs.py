@@ -26,6 +26,9 @@ from kvkeepd.config.option import Option  # noqa: E402
 from kvkeepd.config.sections import SECTIONS, unplaced  # noqa: E402
 from kvkeepd.config.settings import options  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from gen_maps import Unmarked, pages  # noqa: E402
+
 PAGE = ROOT / "docs" / "configuration.md"
 SOURCE = "daemon/kvkeepd/config/settings.py"
 
@@ -152,17 +155,23 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
+    try:
+        generated = {PAGE: text, **pages()}
+    except Unmarked as e:
+        print(f"scripts/gen_maps.py: {e}", file=sys.stderr)
+        return 1
+    stale = [p for p, t in generated.items() if not p.is_file() or p.read_text() != t]
     if check:
-        if not PAGE.is_file() or PAGE.read_text() != text:
-            print(
-                f"generated docs are stale: {PAGE.relative_to(ROOT)} (run scripts/gen-docs)", file=sys.stderr
-            )
+        if stale:
+            names = ", ".join(str(p.relative_to(ROOT)) for p in stale)
+            print(f"generated docs are stale: {names} (run scripts/gen-docs)", file=sys.stderr)
             return 1
         print("generated docs are fresh")
         return 0
-    PAGE.parent.mkdir(exist_ok=True)
-    PAGE.write_text(text)
-    print(f"wrote {PAGE.relative_to(ROOT)}")
+    for page in stale:
+        page.parent.mkdir(exist_ok=True)
+        page.write_text(generated[page])
+        print(f"wrote {page.relative_to(ROOT)}")
     return 0
 
 
