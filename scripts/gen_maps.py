@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "client"))
 
 from check_imports import LAYERS, layer_of  # noqa: E402
 
+README = ROOT / "README.md"
 DEVELOPMENT = ROOT / "docs" / "development.md"
 CLI_PAGE = ROOT / "docs" / "cli.md"
 
@@ -37,7 +38,7 @@ def first_line(path: Path) -> str:
     if not doc:
         raise Unmarked(f"{path.relative_to(ROOT)} has no docstring")
     paragraph = " ".join(doc.strip().split("\n\n")[0].split())
-    return re.split(r"(?<=[.:;])\s+(?=[A-Z])", paragraph)[0]
+    return re.split(r"(?<=\.)\s+(?=[A-Z`])", paragraph)[0]
 
 
 def _module(path: Path) -> str:
@@ -61,6 +62,25 @@ def modules_map() -> str:
         for path in sorted(init.parent.glob("*.py")):
             if path.name != "__init__.py":
                 lines.append(f"  - `{path.name}`: {first_line(path)}")
+    return "\n".join(lines)
+
+
+def packages_map() -> str:
+    """The daemon's packages and leaves, from the top layer down, for the README."""
+    lines = []
+    # The leaves are every module at the root that no higher layer places.
+    leaves = [_module(p) for p in sorted(DAEMON.glob("*.py")) if layer_of(_module(p))[0] == 0]
+    for layer in [*reversed(LAYERS[1:]), leaves]:
+        for name in layer:
+            path = DAEMON.parent.joinpath(*name.split("."))
+            init = path / "__init__.py"
+            if name == "kvkeepd" or not (init.is_file() or path.with_suffix(".py").is_file()):
+                continue
+            shown = f"{path.relative_to(DAEMON).as_posix()}/" if init.is_file() else f"{path.name}.py"
+            lines.append(f"- `{shown}`: {first_line(init if init.is_file() else path.with_suffix('.py'))}")
+            if init.is_file():
+                for sub in sorted(p.parent for p in path.glob("*/__init__.py")):
+                    lines.append(f"  - `{sub.name}/`: {first_line(sub / '__init__.py')}")
     return "\n".join(lines)
 
 
@@ -102,6 +122,7 @@ def cli_page() -> str:
 def pages() -> dict[Path, str]:
     """Each generated page's path and the text it should hold."""
     return {
+        README: splice(README.read_text(), "packages", packages_map()),
         DEVELOPMENT: splice(DEVELOPMENT.read_text(), "modules", modules_map()),
         CLI_PAGE: cli_page(),
     }
