@@ -28,6 +28,7 @@ from kvkeepd.config.settings import options  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from gen_maps import Unmarked, pages  # noqa: E402
+from gen_reference import pages as reference_pages  # noqa: E402
 
 PAGE = ROOT / "docs" / "configuration.md"
 SOURCE = "daemon/kvkeepd/config/settings.py"
@@ -156,7 +157,7 @@ def main(argv: list[str]) -> int:
         )
         return 1
     try:
-        generated = {PAGE: text, **pages()}
+        generated = {PAGE: text, **pages(), **reference_pages()}
     except Unmarked as e:
         print(f"scripts/gen_maps.py: {e}", file=sys.stderr)
         return 1
