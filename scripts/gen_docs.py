@@ -1,4 +1,6 @@
-"""docs/configuration.md, generated from the settings' declarations.
+"""docs/configuration.md, generated from the settings' declarations; and the run of every generator.
+
+The other generated pages and blocks are scripts/gen_maps.py's and scripts/gen_reference.py's.
 
 Every setting of `kvkeep serve` is a field of `Settings` (daemon/kvkeepd/config/settings.py)
 made with `spec(...)`: its flag, environment variable, default, bounds and help come from

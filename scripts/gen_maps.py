@@ -2,7 +2,8 @@
 
 Each module's docstring says first what it owns; the map of the daemon's modules in
 docs/development.md is those first lines, package by package from the top layer down (the
-layers of scripts/check_imports.py). docs/cli.md is every `kvkeep` command and option, from
+layers of scripts/check_imports.py), the README's is each package's, and a package's own
+docstring may hold the map of its folder. docs/cli.md is every `kvkeep` command and option, from
 click's own help. A map sits between `<!-- generated: NAME -->` and `<!-- end -->` so the
 prose around it stays hand-written.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import ast
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import click
@@ -26,6 +28,8 @@ from check_imports import LAYERS, layer_of  # noqa: E402
 README = ROOT / "README.md"
 DEVELOPMENT = ROOT / "docs" / "development.md"
 CLI_PAGE = ROOT / "docs" / "cli.md"
+# The width of a package docstring's map, within the code's line length.
+WIDTH = 96
 
 
 class Unmarked(Exception):
@@ -119,9 +123,29 @@ def cli_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+def package_map(init: Path) -> str:
+    """The modules and packages in `init`'s folder, each with its first sentence, wrapped."""
+    entries = sorted(p for p in init.parent.glob("*.py") if p.name != "__init__.py")
+    entries += sorted(p / "__init__.py" for p in init.parent.iterdir() if (p / "__init__.py").is_file())
+    lines = []
+    for path in entries:
+        name = f"{path.parent.name}/" if path.name == "__init__.py" else path.name
+        lines += textwrap.wrap(
+            f"- {name}: {first_line(path)}", width=WIDTH, subsequent_indent="  ", break_on_hyphens=False
+        )
+    return "\n".join(lines)
+
+
+def _marked_packages() -> list[Path]:
+    """The daemon's packages whose docstring holds a generated map."""
+    return [p for p in sorted(DAEMON.rglob("__init__.py")) if "<!-- generated: modules -->" in p.read_text()]
+
+
 def pages() -> dict[Path, str]:
     """Each generated page's path and the text it should hold."""
+    maps = {p: splice(p.read_text(), "modules", package_map(p)) for p in _marked_packages()}
     return {
+        **maps,
         README: splice(README.read_text(), "packages", packages_map()),
         DEVELOPMENT: splice(DEVELOPMENT.read_text(), "modules", modules_map()),
         CLI_PAGE: cli_page(),
