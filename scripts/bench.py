@@ -21,6 +21,9 @@ compared with, and reported as a ratio: this machine is shared and noisy.
                                a 20-step agent loop by previous_response_id, resent to the
                                chat door and to llama-server, and with a kill -9 midway
                                (bench_agent.py)
+    scripts/bench chain [--steps 1000]
+                               the RAM a chain of stored responses holds against --ram-cache
+                               (the daemon's metrics every 100 steps; bench_chain.py)
     scripts/bench peer LLAMA_SERVER
                                turns, restores, a restart, streaming and concurrency
                                against llama-server on the same model (bench_peer.py)
@@ -1357,6 +1360,7 @@ def bench_shared_turns(args: argparse.Namespace) -> None:
 
 def main() -> None:
     import bench_agent
+    import bench_chain
     import bench_peer  # imports this module's helpers as `bench`
     import bench_tools
 
@@ -1401,6 +1405,7 @@ def main() -> None:
     bench_peer.add_parser(sub)
     bench_tools.add_parser(sub)
     bench_agent.add_parser(sub)
+    bench_chain.add_parser(sub)
     t = sub.add_parser("turns")
     t.add_argument("--tokens", type=int, default=1900)
     t.add_argument("--turns", type=int, default=60)
@@ -1427,6 +1432,7 @@ def main() -> None:
         "peer": bench_peer.run,
         "tools": bench_tools.run,
         "agent": bench_agent.run,
+        "chain": bench_chain.run,
         "turns": bench_turns,
         "store": bench_store,
         "shared-turns": bench_shared_turns,

@@ -311,6 +311,9 @@ CLIENT_CALLS: dict[str, tuple[Callable[[Path], tuple[Any, ...]], dict[str, Any],
     "delete_checkpoint": (lambda p: (CID,), {}, None),
     "export_checkpoint": (lambda p: (CID, p / "out.kvkeep"), {}, None),
     "import_checkpoint": (lambda p: (p / "in.kvkeep",), {}, None),
+    # A stored response is not a session's: its calls name none.
+    "list_responses": (lambda p: (), {}, None),
+    "delete_response": (lambda p: ("resp_" + "0" * 24,), {}, None),
     "close": (lambda p: (), {}, None),  # makes no call
 }
 

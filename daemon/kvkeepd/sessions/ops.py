@@ -49,6 +49,16 @@ class Op:
         else:
             self._on_abandon.append(fn)
 
+    def end(self) -> None:
+        """The operation is over: let go of its task and of what it was to call if abandoned.
+
+        NOTE: its task's context holds the op (`current()`), so op and task are a reference
+        cycle. Left whole, they and all that the callbacks refer to (a generation's job, and
+        the state the job loaded: tens of MB) would wait for Python's cycle collector, whose
+        oldest generation runs seldom: a chain of stored responses held hundreds of MB so."""
+        self.task = None
+        self._on_abandon.clear()
+
     def abandon(self) -> None:
         if self.abandoned:
             return
@@ -92,6 +102,7 @@ class Ops:
         self._running.add(task)
         self._idle.clear()
         task.add_done_callback(self._done)
+        task.add_done_callback(lambda _: op.end())
         return op, task
 
     def _done(self, task: asyncio.Task[Any]) -> None:
