@@ -1,13 +1,13 @@
 """LangChain's standard tests for chat models (`langchain-tests`), run against ChatKvkeep on
 the shared daemon's default model (SmolLM2-135M-Instruct, the generic tool format), its
 capability flags set as they are: tool calling with tool_choice, structured output by tool
-call, JSON schema and JSON mode, usage metadata; no images, audio, PDFs or Anthropic-style
-inputs, no model override. The replies are greedy (temperature 0) and capped at 128 tokens
-(the tests ask for short answers; a reply that loops ends there, not at the daemon's 512),
-so each test's outcome is the same every run, whatever else the shared daemon serves (its
-exact mode gives the same logits with or without a cached prefix). Where only the small
-model's quality fails a test, that test is marked, with the reason, as a failure expected
-every run (strict).
+call, JSON schema and JSON mode, usage metadata, a per-call model (the name the reply
+reports); no images, audio, PDFs or Anthropic-style inputs. The replies are greedy
+(temperature 0) and capped at 128 tokens (the tests ask for short answers; a reply that loops
+ends there, not at the daemon's 512), so each test's outcome is the same every run, whatever
+else the shared daemon serves (its exact mode gives the same logits with or without a cached
+prefix). Where only the small model's quality fails a test, that test is marked, with the
+reason, as a failure expected every run (strict).
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ class TestChatKvkeepStandard(ChatModelIntegrationTests):
     @property
     def returns_usage_metadata(self) -> bool:
         return True
+
+    @property
+    def model_override_value(self) -> str:
+        return "another-model"
 
     # LangChain's check of overrides wants an xfail on the whole method, so the schema type the
     # model answers runs under a name of its own below.

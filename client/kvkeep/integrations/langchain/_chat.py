@@ -33,6 +33,24 @@ from kvkeep.integrations.langchain._messages import (
     tool_choice,
 )
 
+#: The keywords a call takes (bound or given to invoke); any other is refused, not dropped.
+CALL_KEYWORDS = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "strict",
+        "response_format",
+        "json_schema",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "model",
+    }
+)
+
 
 class ChatKvkeep(BaseChatModel):
     """A LangChain chat model whose conversation lives in one kvkeep session.
@@ -51,7 +69,17 @@ class ChatKvkeep(BaseChatModel):
     schema or JSON mode: ``method="json_schema"``/``"json_mode"``). The model calls tools in
     its own syntax, every call held to its tool's schema; replies carry ``tool_calls`` (a
     call cut short by ``max_tokens`` as an invalid tool call) and streams
-    ``tool_call_chunks``. Tool results go back as ToolMessages.
+    ``tool_call_chunks``. Tool results go back as ToolMessages. A call's
+    ``response_format`` (OpenAI's ``{"type": "json_schema", "json_schema": {"schema": ...}}``,
+    ``{"type": "json_object"}``, ``{"type": "text"}``, or a Pydantic class or TypedDict), as
+    LangChain's agents bind it, holds a reply that is not a call to its schema; with tools,
+    the reply is either calls or that answer.
+
+    A call takes these keywords besides ``stop``: ``tools``, ``tool_choice``,
+    ``parallel_tool_calls``, ``strict`` (calls are always held to their schemas),
+    ``response_format``, ``json_schema``, ``max_tokens``, ``temperature``, ``top_p``,
+    ``top_k``, ``seed`` and ``model`` (the name its reply reports: the daemon serves one
+    model); any other is a TypeError, not silently dropped.
 
     Pass ``session_id`` to go on with an existing session; the session in use is
     ``chat.session_id``. One instance holds one conversation at a time: calls on it are
@@ -188,13 +216,21 @@ class ChatKvkeep(BaseChatModel):
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
 
     def _turn(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(kwargs) - CALL_KEYWORDS)
+        if unknown:
+            raise TypeError(
+                f"ChatKvkeep does not take {', '.join(map(repr, unknown))}; "
+                f"a call takes {', '.join(sorted(CALL_KEYWORDS))}"
+            )
+        if kwargs.get("json_schema") is not None and kwargs.get("response_format") is not None:
+            raise ValueError("give response_format or json_schema, not both")
         sampling = {**self._sampling_dict(), **{k: kwargs[k] for k in self._sampling_dict() if k in kwargs}}
         tools = kvkeep_tools(kwargs.get("tools") or ())
         turn: dict[str, Any] = {
             "max_tokens": kwargs.get("max_tokens", self.max_tokens),
             "stop": [*(self.stop or ()), *(stop or ())],
             "sampling": SamplingParams(**sampling),
-            "json_schema": kwargs.get("json_schema"),
+            "json_schema": kwargs.get("json_schema") or response_schema(kwargs.get("response_format")),
             # A call has the tools it is bound with: none when it is bound with none.
             "tools": tools,
             "tool_choice": tool_choice(kwargs.get("tool_choice"), tools) if tools else None,
@@ -219,23 +255,27 @@ class ChatKvkeep(BaseChatModel):
             return messages[0].content, messages[1:]
         return "", messages
 
-    def _metadata(self, chunk: Chunk) -> dict[str, Any]:
+    def _metadata(self, chunk: Chunk, kwargs: dict[str, Any]) -> dict[str, Any]:
         return {
             "finish_reason": chunk.finish_reason,
             "session_id": self.session_id,
-            "model_name": self.model_name,
+            # A call's own `model` is the name its reply reports (LangChain's per-call override).
+            "model_name": kwargs.get("model") or self.model_name,
         }
 
-    def _result(self, chunks: Sequence[Chunk], calls: tuple[ToolCall, ...]) -> ChatResult:
+    def _result(
+        self, chunks: Sequence[Chunk], calls: tuple[ToolCall, ...], kwargs: dict[str, Any]
+    ) -> ChatResult:
         last = chunks[-1]
-        message = ai_message("".join(c.text for c in chunks), calls, last.usage, self._metadata(last))
+        metadata = self._metadata(last, kwargs)
+        message = ai_message("".join(c.text for c in chunks), calls, last.usage, metadata)
         return ChatResult(generations=[ChatGeneration(message=message)])
 
-    def _generation_chunk(self, chunk: Chunk) -> ChatGenerationChunk:
+    def _generation_chunk(self, chunk: Chunk, kwargs: dict[str, Any]) -> ChatGenerationChunk:
         if chunk.finish_reason is None or chunk.usage is None:
             return ChatGenerationChunk(message=ai_chunk(chunk.text, chunk.tool_calls))
         return ChatGenerationChunk(
-            message=ai_chunk(chunk.text, chunk.tool_calls, chunk.usage, self._metadata(chunk))
+            message=ai_chunk(chunk.text, chunk.tool_calls, chunk.usage, self._metadata(chunk, kwargs))
         )
 
     def _record(self) -> Callable[[Sequence[Message], Chunk], tuple[ToolCall, ...]]:
@@ -296,7 +336,7 @@ class ChatKvkeep(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         pairs = list(self._chunks(messages, stop, kwargs))
-        return self._result([c for c, _ in pairs], pairs[-1][1])
+        return self._result([c for c, _ in pairs], pairs[-1][1], kwargs)
 
     def _stream(
         self,
@@ -306,7 +346,7 @@ class ChatKvkeep(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         for chunk, _ in self._chunks(messages, stop, kwargs):
-            out = self._generation_chunk(chunk)
+            out = self._generation_chunk(chunk, kwargs)
             if run_manager is not None:
                 run_manager.on_llm_new_token(chunk.text, chunk=out)
             yield out
@@ -358,7 +398,7 @@ class ChatKvkeep(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         pairs = [p async for p in self._achunks(messages, stop, kwargs)]
-        return self._result([c for c, _ in pairs], pairs[-1][1])
+        return self._result([c for c, _ in pairs], pairs[-1][1], kwargs)
 
     async def _astream(
         self,
@@ -368,10 +408,32 @@ class ChatKvkeep(BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         async for chunk, _ in self._achunks(messages, stop, kwargs):
-            out = self._generation_chunk(chunk)
+            out = self._generation_chunk(chunk, kwargs)
             if run_manager is not None:
                 await run_manager.on_llm_new_token(chunk.text, chunk=out)
             yield out
+
+
+def response_schema(fmt: Any) -> dict[str, Any] | None:
+    """The JSON schema of a call's ``response_format`` (None: free text)."""
+    if fmt is None:
+        return None
+    if isinstance(fmt, type):
+        return convert_to_json_schema(fmt)
+    if isinstance(fmt, dict):
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        inner = fmt.get("json_schema")
+        if kind == "json_schema" and isinstance(inner, dict) and isinstance(inner.get("schema"), dict):
+            schema: dict[str, Any] = inner["schema"]
+            return schema
+    raise ValueError(
+        'response_format must be {"type": "json_schema", "json_schema": {"schema": {...}}}, '
+        f'{{"type": "json_object"}}, {{"type": "text"}} or a class, not {fmt!r}'
+    )
 
 
 def _name_of(info: Info) -> str:
