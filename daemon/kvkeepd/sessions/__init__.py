@@ -8,6 +8,8 @@ manager.py, the registry and the one façade the doors call.
 - dock_table.py: Docks: which idle session each dock holds (a KV stream beside the slots, in
   device memory on a GPU: engine/streams.py), and which to give up when all are taken.
 - host.py: SessionHost: what the session flows need of the registry that holds the sessions.
+- ledger.py: Ledger: the running counts of what requests cost, daemon-wide and per tenant,
+  written in one place.
 - lineage.py: Which checkpoints a session's cells still are: the record behind a rollback that
   keeps the cells (`Residency.rewind_to`).
 - manager.py: SessionManager: the registry of sessions and the flows of the RPCs that act on

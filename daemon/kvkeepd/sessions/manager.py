@@ -42,6 +42,7 @@ from kvkeepd.sessions.flows.handover import Handover
 from kvkeepd.sessions.flows.lifecycle import Lifecycle
 from kvkeepd.sessions.flows.response_list import PAGE, ResponsePage, list_responses
 from kvkeepd.sessions.flows.responses import Describe, ResponseRecord, ResponseRequest, Responses
+from kvkeepd.sessions.ledger import Ledger
 from kvkeepd.sessions.memory.prefix_cache import PrefixCache
 from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.prompting.templates import ChatTemplate
@@ -104,7 +105,9 @@ class SessionManager:
             stores.durable.catalog, settings.lease_seconds, settings.lease_wait, settings.daemon_name
         )
         self.persistence = Persistence(stores, settings, lambda: self.clock(), self.leases)
-        self.residency = Residency(engine, settings, stores, self.persistence, tenants)
+        # The one place requests' costs are counted: given to what counts, read by the Census.
+        self.ledger = Ledger()
+        self.residency = Residency(engine, settings, stores, self.persistence, tenants, self.ledger)
         self._prefixes = PrefixCache(
             settings, self.model, engine, stores, self.residency, live=lambda: self.sessions.values()
         )
@@ -124,6 +127,7 @@ class SessionManager:
             grammars=self._grammars,
             tenants=tenants,
             template=template,
+            ledger=self.ledger,
         )
         self._checkpointing = Checkpointing(
             self, settings=settings, model=self.model, residency=self.residency, persistence=self.persistence
@@ -152,6 +156,7 @@ class SessionManager:
             checkpointing=self._checkpointing,
             conversations=self._conversations,
             template=template,
+            ledger=self.ledger,
         )
         self._sweeper = Sweeper(
             self,
@@ -162,17 +167,8 @@ class SessionManager:
             self._lifecycle.close_session,
             self._responses.expire,
         )
-        # Persistent sessions of the catalog that were not loaded at start (Census.problems).
-        self.unloaded: set[str] = set()
         self._census = Census(
-            self.sessions,
-            self.residency,
-            engine,
-            stores,
-            self.ops,
-            lambda: self._conversations.tokens_reused,
-            self.unloaded,
-            lambda: self._responses.resumes,
+            self, ledger=self.ledger, residency=self.residency, engine=engine, stores=stores
         )
         self.counters = Counters()
         self.invariant_violations = 0
@@ -192,7 +188,7 @@ class SessionManager:
             self.sessions[session.session_id] = session
         known = {s.session_id for s, _ in loaded}
         sessions = await asyncio.to_thread(self.durable.catalog.sessions)
-        self.unloaded.update(sid for sid, _, _ in sessions if sid not in known)
+        self._census.unloaded.update(sid for sid, _, _ in sessions if sid not in known)
         # Sessions that continue from a journal record are the ones with turns since their head.
         replayed = {s.session_id for s, _ in loaded if s.dirty}
         self.persistence.drop_stale_records(replayed, {sid for sid, _, _ in sessions})

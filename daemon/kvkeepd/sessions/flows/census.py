@@ -7,11 +7,11 @@ whenever it goes idle under `--check-invariants`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
 
 from kvkeepd.engine.engine import Engine
+from kvkeepd.sessions.host import SessionHost
+from kvkeepd.sessions.ledger import Ledger
 from kvkeepd.sessions.memory.residency import Residency
-from kvkeepd.sessions.ops import Ops
 from kvkeepd.sessions.placement import Docked, HistoryOnly, InSlot, Parked, Placement, Stored
 from kvkeepd.sessions.session import Counters, Session
 from kvkeepd.sessions.tenants import Tenant
@@ -19,38 +19,29 @@ from kvkeepd.storage.stores import Stores
 
 
 class Census:
-    """Counts what the sessions, the residency, the engine and the stores hold."""
+    """Counts what the sessions, the residency, the engine and the stores hold, and what the
+    ledger counted."""
 
     def __init__(
-        self,
-        sessions: Mapping[str, Session],
-        residency: Residency,
-        engine: Engine,
-        stores: Stores,
-        ops: Ops,
-        tokens_reused: Callable[[], int],
-        unloaded: set[str],
-        resumes: Callable[[], Mapping[str, int]],
+        self, host: SessionHost, *, ledger: Ledger, residency: Residency, engine: Engine, stores: Stores
     ) -> None:
-        """`sessions`: the registry (read); `tokens_reused`: prompt tokens attached from the
-        prefix cache so far; `unloaded`: persistent sessions of the catalog not loaded at
-        start (kept up to date by their owner); `resumes`: stored responses resumed so
-        far, by where their state came from."""
-        self.sessions = sessions
+        self.host = host
+        self.ledger = ledger
         self.residency = residency
         self.engine = engine
         self.stores = stores
-        self.ops = ops
-        self.tokens_reused = tokens_reused
-        self.unloaded = unloaded
-        self.resumes = resumes
+        # Persistent sessions of the catalog that were not loaded at start (`problems`): the
+        # host adds them as it starts.
+        self.unloaded: set[str] = set()
 
     def tenant_counters(self, tenant: Tenant) -> Counters:
         """The counters of one tenant's sessions and requests."""
         tiers = [
-            self.residency.tier(s) for s in self.sessions.values() if s.tenant == tenant.name and not s.closed
+            self.residency.tier(s)
+            for s in self.host.sessions.values()
+            if s.tenant == tenant.name and not s.closed
         ]
-        usage = self.residency.usage[tenant.name]
+        usage = self.ledger.tenant(tenant.name)
         docked = sum(1 for s in self.residency.docks.owners() if s is not None and s.tenant == tenant.name)
         return Counters(
             sessions=len(tiers),
@@ -69,7 +60,8 @@ class Census:
     def counters(self) -> Counters:
         """The counters of the whole daemon, as they are now."""
         residency = self.residency
-        tiers = [residency.tier(s) for s in self.sessions.values() if not s.closed]
+        ledger = self.ledger
+        tiers = [residency.tier(s) for s in self.host.sessions.values() if not s.closed]
         return Counters(
             sessions=len(tiers),
             docked=sum(1 for s in residency.docks.owners() if s is not None),
@@ -79,16 +71,16 @@ class Census:
             slots_in_use=residency.slots_in_use,
             tokens_evaluated=self.engine.stats_evaluated,
             tokens_generated=self.engine.stats_generated,
-            tokens_reused=self.tokens_reused(),
-            swap_ins=residency.swap_ins,
-            swap_in_seconds=residency.swap_in_seconds,
+            tokens_reused=ledger.tokens_reused,
+            swap_ins=ledger.swap_ins,
+            swap_in_seconds=ledger.swap_in_seconds,
             parked_bytes=residency.ram_bytes(),
             store_bytes=self.stores.disk.used(),
             journal_records=self.stores.journal.records,
             journal_syncs=self.stores.journal.syncs,
             whole_bytes=residency.wholes.nbytes,
             whole_hits=residency.wholes.hits,
-            response_resumes=tuple(sorted(self.resumes().items())),
+            response_resumes=tuple(sorted(ledger.resumes.items())),
         )
 
     async def problems(self, deep: bool = True) -> list[str]:
@@ -96,17 +88,18 @@ class Census:
         sequences, the registry and the catalog. Meaningful when no operation runs: both
         sides are read at that moment (the engine runs its check before any later command)."""
         found = placement_problems(*self.residency.table())
-        for sid, s in self.sessions.items():
+        sessions = self.host.sessions
+        for sid, s in sessions.items():
             if s.closed or s.busy:
                 found.append(f"{sid} is {'closed' if s.closed else 'busy'} while registered and idle")
-        live = {sid for sid, s in self.sessions.items() if s.persistent} | self.unloaded
+        live = {sid for sid, s in sessions.items() if s.persistent} | self.unloaded
         owners = self.residency.slot_owners()
         engine_check = asyncio.wrap_future(self.engine.call(lambda e: e.check(owners, deep)))
         catalog = self.stores.durable.catalog
         listed = {sid for sid, _, _ in await asyncio.to_thread(catalog.sessions)}
         found += await engine_check
         # A shared catalog holds other daemons' sessions too.
-        if listed != live and not self.ops.running and not catalog.shared:
+        if listed != live and not self.host.ops.running and not catalog.shared:
             found.append(f"persistent sessions differ from the catalog's: {sorted(listed ^ live)}")
         return found
 

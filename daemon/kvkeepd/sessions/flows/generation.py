@@ -28,6 +28,7 @@ from kvkeepd.limits import MAX_LOGPROBS
 from kvkeepd.sessions import ops
 from kvkeepd.sessions.durability.persistence import Persistence
 from kvkeepd.sessions.host import SessionHost
+from kvkeepd.sessions.ledger import Ledger
 from kvkeepd.sessions.memory.prefix_cache import PrefixCache
 from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.prompting.fitting import Fitting, common_prefix
@@ -70,6 +71,7 @@ class Conversations:
         grammars: Grammars,
         tenants: Tenants,
         template: ChatTemplate | None,
+        ledger: Ledger,
     ) -> None:
         self.host = host
         self.settings = settings
@@ -83,7 +85,8 @@ class Conversations:
         self.template = template
         self.tokens = Tokenizer(engine, model, settings.prompt_limit, template)
         self.fit = Fitting(model.n_ctx_seq, settings.prompt_limit, self.tokens, template)
-        self.tokens_reused = 0
+        # Where each turn's tokens are counted.
+        self.ledger = ledger
 
     async def generate(
         self,
@@ -321,11 +324,13 @@ class Conversations:
                         # Allowed only once a grammar accepts: the constrained output is whole.
                         session.constraint = None
                     if item.usage is not None:
-                        self.tokens_reused += item.usage.reused_tokens
-                        usage = self.residency.usage[session.tenant]
-                        usage.tokens_reused += item.usage.reused_tokens
-                        usage.tokens_evaluated += item.usage.evaluated_tokens
-                        usage.tokens_generated += item.usage.generated_tokens
+                        u = item.usage
+                        self.ledger.turn(
+                            session.tenant,
+                            evaluated=u.evaluated_tokens,
+                            generated=u.generated_tokens,
+                            reused=u.reused_tokens,
+                        )
                     session.keep_snapshot(job.snapshot)
                     if job.boundary is not None:
                         session.boundary = job.boundary

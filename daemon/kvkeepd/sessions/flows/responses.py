@@ -26,7 +26,7 @@ import json
 import logging
 import re
 import secrets
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,6 +38,7 @@ from kvkeepd.sessions.flows.checkpointing import Checkpointing
 from kvkeepd.sessions.flows.generation import Conversations
 from kvkeepd.sessions.flows.lifecycle import Lifecycle
 from kvkeepd.sessions.host import SessionHost
+from kvkeepd.sessions.ledger import Ledger
 from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.placement import Docked, HistoryOnly, InSlot, Parked, Stored
 from kvkeepd.sessions.prompting.templates import ChatTemplate
@@ -153,6 +154,7 @@ class Responses:
         checkpointing: Checkpointing,
         conversations: Conversations,
         template: ChatTemplate | None,
+        ledger: Ledger,
     ) -> None:
         self.host = host
         self.settings = settings
@@ -166,8 +168,8 @@ class Responses:
         # Per tenant, the session of each chain kept in place, by its newest response.
         self._kept: dict[str, OrderedDict[str, _Kept]] = {}
         self._closing: set[asyncio.Task[None]] = set()
-        #: Resumes by where the state came from (SOURCES).
-        self.resumes: Counter[str] = Counter()
+        # Where resumes are counted, by where the state came from (SOURCES).
+        self.ledger = ledger
 
     # ---- lookups -------------------------------------------------------------------------
 
@@ -263,7 +265,7 @@ class Responses:
         kept = self._claim(tenant, base.response_id)
         if kept is not None:
             session, in_place = kept, True
-            self.resumes[_tier(self.residency.where(session))] += 1
+            self.ledger.resumed(_tier(self.residency.where(session)))
         else:
             await self._make_room(tenant)
             checkpoint_id = checkpoint_of(base.response_id)
@@ -272,7 +274,7 @@ class Responses:
                 source = "shared"
             session, evaluated = await self.checkpointing.fork("", checkpoint_id, False, tenant)
             in_place = False
-            self.resumes["evaluated" if evaluated else source] += 1
+            self.ledger.resumed("evaluated" if evaluated else source)
         if request.context_policy:
             # The request's truncation holds for its turn (the session is this request's alone).
             session.context_policy = "truncate" if request.context_policy == "truncate" else "error"

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -33,9 +32,10 @@ from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import Busy, CorruptCheckpoint, KvkeepError
 from kvkeepd.sessions import ops
 from kvkeepd.sessions.durability.persistence import Persistence
+from kvkeepd.sessions.ledger import Ledger
 from kvkeepd.sessions.lineage import Lineage
 from kvkeepd.sessions.placement import Docked, HistoryOnly, InSlot, Parked, Placements, Stored
-from kvkeepd.sessions.session import Session, TenantUsage
+from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenants
 from kvkeepd.sessions.whole_states import StateCache
 from kvkeepd.state import cells as kvstate
@@ -54,7 +54,13 @@ class Residency(Placements):
     """Every session's placement and the slot and dock tables (Placements), and the moves."""
 
     def __init__(
-        self, engine: Engine, settings: Settings, stores: Stores, persistence: Persistence, tenants: Tenants
+        self,
+        engine: Engine,
+        settings: Settings,
+        stores: Stores,
+        persistence: Persistence,
+        tenants: Tenants,
+        ledger: Ledger,
     ) -> None:
         super().__init__(engine.streams)
         self.engine = engine
@@ -74,10 +80,8 @@ class Residency(Placements):
         self.wholes = StateCache()
         self.waiting = 0
         self.rewinds = 0
-        self.swap_ins = 0
-        self.swap_in_seconds = 0.0
-        # Per tenant, for GetInfo: each sees its own.
-        self.usage: defaultdict[str, TenantUsage] = defaultdict(TenantUsage)
+        # Where swap-ins are counted.
+        self.ledger = ledger
 
     def ram_bytes(self) -> int:
         """Bytes in RAM that --ram-cache bounds: parked states, recurrent snapshots, ephemeral
@@ -124,12 +128,7 @@ class Residency(Placements):
         await self._drop_spill(session)  # a spilled state is the slot's now
         self._set(session, InSlot(slot))
         if kv is not None or docked:
-            took = time.perf_counter() - started
-            self.swap_ins += 1
-            self.swap_in_seconds += took
-            usage = self.usage[session.tenant]
-            usage.swap_ins += 1
-            usage.swap_in_seconds += took
+            self.ledger.swap_in(session.tenant, time.perf_counter() - started)
         return slot
 
     async def release(self, session: Session, *, park: bool = True) -> None:
