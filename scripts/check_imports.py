@@ -50,10 +50,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "kvkeepd",
         "kvkeepd.errors",
-        "kvkeepd.request_limits",
+        "kvkeepd.limits",
         "kvkeepd.logs",
         "kvkeepd.heap",
         "kvkeepd.values",
+        "kvkeepd.toolcall",
         "kvkeepd.files",
         "kvkeepd.urls",
     ),

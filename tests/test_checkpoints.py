@@ -112,18 +112,18 @@ def test_a_rollback_to_its_own_checkpoint_cuts_the_cells_it_holds(
     gen(s, PROMPT, 8)
     ck = s.checkpoint()
     after = gen(s, "", 12)
-    rewinds, swap_ins = residency.rewinds, ledger.swap_ins
+    rewinds, swap_ins = residency.rewinds, ledger.total.swap_ins
     for _ in range(2):
         assert s.restore(ck.checkpoint_id).n_tokens == ck.n_tokens
         assert gen(s, "", 12) == after
-    assert (residency.rewinds, ledger.swap_ins) == (rewinds + 2, swap_ins)
+    assert (residency.rewinds, ledger.total.swap_ins) == (rewinds + 2, swap_ins)
 
     gen(other, "Another story:", 4)
     s.restore(other.checkpoint().checkpoint_id)
     gen(s, "", 2)
     s.restore(ck.checkpoint_id)
     assert gen(s, "", 12) == after
-    assert (residency.rewinds, ledger.swap_ins) == (rewinds + 2, swap_ins + 2)
+    assert (residency.rewinds, ledger.total.swap_ins) == (rewinds + 2, swap_ins + 2)
     for x in (s, other):
         x.close()
 
@@ -224,7 +224,7 @@ def test_exact_when_the_state_lands_in_another_slot(
                 assert gen(a, "", 8) == ref[16:24], f"round {i}"
                 assert gen(fork, "", 8) == ref[16:24], f"round {i} (fork)"
                 fork.close()
-        assert manager.ledger.swap_ins > 0
+        assert manager.ledger.total.swap_ins > 0
 
 
 def test_rewind_continues_like_the_session_that_never_went_further(

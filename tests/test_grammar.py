@@ -26,10 +26,9 @@ from daemons import DaemonProcess, InProcessDaemon
 import kvkeep
 from kvkeep.cli import main
 from kvkeepd.errors import CorruptCheckpoint
-from kvkeepd.request_limits import MAX_GRAMMAR_CHARS
+from kvkeepd.limits import MAX_GRAMMAR_CHARS
 from kvkeepd.state.manifest import Snapshot, decode, encode
-from kvkeepd.values.constraints import Constraint, GrammarSpec
-from kvkeepd.values.sampling import SamplingParams
+from kvkeepd.values import Constraint, GrammarSpec, SamplingParams
 
 # A context-free language (nested parentheses), so that no regular expression could check it.
 ARITHMETIC = r"""

@@ -54,9 +54,10 @@ class ManagerCollector:
             "Whether the catalog answered its last request (1) or not (0); sqlite: always 1.",
             value=1 if self.manager.catalog_reachable else 0,
         )
-        yield CounterMetricFamily("kvkeep_swap_ins", "Sessions loaded into a slot.", value=c.swap_ins)
+        t = c.tally
+        yield CounterMetricFamily("kvkeep_swap_ins", "Sessions loaded into a slot.", value=t.swap_ins)
         yield CounterMetricFamily(
-            "kvkeep_swap_in_seconds", "Time spent loading sessions into slots.", value=c.swap_in_seconds
+            "kvkeep_swap_in_seconds", "Time spent loading sessions into slots.", value=t.swap_in_seconds
         )
         yield CounterMetricFamily(
             "kvkeep_journal_records",
@@ -82,9 +83,9 @@ class ManagerCollector:
         yield resumes
         tokens = CounterMetricFamily("kvkeep_tokens", "Tokens by what happened to them.", labels=["kind"])
         for kind, n in (
-            ("evaluated", c.tokens_evaluated),
-            ("generated", c.tokens_generated),
-            ("reused", c.tokens_reused),
+            ("evaluated", t.tokens_evaluated),
+            ("generated", t.tokens_generated),
+            ("reused", t.tokens_reused),
         ):
             tokens.add_metric([kind], n)
         yield tokens

@@ -192,6 +192,7 @@ class KvKeepService:
     async def GetInfo(self, request: pb.GetInfoRequest, tenant: Tenant, context: Any) -> pb.GetInfoResponse:
         m = self.manager
         c = m.tenant_counters(tenant)
+        t = c.tally
         return pb.GetInfoResponse(
             version=__version__,
             # A multi-tenant daemon shows callers no paths of its machine.
@@ -210,11 +211,11 @@ class KvKeepService:
             sessions_hot=c.hot,
             sessions_warm=c.warm,
             sessions_cold=c.cold,
-            tokens_reused=c.tokens_reused,
-            tokens_evaluated=c.tokens_evaluated,
-            tokens_generated=c.tokens_generated,
-            swap_ins=c.swap_ins,
-            swap_in_seconds_total=c.swap_in_seconds,
+            tokens_reused=t.tokens_reused,
+            tokens_evaluated=t.tokens_evaluated,
+            tokens_generated=t.tokens_generated,
+            swap_ins=t.swap_ins,
+            swap_in_seconds_total=t.swap_in_seconds,
             max_prompt_tokens=m.settings.prompt_limit,
             block_tokens=m.settings.block_tokens,
             architecture=m.model.architecture,

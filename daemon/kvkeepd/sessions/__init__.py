@@ -9,7 +9,7 @@ manager.py, the registry and the one façade the doors call.
   device memory on a GPU: engine/streams.py), and which to give up when all are taken.
 - host.py: SessionHost: what the session flows need of the registry that holds the sessions.
 - ledger.py: Ledger: the running counts of what requests cost, daemon-wide and per tenant,
-  written in one place.
+  written in one place; and the counters GetInfo and the metrics report.
 - lineage.py: Which checkpoints a session's cells still are: the record behind a rollback that
   keeps the cells (`Residency.rewind_to`).
 - manager.py: SessionManager: the registry of sessions and the flows of the RPCs that act on

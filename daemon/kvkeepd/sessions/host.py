@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
+from kvkeepd.sessions.ledger import Counters
 from kvkeepd.sessions.ops import Ops
-from kvkeepd.sessions.session import Counters, Session
+from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
 
 

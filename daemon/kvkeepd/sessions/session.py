@@ -8,10 +8,8 @@ from dataclasses import dataclass, field, replace
 from kvkeepd.engine.job import Job, SeqState
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state.manifest import Snapshot
-from kvkeepd.values.constraints import Constraint
-from kvkeepd.values.messages import ChatMessage, ContextPolicy
-from kvkeepd.values.sampling import SamplingParams
-from kvkeepd.values.toolcall import Tool
+from kvkeepd.toolcall import Tool
+from kvkeepd.values import ChatMessage, Constraint, ContextPolicy, SamplingParams
 
 # Recurrent snapshots a session keeps (models with a recurrent state): the newest turns' starts.
 MAX_SNAPSHOTS = 2
@@ -50,7 +48,7 @@ class Session:
     truncations: int = 0
     dropped_tokens: int = 0
     # Structured output cut short (max_tokens, a stop string...): the next request without a
-    # prompt continues within it (see engine/structured_output.py).
+    # prompt continues within it (see grammar.py).
     constraint: Constraint | None = None
     # The tools its chat turns may call, until a turn gives others (kvkeepd.tools).
     tools: tuple[Tool, ...] = ()
@@ -172,44 +170,3 @@ class Before:
     imported: bool
     snapshots: tuple[kvstate.RecurrentCells, ...]
     boundary: tuple[int, tuple[kvstate.Section, ...]] | None
-
-
-@dataclass
-class TenantUsage:
-    """What one tenant's requests cost: tokens by what happened to them, and swap-ins."""
-
-    tokens_evaluated: int = 0
-    tokens_generated: int = 0
-    tokens_reused: int = 0
-    swap_ins: int = 0
-    swap_in_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class Counters:
-    """What GetInfo and the metrics report; a snapshot, safe to read from any thread."""
-
-    sessions: int = 0
-    hot: int = 0
-    warm: int = 0
-    cold: int = 0
-    slots_in_use: int = 0
-    # Warm sessions whose KV waits in a dock (device memory on a GPU), not in RAM.
-    docked: int = 0
-    tokens_evaluated: int = 0
-    tokens_generated: int = 0
-    tokens_reused: int = 0
-    swap_ins: int = 0
-    swap_in_seconds: float = 0.0
-    parked_bytes: int = 0
-    store_bytes: int = 0
-    # Persistent turns made durable in the journal, and the syncs that did it (group commit:
-    # fewer syncs than records when turns end together).
-    journal_records: int = 0
-    journal_syncs: int = 0
-    # Whole states of ephemeral checkpoints kept in the RAM budget's free room, and the
-    # restores and forks that loaded one (sessions/whole_states.py).
-    whole_bytes: int = 0
-    whole_hits: int = 0
-    # Stored responses resumed, by where their state came from (sessions/flows/responses.py).
-    response_resumes: tuple[tuple[str, int], ...] = ()

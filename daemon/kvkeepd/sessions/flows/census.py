@@ -7,13 +7,14 @@ whenever it goes idle under `--check-invariants`).
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from kvkeepd.engine.engine import Engine
 from kvkeepd.sessions.host import SessionHost
-from kvkeepd.sessions.ledger import Ledger
+from kvkeepd.sessions.ledger import Counters, Ledger
 from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.placement import Docked, HistoryOnly, InSlot, Parked, Placement, Stored
-from kvkeepd.sessions.session import Counters, Session
+from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.storage.stores import Stores
 
@@ -41,7 +42,6 @@ class Census:
             for s in self.host.sessions.values()
             if s.tenant == tenant.name and not s.closed
         ]
-        usage = self.ledger.tenant(tenant.name)
         docked = sum(1 for s in self.residency.docks.owners() if s is not None and s.tenant == tenant.name)
         return Counters(
             sessions=len(tiers),
@@ -50,17 +50,12 @@ class Census:
             warm=tiers.count("warm"),
             cold=tiers.count("cold"),
             slots_in_use=tiers.count("hot"),
-            tokens_evaluated=usage.tokens_evaluated,
-            tokens_generated=usage.tokens_generated,
-            tokens_reused=usage.tokens_reused,
-            swap_ins=usage.swap_ins,
-            swap_in_seconds=usage.swap_in_seconds,
+            tally=self.ledger.tenant(tenant.name),
         )
 
     def counters(self) -> Counters:
         """The counters of the whole daemon, as they are now."""
         residency = self.residency
-        ledger = self.ledger
         tiers = [residency.tier(s) for s in self.host.sessions.values() if not s.closed]
         return Counters(
             sessions=len(tiers),
@@ -69,18 +64,18 @@ class Census:
             warm=tiers.count("warm"),
             cold=tiers.count("cold"),
             slots_in_use=residency.slots_in_use,
-            tokens_evaluated=self.engine.stats_evaluated,
-            tokens_generated=self.engine.stats_generated,
-            tokens_reused=ledger.tokens_reused,
-            swap_ins=ledger.swap_ins,
-            swap_in_seconds=ledger.swap_in_seconds,
+            tally=replace(
+                self.ledger.total,
+                tokens_evaluated=self.engine.stats_evaluated,
+                tokens_generated=self.engine.stats_generated,
+            ),
             parked_bytes=residency.ram_bytes(),
             store_bytes=self.stores.disk.used(),
             journal_records=self.stores.journal.records,
             journal_syncs=self.stores.journal.syncs,
             whole_bytes=residency.wholes.nbytes,
             whole_hits=residency.wholes.hits,
-            response_resumes=tuple(sorted(ledger.resumes.items())),
+            response_resumes=tuple(sorted(self.ledger.resumes.items())),
         )
 
     async def problems(self, deep: bool = True) -> list[str]:

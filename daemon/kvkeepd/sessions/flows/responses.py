@@ -46,9 +46,7 @@ from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.storage.checkpoints import CHECKPOINT_ID_PREFIX
 from kvkeepd.storage.writes import store_write
-from kvkeepd.values.generation import Chunk, Turn
-from kvkeepd.values.messages import Message
-from kvkeepd.values.sampling import SamplingOverrides
+from kvkeepd.values import Chunk, Message, SamplingOverrides, Turn
 
 log = logging.getLogger(__name__)
 
