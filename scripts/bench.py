@@ -658,8 +658,8 @@ def mask_costs(tokens: list[int], gbnf: str) -> dict[str, list[float]]:
     from llguidance.llamacpp import lltokenizer_from_vocab
 
     import kvkeepd.engine.sampling
-    from kvkeepd.engine.grammar import Matcher, compile_spec
-    from kvkeepd.values import GrammarSpec
+    from kvkeepd.engine.structured_output import Matcher, compile_spec
+    from kvkeepd.values.constraints import GrammarSpec
 
     params = lc.llama_model_default_params()
     params.vocab_only = True

@@ -148,10 +148,10 @@ def mask_costs(kind: str, tokens: list[int]) -> list[float]:
     from llguidance.llamacpp import lltokenizer_from_vocab
 
     from kvkeepd.config.settings import default_model_path
-    from kvkeepd.engine.grammar import Matcher, compile_spec
-    from kvkeepd.toolcall import Tool as DaemonTool
-    from kvkeepd.toolcall import ToolChoice
+    from kvkeepd.engine.structured_output import Matcher, compile_spec
     from kvkeepd.tools import Toolkit
+    from kvkeepd.values.toolcall import Tool as DaemonTool
+    from kvkeepd.values.toolcall import ToolChoice
 
     params = lc.llama_model_default_params()
     params.vocab_only = True

@@ -50,11 +50,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "kvkeepd",
         "kvkeepd.errors",
-        "kvkeepd.limits",
+        "kvkeepd.request_limits",
         "kvkeepd.logs",
         "kvkeepd.heap",
         "kvkeepd.values",
-        "kvkeepd.toolcall",
         "kvkeepd.files",
         "kvkeepd.urls",
     ),

@@ -72,8 +72,9 @@ def modules_map() -> str:
 def packages_map() -> str:
     """The daemon's packages and leaves, from the top layer down, for the README."""
     lines = []
-    # The leaves are every module at the root that no higher layer places.
-    leaves = [_module(p) for p in sorted(DAEMON.glob("*.py")) if layer_of(_module(p))[0] == 0]
+    # The leaves are every module and package at the root that no higher layer places.
+    roots = sorted([*DAEMON.glob("*.py"), *(p.parent for p in DAEMON.glob("*/__init__.py"))])
+    leaves = [_module(p) for p in roots if layer_of(_module(p))[0] == 0]
     for layer in [*reversed(LAYERS[1:]), leaves]:
         for name in layer:
             path = DAEMON.parent.joinpath(*name.split("."))

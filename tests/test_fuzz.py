@@ -71,7 +71,8 @@ from kvkeepd.storage.blocks.memory import MemoryBlockStore
 from kvkeepd.storage.catalog.sqlite import SqliteCatalog
 from kvkeepd.storage.checkpoints import CheckpointStore
 from kvkeepd.storage.exports import EXPORT_MAGIC
-from kvkeepd.values import ChatMessage, SamplingParams
+from kvkeepd.values.messages import ChatMessage
+from kvkeepd.values.sampling import SamplingParams
 
 # ---- run length ---------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from kvkeepd.engine.context import ContextConfig, LlamaContext
 from kvkeepd.errors import KvkeepError
 from kvkeepd.sessions.dock_table import Docks
 from kvkeepd.sessions.session import Session
-from kvkeepd.values import SamplingParams as kvkeep_sampling
+from kvkeepd.values.sampling import SamplingParams as kvkeep_sampling
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64.
 SMOL = streams.ModelShape(n_layer=30, n_head_kv=3, head_k=64, head_v=64)

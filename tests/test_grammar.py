@@ -26,9 +26,10 @@ from daemons import DaemonProcess, InProcessDaemon
 import kvkeep
 from kvkeep.cli import main
 from kvkeepd.errors import CorruptCheckpoint
-from kvkeepd.limits import MAX_GRAMMAR_CHARS
+from kvkeepd.request_limits import MAX_GRAMMAR_CHARS
 from kvkeepd.state.manifest import Snapshot, decode, encode
-from kvkeepd.values import Constraint, GrammarSpec, SamplingParams
+from kvkeepd.values.constraints import Constraint, GrammarSpec
+from kvkeepd.values.sampling import SamplingParams
 
 # A context-free language (nested parentheses), so that no regular expression could check it.
 ARITHMETIC = r"""

@@ -29,7 +29,7 @@ from daemons import DaemonProcess
 from test_tenants import TOKENS, write_auth
 
 import kvkeep
-from kvkeepd.limits import RENDER_SECONDS
+from kvkeepd.request_limits import RENDER_SECONDS
 
 MESSAGES = 60_000
 CONTEXT = 2048

@@ -30,11 +30,13 @@ import kvkeep
 from kvkeep import Message, Tool, ToolCall
 from kvkeep.cli import main
 from kvkeepd.errors import CorruptCheckpoint
-from kvkeepd.limits import MAX_TOOLS
+from kvkeepd.request_limits import MAX_TOOLS
 from kvkeepd.state.manifest import Snapshot, decode, encode
-from kvkeepd.toolcall import Tool as DaemonTool
-from kvkeepd.toolcall import ToolCall as DaemonCall
-from kvkeepd.values import ChatMessage, Constraint, GrammarSpec, SamplingParams
+from kvkeepd.values.constraints import Constraint, GrammarSpec
+from kvkeepd.values.messages import ChatMessage
+from kvkeepd.values.sampling import SamplingParams
+from kvkeepd.values.toolcall import Tool as DaemonTool
+from kvkeepd.values.toolcall import ToolCall as DaemonCall
 
 WEATHER_SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -13,19 +13,12 @@ from kvkeepd.engine.backend import GPU_KINDS, Device
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.sessions.flows.response_list import StoredResponse
 from kvkeepd.sessions.manager import SessionView
+from kvkeepd.sessions.placement import Tier
 from kvkeepd.storage.catalog import CheckpointRow, ListedSession
-from kvkeepd.toolcall import CallDelta, Tool, ToolCall, ToolChoice
-from kvkeepd.values import (
-    SAMPLING_FIELDS,
-    ChatMessage,
-    Chunk,
-    FinishReason,
-    Message,
-    SamplingOverrides,
-    SamplingParams,
-    Tier,
-    Turn,
-)
+from kvkeepd.values.generation import Chunk, FinishReason, Turn
+from kvkeepd.values.messages import ChatMessage, Message
+from kvkeepd.values.sampling import SAMPLING_FIELDS, SamplingOverrides, SamplingParams
+from kvkeepd.values.toolcall import CallDelta, Tool, ToolCall, ToolChoice
 
 FINISH: dict[FinishReason, pb.FinishReason.ValueType] = {
     "length": pb.FINISH_REASON_LENGTH,

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from kvkeepd.api.service import KvKeepService
 from kvkeepd.api.wire import SERVICE
 from kvkeepd.config.settings import Settings
-from kvkeepd.limits import MAX_CONCURRENT_RPCS, MAX_STREAMS_PER_CONNECTION
+from kvkeepd.request_limits import MAX_CONCURRENT_RPCS, MAX_STREAMS_PER_CONNECTION
 
 SERVICE_NAME = SERVICE.full_name
 #: What to change when the gRPC door's address cannot be listened on.

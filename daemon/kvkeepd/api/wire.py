@@ -34,7 +34,7 @@ from google.protobuf.message_factory import GetMessageClass
 
 from kvkeep.v1 import kvkeep_pb2 as pb
 from kvkeepd.errors import InvalidRequest
-from kvkeepd.limits import (
+from kvkeepd.request_limits import (
     MAX_GRAMMAR_CHARS,
     MAX_LABEL,
     MAX_MESSAGES,

@@ -20,9 +20,9 @@ from pathlib import Path
 from kvkeepd.config.models import HF_PREFIX, NO_MODEL, default_model, default_model_path, gguf_problem, hf_ref
 from kvkeepd.config.network import NetworkSettings
 from kvkeepd.config.option import ConfigError, Option, declared, spec
-from kvkeepd.limits import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
-from kvkeepd.toolcall import AUTO_FORMAT, FORMATS
+from kvkeepd.request_limits import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
 from kvkeepd.urls import catalog_url, store_problem
+from kvkeepd.values.toolcall import AUTO_FORMAT, FORMATS
 
 __all__ = ["ConfigError", "Settings", "default_model_path", "options"]
 

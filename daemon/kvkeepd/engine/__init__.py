@@ -9,8 +9,6 @@ probes, the engine's steps, jobs, sampling and grammars.
 - context.py: LlamaContext: the llama.cpp model and context, and the only module that imports
   llama_cpp.
 - engine.py: Engine: the one thread that owns llama.cpp (through a LlamaContext).
-- grammar.py: Structured output: a GBNF grammar or a JSON schema, applied as a mask on the
-  logits row.
 - job.py: Generations: a session's computed state, a request to extend it, and the token output.
 - probes.py: The start-up exactness probe, and its results kept by everything that picks
   llama.cpp's kernels.
@@ -20,6 +18,8 @@ probes, the engine's steps, jobs, sampling and grammars.
   fault in mapped.
 - steps.py: Step planning: which tokens of which generations go into the next batch.
 - streams.py: Streams: how many KV streams the context has, and what each is for.
+- structured_output.py: Structured output: a GBNF grammar or a JSON schema, applied as a mask on
+  the logits row.
 - text.py: Streaming text: bytes of token pieces to UTF-8 text, and stop-string matching.
 <!-- end -->
 """

@@ -31,7 +31,7 @@ from kvkeepd.errors import InvalidRequest, KvkeepError
 from kvkeepd.heap import state_buffer
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import layout as kvlayout
-from kvkeepd.values import Logits
+from kvkeepd.values.sampling import Logits
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from kvkeepd.errors import ContextFull, CorruptCheckpoint, InvalidRequest, Kvkee
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import layout as kvlayout
 from kvkeepd.state import pieces
-from kvkeepd.values import Logits
+from kvkeepd.values.sampling import Logits
 
 log = logging.getLogger(__name__)
 

@@ -18,23 +18,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvkeepd.engine.grammar import Matcher
 from kvkeepd.engine.sampling import sample, top_logprobs
+from kvkeepd.engine.structured_output import Matcher
 from kvkeepd.engine.text import StopMatcher, Utf8Stream
 from kvkeepd.errors import KvkeepError
 from kvkeepd.state import cells as kvstate
-from kvkeepd.toolcall import CallDelta
 from kvkeepd.tools import CallStream
-from kvkeepd.values import (
+from kvkeepd.values.generation import (
     Chunk,
     FinishReason,
     GeneratedToken,
     GenerationRequest,
-    Logits,
     PromptProgress,
     TokenLogprob,
     Usage,
 )
+from kvkeepd.values.sampling import Logits
+from kvkeepd.values.toolcall import CallDelta
 
 log = logging.getLogger(__name__)
 # Epochs of computed states: unique across SeqStates, so none is ever reused.

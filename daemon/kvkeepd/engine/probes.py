@@ -31,7 +31,7 @@ import numpy as np
 from kvkeepd.engine import backend
 from kvkeepd.engine.context import BatchItem, LlamaContext
 from kvkeepd.files import write_private
-from kvkeepd.values import Logits
+from kvkeepd.values.sampling import Logits
 
 log = logging.getLogger(__name__)
 

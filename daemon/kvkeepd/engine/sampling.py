@@ -1,8 +1,8 @@
 """Token sampling that is identical whether a session runs fresh or resumed.
 
 The filtering chain runs on a copy of one logits row, in llama.cpp's default order, after
-a structured-output mask where there is one (grammar.py): repetition penalty over the last
-`penalty_last_n` tokens of history (prompt included), top-k, top-p, min-p, then
+a structured-output mask where there is one (structured_output.py): repetition penalty over
+the last `penalty_last_n` tokens of history (prompt included), top-k, top-p, min-p, then
 temperature. Draw i of a session takes its uniform from
 numpy's counter-based Philox generator keyed by (seed, i), so the RNG position is a
 single integer that survives checkpoints and is the same on every platform.
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvkeepd.values import Logits, SamplingParams
+from kvkeepd.values.sampling import Logits, SamplingParams
 
 
 def uniform(seed: int, draw: int) -> float:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from kvkeepd.config.settings import Settings
 from kvkeepd.engine.context import ModelInfo
 from kvkeepd.engine.engine import Engine
-from kvkeepd.engine.grammar import Grammars
+from kvkeepd.engine.structured_output import Grammars
 from kvkeepd.errors import (
     Busy,
     InvalidRequest,
@@ -45,14 +45,17 @@ from kvkeepd.sessions.flows.responses import Describe, ResponseRecord, ResponseR
 from kvkeepd.sessions.ledger import Counters, Ledger
 from kvkeepd.sessions.memory.prefix_cache import PrefixCache
 from kvkeepd.sessions.memory.residency import Residency
+from kvkeepd.sessions.placement import Tier
 from kvkeepd.sessions.prompting.templates import ChatTemplate
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant, Tenants
 from kvkeepd.state.manifest import Snapshot
 from kvkeepd.storage.catalog import CheckpointRow, ListedSession
 from kvkeepd.storage.stores import Stores
-from kvkeepd.toolcall import Tool
-from kvkeepd.values import Chunk, Message, SamplingOverrides, Tier, Turn
+from kvkeepd.values.generation import Chunk, Turn
+from kvkeepd.values.messages import Message
+from kvkeepd.values.sampling import SamplingOverrides
+from kvkeepd.values.toolcall import Tool
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ alone writes; everyone else reads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from kvkeepd.engine.streams import StreamPlan
 from kvkeepd.sessions.dock_table import Docks
@@ -21,7 +22,6 @@ from kvkeepd.sessions.session import Session
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state.manifest import Snapshot
 from kvkeepd.storage.checkpoints import CheckpointStore
-from kvkeepd.values import Tier
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ class HistoryOnly:
 
 
 Placement = InSlot | Docked | Parked | Stored | HistoryOnly
+
+#: Where a session's state is: in a slot, parked in RAM, or stored (or only its history).
+Tier = Literal["hot", "warm", "cold"]
 
 TIERS: dict[type, Tier] = {InSlot: "hot", Docked: "warm", Parked: "warm", Stored: "cold", HistoryOnly: "cold"}
 

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field, replace
 from kvkeepd.engine.job import Job, SeqState
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state.manifest import Snapshot
-from kvkeepd.toolcall import Tool
-from kvkeepd.values import ChatMessage, Constraint, ContextPolicy, SamplingParams
+from kvkeepd.values.constraints import Constraint
+from kvkeepd.values.messages import ChatMessage, ContextPolicy
+from kvkeepd.values.sampling import SamplingParams
+from kvkeepd.values.toolcall import Tool
 
 # Recurrent snapshots a session keeps (models with a recurrent state): the newest turns' starts.
 MAX_SNAPSHOTS = 2
@@ -48,7 +50,7 @@ class Session:
     truncations: int = 0
     dropped_tokens: int = 0
     # Structured output cut short (max_tokens, a stop string...): the next request without a
-    # prompt continues within it (see grammar.py).
+    # prompt continues within it (see engine/structured_output.py).
     constraint: Constraint | None = None
     # The tools its chat turns may call, until a turn gives others (kvkeepd.tools).
     tools: tuple[Tool, ...] = ()

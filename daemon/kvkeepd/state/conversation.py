@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvkeepd.errors import CorruptCheckpoint, KvkeepError
-from kvkeepd.toolcall import Tool, ToolCall, check_tools
-from kvkeepd.values import ROLES, ChatMessage, Message, check_messages
+from kvkeepd.values.messages import ROLES, ChatMessage, Message, check_messages
+from kvkeepd.values.toolcall import Tool, ToolCall, check_tools
 
 
 def messages_value(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:

@@ -18,9 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from kvkeepd import values
 from kvkeepd.errors import CorruptCheckpoint, IncompatibleCheckpoint
-from kvkeepd.limits import (
+from kvkeepd.request_limits import (
     MAX_BLOCK_TOKENS,
     MAX_GRAMMAR_CHARS,
     MAX_LABEL,
@@ -32,18 +31,10 @@ from kvkeepd.limits import (
     MIN_BLOCK_TOKENS,
 )
 from kvkeepd.state.conversation import messages_of, messages_value, tools_of, tools_value
-from kvkeepd.toolcall import Tool
-from kvkeepd.values import (
-    CONTEXT_POLICIES,
-    KINDS,
-    SAMPLING_FIELDS,
-    ChatMessage,
-    Constraint,
-    ContextPolicy,
-    GrammarSpec,
-    Logits,
-    SamplingParams,
-)
+from kvkeepd.values.constraints import KINDS, Constraint, GrammarSpec
+from kvkeepd.values.messages import CONTEXT_POLICIES, ChatMessage, ContextPolicy, context_policy
+from kvkeepd.values.sampling import SAMPLING_FIELDS, Logits, SamplingParams
+from kvkeepd.values.toolcall import Tool
 
 MAGIC = b"KVKPMAN1"
 FORMAT = 1
@@ -320,7 +311,7 @@ def _context(meta: dict[str, Any], n_tokens: int) -> tuple[int, ContextPolicy, i
         raise CorruptCheckpoint("the checkpoint's system prompt end is outside its history")
     if policy not in CONTEXT_POLICIES:
         raise CorruptCheckpoint("the checkpoint's context policy is unknown")
-    policy = values.context_policy(policy)
+    policy = context_policy(policy)
     if any(type(n) is not int or not 0 <= n < 1 << 62 for n in (truncations, dropped)):
         raise CorruptCheckpoint("the checkpoint's truncation counts are malformed")
     return system_end, policy, truncations, dropped

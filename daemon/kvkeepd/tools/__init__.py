@@ -5,7 +5,7 @@ A `Toolkit` is the daemon's tool-call model for its chat template, made once at 
 
 - `shape` gives a conversation and its tools to the template as the template expects them
   (shaping.py), or, for a template without tools, writes them into the conversation;
-- `grammar` is the constraint of a turn's reply under its tool choice (grammar.py): it goes
+- `grammar` is the constraint of a turn's reply under its tool choice (call_grammar.py): it goes
   through the same llguidance path as any grammar, kept with the session as a `Constraint`
   of kind "tools", so a reply cut short, restored, forked or restarted continues within it;
 - `stream` reads a reply's text back into content and calls (stream.py), in the family's
@@ -23,13 +23,14 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from kvkeepd.errors import InvalidRequest
-from kvkeepd.limits import MAX_TOOL_GRAMMAR_CHARS
-from kvkeepd.toolcall import FormatName, Tool, ToolChoice
+from kvkeepd.request_limits import MAX_TOOL_GRAMMAR_CHARS
+from kvkeepd.tools.call_grammar import call_grammar
 from kvkeepd.tools.formats import SYNTAXES, Syntax
-from kvkeepd.tools.grammar import call_grammar
 from kvkeepd.tools.shaping import TemplateInput, shape
 from kvkeepd.tools.stream import CallStream
-from kvkeepd.values import GrammarSpec, Message
+from kvkeepd.values.constraints import GrammarSpec
+from kvkeepd.values.messages import Message
+from kvkeepd.values.toolcall import FormatName, Tool, ToolChoice
 
 __all__ = ["CallStream", "Toolkit", "call_ids_for"]
 

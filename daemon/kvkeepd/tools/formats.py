@@ -1,7 +1,7 @@
 """The families' syntaxes of tool calls, and which one a chat template speaks.
 
 Each syntax is literal text but for a call's name, its arguments (JSON) and, in Mistral's, an
-id the model writes. The grammar (grammar.py) holds a reply to it and the stream parser
+id the model writes. The grammar (call_grammar.py) holds a reply to it and the stream parser
 (stream.py) reads it back, so both are written from the same pieces here:
 
 - ``hermes`` (Hermes, Qwen 2.5, SmolLM3...): ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvkeepd.toolcall import AUTO_FORMAT, FORMATS, FormatName
+from kvkeepd.values.toolcall import AUTO_FORMAT, FORMATS, FormatName
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvkeepd.toolcall import FormatName, Tool, ToolCall
 from kvkeepd.tools.formats import SYNTAXES
-from kvkeepd.values import Message
+from kvkeepd.values.messages import Message
+from kvkeepd.values.toolcall import FormatName, Tool, ToolCall
 
 GENERIC_PROMPT = (
     "# Tools\n\n"

@@ -16,8 +16,8 @@ from __future__ import annotations
 import hashlib
 from typing import Literal
 
-from kvkeepd.toolcall import CallDelta
 from kvkeepd.tools.formats import Syntax
+from kvkeepd.values.toolcall import CallDelta
 
 # What the parser reads next. Text the syntax does not allow (only unconstrained output could
 # have it) ends the reading: what was read stands.

@@ -5,13 +5,14 @@
   /v1/responses (responses.py).
 - bodies.py: Response bodies of the OpenAI-compatible door: completions, their stream chunks,
   usage, logprobs and errors, as OpenAI's API shapes them.
+- body_limits.py: Request bodies refused by their size (413) before they are read whole or
+  parsed: each path's limit is what its largest valid request can need, within
+  `--max-message-bytes`.
 - browsers.py: What keeps a web page from driving the HTTP door.
 - door.py: uvicorn serving the door's application as a task of the daemon's own event loop, so
   its handlers reach the SessionManager directly.
 - guard.py: What keeps idle and slow connections from closing the HTTP door.
 - keep.py: The sessions the HTTP door keeps between requests that name no session.
-- limits.py: Request bodies refused by their size (413) before they are read whole or parsed:
-  each path's limit is what its largest valid request can need, within `--max-message-bytes`.
 - response_schema.py: The request body of OpenAI's Responses API (`POST /v1/responses`), as a
   typed model, and what it means for the session layer: the messages its input items add, a
   Turn, and whether it is stored.

@@ -36,11 +36,13 @@ from kvkeepd.api.http.responses import ResponsesDoor
 from kvkeepd.api.http.schema import NEW_SESSION, ChatCompletionRequest, CompletionRequest, GenerationBody
 from kvkeepd.api.http.waiting import access, counted, unless_left
 from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound, Unavailable
-from kvkeepd.limits import MAX_CONCURRENT_RPCS
+from kvkeepd.request_limits import MAX_CONCURRENT_RPCS
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
-from kvkeepd.values import Chunk, Message, SamplingOverrides, Turn
+from kvkeepd.values.generation import Chunk, Turn
+from kvkeepd.values.messages import Message
+from kvkeepd.values.sampling import SamplingOverrides
 
 log = logging.getLogger(__name__)
 

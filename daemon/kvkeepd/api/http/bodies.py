@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvkeepd.errors import InvalidRequest, KvkeepError
-from kvkeepd.toolcall import CallDelta, ToolCall, join_deltas
-from kvkeepd.values import Chunk, GeneratedToken, PromptProgress, Usage
+from kvkeepd.values.generation import Chunk, GeneratedToken, PromptProgress, Usage
+from kvkeepd.values.toolcall import CallDelta, ToolCall, join_deltas
 
 # The engine's finish reasons as OpenAI names them.
 FINISH = {

@@ -13,9 +13,9 @@ from collections.abc import Iterator, Sequence
 import uvicorn
 
 from kvkeepd.api.http.app import OpenAiDoor
+from kvkeepd.api.http.body_limits import limited
 from kvkeepd.api.http.browsers import BrowserPolicy
 from kvkeepd.api.http.guard import Peers, descriptor_share, guarded_protocol
-from kvkeepd.api.http.limits import limited
 from kvkeepd.config.settings import Settings
 from kvkeepd.sessions.manager import SessionManager
 

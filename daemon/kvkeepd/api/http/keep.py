@@ -20,7 +20,7 @@ from kvkeepd.errors import KvkeepError
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
-from kvkeepd.values import Message
+from kvkeepd.values.messages import Message
 
 log = logging.getLogger(__name__)
 

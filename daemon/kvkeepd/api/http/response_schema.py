@@ -20,9 +20,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvkeepd.errors import InvalidRequest
-from kvkeepd.limits import MAX_LOGPROBS
-from kvkeepd.toolcall import Tool, ToolCall, ToolChoice
-from kvkeepd.values import Message, SamplingOverrides, SamplingParams, Turn
+from kvkeepd.request_limits import MAX_LOGPROBS
+from kvkeepd.values.generation import Turn
+from kvkeepd.values.messages import Message
+from kvkeepd.values.sampling import SamplingOverrides, SamplingParams
+from kvkeepd.values.toolcall import Tool, ToolCall, ToolChoice
 
 # Roles of input messages and the template role each becomes.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

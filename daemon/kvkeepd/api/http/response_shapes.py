@@ -12,8 +12,9 @@ from typing import Any
 
 from kvkeepd.api.http.bodies import FINISH
 from kvkeepd.api.http.response_schema import ResponseCreate, ResponseSpec
-from kvkeepd.toolcall import CallDelta, join_deltas
-from kvkeepd.values import Chunk, GeneratedToken, SamplingParams, Usage
+from kvkeepd.values.generation import Chunk, GeneratedToken, Usage
+from kvkeepd.values.sampling import SamplingParams
+from kvkeepd.values.toolcall import CallDelta, join_deltas
 
 
 def event(kind: str, number: int, **fields: Any) -> bytes:

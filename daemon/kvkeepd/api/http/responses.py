@@ -30,7 +30,7 @@ from kvkeepd.sessions.flows.response_list import StoredResponse
 from kvkeepd.sessions.flows.responses import ResponseRequest, new_response_id
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.tenants import Tenant
-from kvkeepd.values import Chunk
+from kvkeepd.values.generation import Chunk
 
 log = logging.getLogger(__name__)
 

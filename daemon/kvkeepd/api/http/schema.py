@@ -17,9 +17,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvkeepd.errors import InvalidRequest
-from kvkeepd.limits import MAX_LOGPROBS
-from kvkeepd.toolcall import Tool, ToolCall, ToolChoice
-from kvkeepd.values import Message, SamplingOverrides, SamplingParams, Turn, check_stop
+from kvkeepd.request_limits import MAX_LOGPROBS
+from kvkeepd.values.generation import Turn, check_stop
+from kvkeepd.values.messages import Message
+from kvkeepd.values.sampling import SamplingOverrides, SamplingParams
+from kvkeepd.values.toolcall import Tool, ToolCall, ToolChoice
 
 # The extension value of `session_id` that starts a new session for the caller.
 NEW_SESSION = "new"

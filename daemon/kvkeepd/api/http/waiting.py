@@ -12,7 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive
 
 from kvkeepd.api.access import Access
-from kvkeepd.values import Chunk
+from kvkeepd.values.generation import Chunk
 
 T = TypeVar("T")
 

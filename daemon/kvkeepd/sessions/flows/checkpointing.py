@@ -18,7 +18,7 @@ from typing import BinaryIO
 from kvkeepd.config.settings import Settings
 from kvkeepd.engine.context import ModelInfo
 from kvkeepd.errors import Busy, CheckpointInUse, InvalidRequest
-from kvkeepd.limits import IMPORTS_CHECKED, MAX_IMPORTS, MAX_LABEL
+from kvkeepd.request_limits import IMPORTS_CHECKED, MAX_IMPORTS, MAX_LABEL
 from kvkeepd.sessions import ops as opsmod
 from kvkeepd.sessions.durability.persistence import Persistence
 from kvkeepd.sessions.flows.head_saves import save_or_put_back

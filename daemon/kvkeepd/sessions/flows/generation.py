@@ -21,10 +21,10 @@ from kvkeepd import bulk
 from kvkeepd.config.settings import Settings
 from kvkeepd.engine.context import ModelInfo
 from kvkeepd.engine.engine import Engine
-from kvkeepd.engine.grammar import Grammars
 from kvkeepd.engine.job import Job
+from kvkeepd.engine.structured_output import Grammars
 from kvkeepd.errors import ContextFull, InvalidRequest, KvkeepError, noted
-from kvkeepd.limits import MAX_LOGPROBS
+from kvkeepd.request_limits import MAX_LOGPROBS
 from kvkeepd.sessions import ops
 from kvkeepd.sessions.durability.persistence import Persistence
 from kvkeepd.sessions.host import SessionHost
@@ -36,20 +36,11 @@ from kvkeepd.sessions.prompting.templates import ChatTemplate, after_prefix
 from kvkeepd.sessions.prompting.tokens import Tokenizer
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenants
-from kvkeepd.toolcall import Tool, ToolChoice, check_tools, choice_for, join_deltas
 from kvkeepd.tools import CallStream, call_ids_for
-from kvkeepd.values import (
-    ChatMessage,
-    Chunk,
-    Constraint,
-    GenerationRequest,
-    GrammarSpec,
-    Message,
-    Turn,
-    check_messages,
-    check_stop,
-    next_constraint,
-)
+from kvkeepd.values.constraints import Constraint, GrammarSpec, next_constraint
+from kvkeepd.values.generation import Chunk, GenerationRequest, Turn, check_stop
+from kvkeepd.values.messages import ChatMessage, Message, check_messages
+from kvkeepd.values.toolcall import Tool, ToolChoice, check_tools, choice_for, join_deltas
 
 Put = Callable[[Chunk], None]
 

@@ -12,7 +12,6 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvkeepd import values
 from kvkeepd.errors import ContextFull, InvalidRequest
 from kvkeepd.sessions.durability.leases import Leases
 from kvkeepd.sessions.durability.persistence import Persistence
@@ -22,8 +21,11 @@ from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.prompting.tokens import Tokenizer
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant, session_salt
-from kvkeepd.toolcall import Tool, check_tools
-from kvkeepd.values import MAX_SEED, ChatMessage, SamplingOverrides, SamplingParams, check_stop
+from kvkeepd.values import messages
+from kvkeepd.values.generation import check_stop
+from kvkeepd.values.messages import ChatMessage
+from kvkeepd.values.sampling import MAX_SEED, SamplingOverrides, SamplingParams
+from kvkeepd.values.toolcall import Tool, check_tools
 
 
 class Lifecycle:
@@ -60,7 +62,7 @@ class Lifecycle:
     ) -> Session:
         """A new session; its system prompt is rendered now (with its tools, where the
         template writes them there) and evaluated on first use."""
-        policy = values.context_policy(context_policy)
+        policy = messages.context_policy(context_policy)
         params = sampling.apply(SamplingParams())
         if sampling.get("seed") is None:
             params = replace(params, seed=secrets.randbelow(MAX_SEED + 1))

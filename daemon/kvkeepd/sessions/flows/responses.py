@@ -46,7 +46,9 @@ from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.storage.checkpoints import CHECKPOINT_ID_PREFIX
 from kvkeepd.storage.writes import store_write
-from kvkeepd.values import Chunk, Message, SamplingOverrides, Turn
+from kvkeepd.values.generation import Chunk, Turn
+from kvkeepd.values.messages import Message
+from kvkeepd.values.sampling import SamplingOverrides
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,9 @@ from kvkeepd.errors import ContextFull, InvalidRequest
 from kvkeepd.sessions.prompting.templates import ChatTemplate, Segment, after_prefix
 from kvkeepd.sessions.prompting.tokens import Tokenizer
 from kvkeepd.sessions.session import Session
-from kvkeepd.toolcall import Tool
-from kvkeepd.values import GenerationRequest, Message
+from kvkeepd.values.generation import GenerationRequest
+from kvkeepd.values.messages import Message
+from kvkeepd.values.toolcall import Tool
 
 T = TypeVar("T")
 

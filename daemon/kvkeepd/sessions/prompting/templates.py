@@ -37,12 +37,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from kvkeepd.config.option import ConfigError
 from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import FailedPrecondition, InvalidRequest
-from kvkeepd.limits import RENDER_SECONDS
-from kvkeepd.toolcall import AUTO_FORMAT, Tool, ToolCall
+from kvkeepd.request_limits import RENDER_SECONDS
 from kvkeepd.tools import Toolkit
 from kvkeepd.tools.formats import format_named
 from kvkeepd.tools.shaping import template_message
-from kvkeepd.values import Message
+from kvkeepd.values.messages import Message
+from kvkeepd.values.toolcall import AUTO_FORMAT, Tool, ToolCall
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from kvkeepd.engine.context import LlamaContext, ModelInfo
 from kvkeepd.engine.engine import Engine
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.sessions.prompting.templates import ChatTemplate, Segment, text_of
-from kvkeepd.toolcall import Tool
-from kvkeepd.values import Message
+from kvkeepd.values.messages import Message
+from kvkeepd.values.toolcall import Tool
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from kvkeepd.api.http.bodies import error
-from kvkeepd.limits import MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from kvkeepd.request_limits import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
 if TYPE_CHECKING:
     from kvkeepd.api.http.app import OpenAiDoor

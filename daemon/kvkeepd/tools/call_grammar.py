@@ -21,8 +21,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvkeepd.toolcall import Tool, ToolChoice
 from kvkeepd.tools.formats import MISTRAL_ID_LENGTH, Syntax
+from kvkeepd.values.toolcall import Tool, ToolChoice
 
 # The JSON the model writes: compact, with the usual spaces after separators (a small model
 # left free to choose whitespace may emit it forever), and what templates' `tojson` writes

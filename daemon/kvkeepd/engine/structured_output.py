@@ -27,10 +27,10 @@ import numpy.typing as npt
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from kvkeepd.errors import InvalidRequest, KvkeepError
-from kvkeepd.tools.grammar import JSON_STYLE
-from kvkeepd.values import Constraint, GrammarSpec
+from kvkeepd.tools.call_grammar import JSON_STYLE
+from kvkeepd.values.constraints import Constraint, GrammarSpec
 
-# Compact JSON with the usual spaces after separators (kvkeepd.tools.grammar): a small model
+# Compact JSON with the usual spaces after separators (kvkeepd.tools.call_grammar): a small model
 # left free to choose whitespace may emit it forever. A schema's own "x-guidance" options
 # override these.
 JSON_OPTIONS: llguidance._lib.JsonCompileOptions = {

@@ -1,8 +1,8 @@
 """Tool calls' values: the tools a model may call, which of them a turn must call, the calls a
 reply makes and the pieces they stream in.
 
-A leaf like values.py (which puts calls in messages): the byte formats and the doors name these
-without the formats, grammars and parsers of kvkeepd.tools. Checks of what a request gives
+A leaf like the other values (messages.py puts calls in messages): the byte formats and the
+doors name these without the formats, grammars and parsers of kvkeepd.tools. Checks of what a request gives
 live here, so every door refuses the same things with the same words.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
 from kvkeepd.errors import InvalidRequest
-from kvkeepd.limits import MAX_GRAMMAR_CHARS, MAX_TOOL_CALLS, MAX_TOOLS
+from kvkeepd.request_limits import MAX_GRAMMAR_CHARS, MAX_TOOL_CALLS, MAX_TOOLS
 
 # OpenAI's rule for function names; they are written into the prompt and the output as they
 # are, so nothing else may be in them.
