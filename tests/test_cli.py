@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 import kvkeep
 from kvkeep.cli import DEFAULT_MAX_TOKENS, main
+from kvkeep.cli._output import format_age
 
 Invoke = Callable[..., Result]
 
@@ -158,6 +159,43 @@ def test_unknown_session_is_one_error_line(kv: Invoke) -> None:
     one_error_line(kv("--json", "session", "close", unknown))
     one_error_line(kv("chat", unknown, input="hello\n"))
     assert "malformed" in one_error_line(kv("session", "show", "../../etc"))
+
+
+def test_session_list_says_how_old_each_is_and_how_persistent_ones_end(
+    kv: Invoke, client: kvkeep.Client
+) -> None:
+    kept = client.create_session("Be brief.", persistent=True)
+    try:
+        listed = kv("session", "list")
+        assert listed.exit_code == 0, listed.output
+        header, *rows = listed.stdout.splitlines()
+        assert header.split()[-2:] == ["AGE", "IDLE"]
+        (row,) = [r for r in rows if r.startswith(kept.session_id)]
+        assert re.search(r"\byes\s+\d+ s\s+\d+ s\b", row), row
+        assert "kvkeep session close ID" in listed.stderr and "--persistent-ttl" in listed.stderr
+    finally:
+        kept.close()
+    assert format_age(1_000.0, 1_000.0 + 2 * 3600 + 59) == "2 h"
+    assert format_age(1_000.0, 1_000.0 + 3 * 86400) == "3 d" and format_age(0.0, 5.0) == "-"
+
+
+def test_checkpoint_restore_says_what_the_session_holds_now(kv: Invoke, client: kvkeep.Client) -> None:
+    s = client.create_session("Be brief.", sampling=GREEDY)
+    try:
+        s.chat("Name a prime.", max_tokens=4)
+        saved = s.checkpoint()
+        s.chat("Another?", max_tokens=4)
+        restored = kv("checkpoint", "restore", s.session_id, saved.checkpoint_id)
+        assert restored.exit_code == 0, restored.output
+        info = s.info()
+        assert len(info.messages) == 3 and info.n_tokens == saved.n_tokens
+        first, last = restored.stdout.splitlines()
+        assert (
+            first == f"restored {s.session_id} to {saved.checkpoint_id}: {info.n_tokens} tokens, 3 messages"
+        )
+        assert last.startswith("  last: assistant: ")
+    finally:
+        s.close()
 
 
 def test_replies_have_a_default_length(kv: Invoke) -> None:

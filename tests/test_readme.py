@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from daemons import PROBE_CACHE, wait_until
 
+import kvkeep
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 #: Each command's output is told apart by this line before it.
@@ -88,6 +90,13 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def persistent_sessions(served: Served) -> set[str]:
+    """The served daemon's persistent sessions: what an example leaves in the state directory
+    that every clone's daemon shares by default."""
+    with kvkeep.Client(served.grpc) as client:
+        return {s.session_id for s in client.list_sessions() if s.persistent}
+
+
 def reader_env(served: Served) -> dict[str, str]:
     return {**os.environ, "KVKEEP_ADDRESS": served.grpc}
 
@@ -100,6 +109,7 @@ def as_served(text: str, served: Served) -> str:
 def test_the_console_commands_run_as_printed(served: Served, tmp_path: Path) -> None:
     runnable = [c for c in commands() if not c.startswith(("scripts/serve", "scripts/test"))]
     assert len(runnable) >= 10
+    kept_before = persistent_sessions(served)
     script = "set -euo pipefail\n" + "".join(
         # A newline first: an output need not end with one (curl's does not).
         f"printf '\\n{MARK} {i}\\n'; printf '\\n{MARK} {i}\\n' >&2\n{as_served(c, served)}\n"
@@ -134,15 +144,24 @@ def test_the_console_commands_run_as_printed(served: Served, tmp_path: Path) -> 
         next(out for c, out in outputs.items() if c.startswith(".venv/bin/kvkeep session show"))
     )
     assert shown["persistent"] and shown["n_checkpoints"] == 1
-    assert [m["role"] for m in shown["messages"]][-2:] == ["user", "assistant"]
+    # One conversation, restored to its first answer.
+    assert [m["role"] for m in shown["messages"]] == ["system", "user", "assistant"]
+    assert shown["messages"][1]["content"] == "Name three primes."
+    restored = next(out for c, out in outputs.items() if "checkpoint restore" in c)
+    assert restored.startswith(f"restored {shown['session_id']} to ")
+    listed = next(out for c, out in outputs.items() if c.startswith(".venv/bin/kvkeep session list"))
+    assert shown["session_id"] in listed and "AGE" in listed
+    assert "--persistent-ttl" in done.stderr
     assert "engine: 4 slots x 2048 tokens" in by_start[".venv/bin/kvkeep info"]
     # Seconds, not minutes: every reply is capped.
     assert took < 120, f"the console commands took {took:.0f} s"
+    assert persistent_sessions(served) == kept_before  # what they kept, they closed
 
 
 @pytest.mark.parametrize("index", range(len(blocks("python"))))
 def test_the_python_snippets_run_as_printed(served: Served, tmp_path: Path, index: int) -> None:
     code = as_served(blocks("python")[index], served)
+    kept_before = persistent_sessions(served)
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-c", code],
@@ -155,6 +174,7 @@ def test_the_python_snippets_run_as_printed(served: Served, tmp_path: Path, inde
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
     assert time.monotonic() - started < 60
+    assert persistent_sessions(served) == kept_before
 
 
 def test_the_test_command_installs_the_servers_first(tmp_path: Path) -> None:

@@ -122,14 +122,16 @@ def create_session(
 
 
 def session(session_id: str) -> Unary[str]:
-    """The session ``session_id``; raises NotFoundError when there is none."""
+    """Open the session ``session_id`` again: one made earlier, by this client or another, and a
+    persistent one after the daemon restarted; raises NotFoundError when there is none."""
     return Unary(
         "GetSession", pb.GetSessionRequest(session_id=session_id), _session_id, session_id, resend=True
     )
 
 
 def list_sessions() -> Unary[list[SessionInfo]]:
-    """Every session of the caller's (its tenant's)."""
+    """Every session of the caller's (its tenant's), ephemeral and persistent, each with its
+    id (for ``session()``), size, age and last use."""
     return Unary("ListSessions", pb.ListSessionsRequest(), _sessions, resend=True)
 
 

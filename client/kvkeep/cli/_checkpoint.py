@@ -9,7 +9,7 @@ import click
 from kvkeep._client import Session
 from kvkeep._files import open_destination
 from kvkeep.cli._context import State
-from kvkeep.cli._output import echo_json, format_size, format_time, table
+from kvkeep.cli._output import echo_json, format_size, format_time, one_line, table
 from kvkeep.cli._progress import counted, moving_bytes
 
 
@@ -61,10 +61,18 @@ def checkpoint_list(state: State, session_id: str) -> None:
 @click.argument("checkpoint_id")
 @click.pass_obj
 def checkpoint_restore(state: State, session_id: str, checkpoint_id: str) -> None:
-    """Put a session back in the state a checkpoint saved."""
+    """Put a session back in the state a checkpoint saved, and say what it holds now."""
     restored = Session(state.client(), session_id).restore(checkpoint_id)
     if state.as_json:
         echo_json(restored)
+        return
+    click.echo(
+        f"restored {session_id} to {checkpoint_id}: {restored.n_tokens} tokens, "
+        f"{len(restored.messages)} messages"
+    )
+    if restored.messages:
+        last = restored.messages[-1]
+        click.echo(f"  last: {last.role}: {one_line(last.content)}")
 
 
 @checkpoint_group.command("delete")

@@ -46,6 +46,17 @@ def format_time(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def format_age(ts: float, now: float) -> str:
+    """How long ago a timestamp was, in its largest whole unit (s, min, h, d); `-` for none."""
+    if not ts:
+        return "-"
+    seconds = max(0, int(now - ts))
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds // size} {unit}"
+    return f"{seconds} s"
+
+
 def format_size(n: int) -> str:
     """Bytes in B, KiB, MiB or GiB."""
     if n < 1024:

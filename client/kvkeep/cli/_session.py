@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import click
 
 from kvkeep._client import Session
 from kvkeep.cli._context import State
 from kvkeep.cli._options import sampling_options, sampling_params
-from kvkeep.cli._output import echo_fields, echo_json, format_time, one_line, table
+from kvkeep.cli._output import echo_fields, echo_json, format_age, format_time, one_line, table
 
 
 @click.group("session")
@@ -58,13 +59,16 @@ def session_create(
 @click.pass_obj
 def session_list(state: State) -> None:
     """List your sessions: the daemon's, and with daemons sharing a catalog, the persistent
-    ones of every daemon (HELD BY: which daemon holds each, `-` while none does)."""
+    ones of every daemon (HELD BY: which daemon holds each, `-` while none does). AGE is the
+    time since each was created, IDLE since its last use; a persistent session stays until it
+    is closed or the daemon's --persistent-ttl deletes it idle."""
     sessions = state.client().list_sessions()
     if state.as_json:
         echo_json(sessions)
         return
     shared = any(s.holder for s in sessions)
-    headers = ("SESSION", "RESIDENCY", "TOKENS", "CHECKPOINTS", "PERSISTENT", "LAST USED")
+    now = time.time()
+    headers = ("SESSION", "RESIDENCY", "TOKENS", "CHECKPOINTS", "PERSISTENT", "AGE", "IDLE")
     table(
         headers + (("HELD BY",) if shared else ()),
         [
@@ -74,12 +78,21 @@ def session_list(state: State) -> None:
                 f"{s.n_tokens}/{s.n_ctx}",
                 str(s.n_checkpoints),
                 "yes" if s.persistent else "no",
-                format_time(s.last_used_at),
+                format_age(s.created_at, now),
+                format_age(s.last_used_at, now),
             )
             + ((s.holder or "-",) if shared else ())
             for s in sessions
         ],
     )
+    persistent = sum(s.persistent for s in sessions)
+    if persistent:
+        # They outlive restarts, so they pile up unless something ends them.
+        click.echo(
+            f"{persistent} persistent: kept until `kvkeep session close ID`, or deleted once idle "
+            "for the daemon's --persistent-ttl SECONDS (0, the default: never)",
+            err=True,
+        )
 
 
 @session_group.command("show")
