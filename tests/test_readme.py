@@ -196,3 +196,23 @@ def test_the_readme_is_a_front_door() -> None:
     assert len(lines) <= 300
     first_screen = "\n".join(lines[:40])
     assert "scripts/serve" in first_screen and "curl" in first_screen and "8080" in first_screen
+    # What the embedded model is for, and what to serve for tools and agents.
+    assert "trying the plumbing" in first_screen
+    assert re.search(
+        r"^\$ scripts/serve --model hf:\S+/\S+-Instruct-GGUF:Q4_K_M --slots 2 --ctx-per-session ",
+        first_screen,
+        re.M,
+    )
+
+
+def test_the_start_log_names_the_model_by_its_file(served: Served) -> None:
+    log = served.log.read_text()
+    loading = re.search(r"loading the model (\S+) \(", log)
+    assert loading, log
+    model = Path(loading[1])
+    assert model.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    line = next(line for line in log.splitlines() if " serving " in line)
+    size = round(model.stat().st_size / (1 << 20))
+    assert re.search(
+        rf"serving {re.escape(model.name)} \({size} MiB, llama, fingerprint [0-9a-f]{{12}}\): ", line
+    ), line

@@ -304,9 +304,13 @@ class Daemon:
                 "bit-exact; scripts/setup builds it for the CPU without"
             )
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        # By the file's own name: llama.cpp's description ("llama 256M Q4_1") is a size class
+        # of the architecture, not the model a user chose.
         log.info(
-            "serving %s (%s): %d slots x %d tokens, %s mode, %s memory; %s",
-            info.description,
+            "serving %s (%.0f MiB, %s, fingerprint %s): %d slots x %d tokens, %s mode, %s memory; %s",
+            settings.model_path.name,
+            size / (1 << 20),
+            info.architecture,
             fp[:12],
             settings.slots,
             info.n_ctx_seq,
