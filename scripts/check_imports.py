@@ -29,7 +29,7 @@ RULES = {
     },
     "uvicorn": {"daemon/kvkeepd/api/http/door.py", "daemon/kvkeepd/api/http/guard.py"},
     # Models from the Hugging Face Hub (--model hf:..., kvkeep pull), fetched before the daemon starts.
-    "huggingface_hub": {"daemon/kvkeepd/hub.py"},
+    "huggingface_hub": {"daemon/kvkeepd/model/hub.py"},
     "pydantic": {
         "daemon/kvkeepd/api/http/app.py",
         "daemon/kvkeepd/api/http/schema.py",
@@ -54,6 +54,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kvkeepd.logs",
         "kvkeepd.heap",
         "kvkeepd.values",
+        "kvkeepd.model",
         "kvkeepd.files",
         "kvkeepd.urls",
     ),
@@ -61,7 +62,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvkeepd.engine", "kvkeepd.storage"),
     ("kvkeepd.sessions",),
     ("kvkeepd.api",),
-    ("kvkeepd.server", "kvkeepd.hub"),
+    ("kvkeepd.server",),
     ("kvkeepd.cli",),
     ("kvkeepd.__main__",),
 )

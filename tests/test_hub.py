@@ -28,7 +28,7 @@ import testmodels
 from daemons import DaemonProcess
 
 import kvkeep
-from kvkeepd import download
+from kvkeepd.model import download
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 REPO = "tests/tiny-GGUF"

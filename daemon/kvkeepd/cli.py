@@ -18,9 +18,9 @@ import click
 
 from kvkeepd.config import resolution
 from kvkeepd.config import settings as config
-from kvkeepd.config.models import hf_ref
 from kvkeepd.config.sections import SECTIONS
 from kvkeepd.config.settings import ConfigError
+from kvkeepd.model.choice import hf_ref
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -114,7 +114,7 @@ def serve(config_file: Path | None, print_config: bool, ready_file: Path | None,
     names: tuple[str, ...] = ()
     ref = hf_ref(settings.model_path)
     if ref is not None:
-        from kvkeepd.hub import HubError, fetch
+        from kvkeepd.model.hub import HubError, fetch
 
         try:
             path = fetch(ref, settings.model_cache)

@@ -7,7 +7,7 @@ directory entry is made durable by an fsync of the directory that holds it, and 
 where a file or a directory belongs is refused (StateDirError, one line naming it), never
 followed: O_NOFOLLOW for files, lstat for directories. O_NOFOLLOW covers a path's last
 component only; for the directories between, the state directory's own check at start and its
-0700 are the defence. The model cache (kvkeepd.hub) keeps the same rules.
+0700 are the defence. The model cache (kvkeepd.model.hub) keeps the same rules.
 """
 
 from __future__ import annotations

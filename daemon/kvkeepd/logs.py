@@ -89,6 +89,6 @@ def configure(level: str, as_json: bool) -> None:
     logging.getLogger("grpc._cython.cygrpc").addFilter(LateAnswerFilter())
     logging.getLogger("uvicorn.error").addFilter(UvicornFilter())
     # huggingface_hub's HTTP client logs every request at INFO (a model's download is named
-    # by kvkeepd.hub's own lines).
+    # by kvkeepd.model.hub's own lines).
     for name in ("httpx", "httpx2"):
         logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)

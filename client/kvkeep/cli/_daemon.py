@@ -113,9 +113,9 @@ def pull(model: str, model_cache: Path | None) -> None:
     removed. A file name that would land outside the repository's folder is refused.
     """
     try:
-        models = importlib.import_module("kvkeepd.config.models")
+        models = importlib.import_module("kvkeepd.model.choice")
         settings = importlib.import_module("kvkeepd.config.settings")
-        hub = importlib.import_module("kvkeepd.hub")
+        hub = importlib.import_module("kvkeepd.model.hub")
         importlib.import_module("huggingface_hub")
     except ImportError as e:
         missing = f"no module {e.name!r}"
@@ -129,7 +129,7 @@ def pull(model: str, model_cache: Path | None) -> None:
             f"a model on the Hub is hf:OWNER/REPO[:QUANT], got {model!r}", param_hint="MODEL"
         )
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("kvkeepd.hub").setLevel(logging.INFO)
+    logging.getLogger("kvkeepd.model.hub").setLevel(logging.INFO)
     try:
         path = hub.fetch(ref, model_cache or settings.user_cache_dir() / "models")
     except hub.HubError as e:

@@ -17,9 +17,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvkeepd.config.models import HF_PREFIX, NO_MODEL, default_model, default_model_path, gguf_problem, hf_ref
 from kvkeepd.config.network import NetworkSettings
 from kvkeepd.config.option import ConfigError, Option, declared, spec
+from kvkeepd.model.choice import HF_PREFIX, NO_MODEL, default_model, default_model_path, gguf_problem, hf_ref
 from kvkeepd.request_limits import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
 from kvkeepd.urls import catalog_url, store_problem
 from kvkeepd.values.toolcall import AUTO_FORMAT, FORMATS

@@ -1,4 +1,4 @@
-"""One file's download over HTTP that gives up, for the models of the Hub (kvkeepd.hub).
+"""One file's download over HTTP that gives up, for the models of the Hub (hub.py).
 
 The rest of a file is asked for by a range request from what its part file holds, read as it
 arrives and appended there. A download gives up (DownloadError, one line) when:

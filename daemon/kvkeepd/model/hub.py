@@ -1,7 +1,7 @@
 """Models from the Hugging Face Hub: `--model hf:OWNER/REPO[:QUANT]` and `kvkeep pull`.
 
 huggingface_hub finds the repository's files (`model_info`, from HF_ENDPOINT, a mirror where
-set, with HF_TOKEN's token); kvkeepd.download streams the chosen file, and gives up on a
+set, with HF_TOKEN's token); kvkeepd.model.download streams the chosen file, and gives up on a
 server that stalls or drips (see its Limits). The file goes to `MODEL_CACHE/OWNER/REPO/NAME.part`
 first, so a download cut short (a lost connection, Ctrl-C, a give-up) goes on from where it
 stopped at the next try, by a range request; it becomes `NAME` once its SHA-256 is the one the
@@ -39,8 +39,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvkeepd import __version__
-from kvkeepd.config.models import HfRef
-from kvkeepd.download import LIMITS, DownloadError, Limits, download
 from kvkeepd.files import (
     StateDirError,
     check_entry,
@@ -51,6 +49,8 @@ from kvkeepd.files import (
     read_private,
     write_private,
 )
+from kvkeepd.model.choice import HfRef
+from kvkeepd.model.download import LIMITS, DownloadError, Limits, download
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Remote:
 def fetch(ref: HfRef, cache: Path, limits: Limits = LIMITS) -> Path:
     """The local path of the GGUF file `ref` names (its first part, for a split model),
     downloaded into `cache` and checked unless it is there already; HubError if it cannot be
-    had. `limits`: when a download gives up (kvkeepd.download's defaults, small in tests)."""
+    had. `limits`: when a download gives up (kvkeepd.model.download's defaults, small in tests)."""
     try:
         return _fetch(ref, cache, limits)
     except StateDirError as e:  # a link or another kind of thing where the cache keeps its own

