@@ -26,6 +26,7 @@ RULES = {
         "daemon/kvkeepd/api/http/app.py",
         "daemon/kvkeepd/api/http/responses.py",
         "daemon/kvkeepd/api/http/waiting.py",
+        "daemon/kvkeepd/api/http/anthropic/door.py",
     },
     "uvicorn": {"daemon/kvkeepd/api/http/door.py", "daemon/kvkeepd/api/http/guard.py"},
     # Models from the Hugging Face Hub (--model hf:..., kvkeep pull), fetched before the daemon starts.
@@ -34,6 +35,8 @@ RULES = {
         "daemon/kvkeepd/api/http/app.py",
         "daemon/kvkeepd/api/http/schema.py",
         "daemon/kvkeepd/api/http/response_schema.py",
+        "daemon/kvkeepd/api/http/anthropic/door.py",
+        "daemon/kvkeepd/api/http/anthropic/schema.py",
     },
 }
 # The same for the SDK: LangChain (an optional extra) only in its integration.

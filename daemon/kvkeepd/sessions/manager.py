@@ -53,9 +53,9 @@ from kvkeepd.state.manifest import Snapshot
 from kvkeepd.storage.catalog import CheckpointRow, ListedSession
 from kvkeepd.storage.stores import Stores
 from kvkeepd.values.generation import Chunk, Turn
-from kvkeepd.values.messages import Message
+from kvkeepd.values.messages import Message, check_messages
 from kvkeepd.values.sampling import SamplingOverrides
-from kvkeepd.values.toolcall import Tool
+from kvkeepd.values.toolcall import Tool, check_tools
 
 log = logging.getLogger(__name__)
 
@@ -479,6 +479,18 @@ class SessionManager:
         )
         async for chunk in stream:
             yield chunk
+
+    async def count_tokens(self, messages: Sequence[Message], tools: Sequence[Tool]) -> int:
+        """The tokens of a whole conversation, with the tools it may call, as the chat
+        template renders it for the assistant's reply (a new session's first turn)."""
+        if self.template is None:
+            raise NoChatTemplate("the model has no chat template")
+        tokens = self._conversations.tokens
+        check_messages(messages)
+        for m in messages:
+            tokens.check_bytes(m.content, "message")
+        segments = await tokens.render(messages, True, check_tools(tools))
+        return len(await tokens.segments(segments, first=True))
 
     # ---- counters, invariants (census.py) ---------------------------------------------
 

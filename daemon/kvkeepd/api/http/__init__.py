@@ -27,5 +27,7 @@
   for the session layer (messages, tools, a Turn).
 - waiting.py: A handler's work as the door waits for it: watching its client (one that leaves
   stops the work), and noting what it cost in the request's access line.
+- anthropic/: Anthropic's Messages API on the HTTP door (`/v1/messages`), beside the OpenAI
+  routes.
 <!-- end -->
 """

@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvkeepd import bulk
 from kvkeepd.api.access import Access
+from kvkeepd.api.http.anthropic.door import MessagesDoor
 from kvkeepd.api.http.bodies import Reply, domain_error, error, sse
 from kvkeepd.api.http.browsers import BrowserGuard, BrowserPolicy
 from kvkeepd.api.http.keep import SessionKeep
@@ -82,6 +83,9 @@ class OpenAiDoor:
         self.in_flight = 0
         self.created = int(time.time())
         self.responses = ResponsesDoor(manager, model_id, tenant=self._tenant, body=self._body)
+        self.messages = MessagesDoor(
+            manager, model_id, self.keep, body_limit, accepting=lambda: self.accepting
+        )
         stored = "/v1/responses/{response_id}"
         routes = Starlette(
             routes=[
@@ -91,6 +95,8 @@ class OpenAiDoor:
                 Route(stored, self._endpoint(self.responses.delete), methods=["DELETE"]),
                 Route(stored + "/input_items", self._endpoint(self.responses.input_items), methods=["GET"]),
                 Route("/v1/chat/completions", self._endpoint(self.chat_completions), methods=["POST"]),
+                Route("/v1/messages", self.messages.create, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.messages.count_tokens, methods=["POST"]),
                 Route("/v1/completions", self._endpoint(self.completions, "prompt"), methods=["POST"]),
                 Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self._endpoint(self.model), methods=["GET"]),

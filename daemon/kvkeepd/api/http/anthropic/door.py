@@ -1,0 +1,258 @@
+"""Anthropic's Messages API on the HTTP door: `POST /v1/messages` and `POST
+/v1/messages/count_tokens`, so that Claude Code and Anthropic's SDKs run on the served model.
+
+A conversation is answered as the chat door answers one sent whole: in a session the door
+keeps (keep.py), so the next request that resends it continues that session and evaluates
+only what is new. Calls are the chat door's: in the model's own format, held to each tool's
+schema. The caller is the tenant its `x-api-key` names, or its bearer token, as on the other
+routes; `anthropic-version` and `anthropic-beta` are accepted whatever they say. Errors are
+Anthropic's envelope on these routes (shapes.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvkeepd import bulk
+from kvkeepd.api.http.anthropic.schema import ConversationBody, MessagesRequest
+from kvkeepd.api.http.anthropic.shapes import MessageShape, domain_error, error, event
+from kvkeepd.api.http.keep import SessionKeep
+from kvkeepd.api.http.waiting import access, counted, unless_left
+from kvkeepd.errors import KvkeepError, NoChatTemplate, Unauthenticated, Unavailable
+from kvkeepd.sessions.manager import SessionManager
+from kvkeepd.sessions.tenants import Tenant
+from kvkeepd.values.generation import Chunk, Turn
+from kvkeepd.values.messages import Message
+from kvkeepd.values.sampling import SamplingOverrides
+from kvkeepd.values.toolcall import join_deltas
+
+log = logging.getLogger(__name__)
+
+B = TypeVar("B", bound=BaseModel)
+Handler = Callable[[Request], Awaitable[Response]]
+STREAM_HEADERS = {"cache-control": "no-cache"}
+# The calls whose arguments the door remembers as the model wrote them (a client resends a
+# call's input as an object, which JSON may write otherwise): the latest, of all tenants.
+REMEMBERED_CALLS = 4096
+
+
+class BodyTooLarge(Exception):
+    """A request body beyond the daemon's message limit (413)."""
+
+
+class MessagesDoor:
+    """The Messages API's handlers over the door's manager and kept sessions; `accepting`
+    says whether the daemon still takes requests. `create` and `count_tokens` are its routes'
+    endpoints."""
+
+    def __init__(
+        self,
+        manager: SessionManager,
+        model_id: str,
+        keep: SessionKeep,
+        body_limit: int,
+        *,
+        accepting: Callable[[], bool],
+    ) -> None:
+        self.manager = manager
+        self.model_id = model_id
+        self.keep = keep
+        self.body_limit = body_limit
+        self.accepting = accepting
+        self._calls: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self.create = self._endpoint(self._create)
+        self.count_tokens = self._endpoint(self._count_tokens)
+
+    # ---- routes ------------------------------------------------------------------------------
+
+    async def _create(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        req = await self._parse(request, MessagesRequest)
+        turn = req.turn()
+        messages = await bulk.run(
+            lambda: req.conversation(self._recall(tenant)), large=len(req.messages) > bulk.LARGE_MESSAGES
+        )
+        stream = await self._converse(request, tenant, messages, turn)
+        shape = MessageShape("msg_" + secrets.token_hex(12), req.model or self.model_id, turn.stop)
+        if req.stream:
+            return await self._events(request, tenant, stream, shape)
+
+        async def collect() -> list[Chunk]:
+            return [c async for c in stream]
+
+        chunks = await unless_left(request, collect())
+        self._remember(tenant, chunks)
+        return JSONResponse(shape.message(chunks))
+
+    async def _count_tokens(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        req = await self._parse(request, ConversationBody)
+        messages = await bulk.run(
+            lambda: req.conversation(self._recall(tenant)), large=len(req.messages) > bulk.LARGE_MESSAGES
+        )
+        n = await self.manager.count_tokens(messages, req.chat_tools())
+        return JSONResponse({"input_tokens": n})
+
+    # ---- conversations -----------------------------------------------------------------------
+
+    async def _converse(
+        self, request: Request, tenant: Tenant, messages: Sequence[Message], turn: Turn
+    ) -> AsyncIterator[Chunk]:
+        """The reply's stream: in the kept session whose conversation this one continues,
+        or in a new one (kept) whose system prompt is the conversation's."""
+        if self.manager.template is None:
+            raise NoChatTemplate("the model has no chat template: the Messages API needs one")
+        m = self.manager
+        found = self.keep.find(tenant, messages)
+        if found is not None:
+            session_id = found[0].session_id
+            stream = m.converse(session_id, tenant, messages=messages, whole=True, turn=turn)
+        else:
+            system = messages[0].content if messages[0].role == "system" else ""
+            rest = list(messages[1:] if system else messages)
+            await self.keep.make_room(tenant)
+            session = await m.create_session(
+                tenant, system, SamplingOverrides(), (), persistent=False, tools=turn.tools or ()
+            )
+            self.keep.add(tenant, session)
+            session_id = session.session_id
+            stream = m.converse(session_id, tenant, messages=rest, whole=False, turn=turn)
+        access(request).session = session_id
+        return counted(request, stream)
+
+    def _recall(self, tenant: Tenant) -> Callable[[str, dict[str, Any]], str | None]:
+        def recall(call_id: str, given: dict[str, Any]) -> str | None:
+            text = self._calls.get((tenant.name, call_id))
+            return text if text is not None and _same_json(text, given) else None
+
+        return recall
+
+    def _remember(self, tenant: Tenant, chunks: Sequence[Chunk]) -> None:
+        for call in join_deltas((), (d for c in chunks for d in c.tool_calls)):
+            self._calls[(tenant.name, call.call_id)] = call.arguments
+            self._calls.move_to_end((tenant.name, call.call_id))
+        while len(self._calls) > REMEMBERED_CALLS:
+            self._calls.popitem(last=False)
+
+    async def _events(
+        self, request: Request, tenant: Tenant, stream: AsyncIterator[Chunk], shape: MessageShape
+    ) -> Response:
+        it = aiter(stream)
+        # The first chunk (the prompt's first progress report) before the response starts:
+        # errors until then get their status.
+        first = await unless_left(request, anext(it))
+
+        async def events() -> AsyncGenerator[bytes, None]:
+            chunks: list[Chunk] = []
+            chunk = first
+            try:
+                for e in shape.opening(first):
+                    yield e
+                while True:
+                    if chunk.progress is None:
+                        chunks.append(chunk)
+                        for e in shape.delta(chunk):
+                            yield e
+                    if chunk.finish_reason is not None:
+                        break
+                    chunk = await anext(it)
+                self._remember(tenant, chunks)
+                for e in shape.closing(chunk):
+                    yield e
+            except Exception as e:
+                if not isinstance(e, KvkeepError) or type(e) is KvkeepError:
+                    log.error("internal error", exc_info=e)
+                _, body = domain_error(e if isinstance(e, KvkeepError) else KvkeepError())
+                yield event(body)
+            finally:
+                # A client that left stops the generation (within one engine step).
+                if isinstance(it, AsyncGenerator):
+                    await it.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=STREAM_HEADERS)
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _endpoint(self, fn: Handler) -> Handler:
+        """Errors of a handler in Anthropic's envelope."""
+
+        async def handle(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except KvkeepError as e:
+                if type(e) is KvkeepError:
+                    log.error("internal error", exc_info=e)
+                status, body = domain_error(e)
+                return JSONResponse(body, status)
+            except ValidationError as e:
+                return JSONResponse(error("invalid_request_error", _describe(e)), 400)
+            except ClientDisconnect:
+                return Response(status_code=400)  # nobody reads it
+            except BodyTooLarge:
+                message = f"the request body is larger than the limit of {self.body_limit} bytes"
+                return JSONResponse(error("request_too_large", message), 413)
+            except Exception as e:
+                log.error("internal error", exc_info=e)
+                status, body = domain_error(KvkeepError())
+                return JSONResponse(body, status)
+
+        return handle
+
+    def _tenant(self, request: Request) -> Tenant:
+        """The caller: the tenant its `x-api-key` names (Anthropic's header), or its bearer
+        token."""
+        if not self.accepting():
+            raise Unavailable("the daemon is shutting down")
+        key = request.headers.get("x-api-key")
+        authorization = f"Bearer {key}" if key else request.headers.get("authorization")
+        try:
+            tenant = self.manager.resolve_tenant(authorization)
+        except Unauthenticated:
+            if authorization:
+                raise
+            raise Unauthenticated(
+                "an API key is required (x-api-key: KEY, or authorization: Bearer KEY)"
+            ) from None
+        access(request).tenant = tenant.name
+        return tenant
+
+    async def _parse(self, request: Request, model: type[B]) -> B:
+        body = await self._body(request)
+        return await bulk.run(lambda: model.model_validate_json(body), large=len(body) > bulk.LARGE_BYTES)
+
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, read within the body limit."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.body_limit:
+            raise BodyTooLarge
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > self.body_limit:
+                raise BodyTooLarge
+        return bytes(body)
+
+
+def _same_json(text: str, value: dict[str, Any]) -> bool:
+    try:
+        return bool(json.loads(text) == value)
+    except ValueError:
+        return False
+
+
+def _describe(e: ValidationError) -> str:
+    """The first problem of a body, naming the field."""
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    message = "field required" if first.get("type") == "missing" else first.get("msg", "invalid body")
+    more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+    return f"{where + ': ' if where else ''}{message}{more}"

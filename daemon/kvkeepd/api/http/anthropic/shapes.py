@@ -1,0 +1,169 @@
+"""The bodies of Anthropic's Messages API: a message with its content blocks, stop reason and
+usage, the server-sent events of a streamed one, and the error envelope with its statuses.
+
+Usage tells what the prompt cost: `cache_read_input_tokens` were not evaluated again (the
+session's history, or blocks the prefix cache attached), `input_tokens` were, and
+`cache_creation_input_tokens` is 0: no request stores more than any other.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from kvkeepd.errors import KvkeepError
+from kvkeepd.values.generation import Chunk, PromptProgress, Usage
+from kvkeepd.values.toolcall import ToolCall, join_deltas
+
+# The engine's finish reasons as Anthropic's stop reasons (a cancelled reply's client is gone).
+STOP_REASONS = {
+    "eos": "end_turn",
+    "stop": "stop_sequence",
+    "length": "max_tokens",
+    "context_full": "model_context_window_exceeded",
+    "cancelled": "end_turn",
+    "tool_calls": "tool_use",
+}
+# Each error class's HTTP status and Anthropic error type (docs/http.md).
+STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "OUT_OF_RANGE": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "ALREADY_EXISTS": (409, "invalid_request_error"),
+    "FAILED_PRECONDITION": (409, "invalid_request_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "DATA_LOSS": (500, "api_error"),
+    "INTERNAL": (500, "api_error"),
+    "UNAVAILABLE": (529, "overloaded_error"),
+}
+INTERNAL_MESSAGE = "internal error (see the daemon's log)"
+
+
+def error(kind: str, message: str) -> dict[str, Any]:
+    """Anthropic's error envelope."""
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def domain_error(e: KvkeepError) -> tuple[int, dict[str, Any]]:
+    """The status and envelope of a domain error; a bare KvkeepError says nothing of itself."""
+    status, kind = STATUS.get(e.code, STATUS["INTERNAL"])
+    return status, error(kind, INTERNAL_MESSAGE if type(e) is KvkeepError else str(e))
+
+
+def usage(u: Usage) -> dict[str, int]:
+    """The prompt's tokens split into those evaluated and those read from what was computed
+    before; the reply's tokens."""
+    return {
+        "input_tokens": u.context_tokens - u.reused_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.reused_tokens,
+        "output_tokens": u.generated_tokens,
+    }
+
+
+def event(data: dict[str, Any]) -> bytes:
+    """One server-sent event, named by its type as Anthropic's are."""
+    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def tool_use(call: ToolCall) -> dict[str, Any]:
+    """A call as a `tool_use` block: its input is the arguments' object ({} for arguments cut
+    short by max_tokens)."""
+    try:
+        value = json.loads(call.arguments or "{}")
+    except ValueError:
+        value = {}
+    return {
+        "type": "tool_use",
+        "id": call.call_id,
+        "name": call.name,
+        "input": value if isinstance(value, dict) else {},
+    }
+
+
+class MessageShape:
+    """One reply's bodies: its id and model, the stop strings it was given (to name the one
+    that stopped it), and, streamed, where its content blocks are."""
+
+    def __init__(self, message_id: str, model: str, stops: Sequence[str]) -> None:
+        self.message_id = message_id
+        self.model = model
+        self.stops = tuple(stops)
+        self._blocks = 0
+        self._open: str | None = None  # the streamed block open now: "text", "tool_use" or none
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model}
+
+    def _ending(self, c: Chunk) -> dict[str, Any]:
+        reason = STOP_REASONS.get(c.finish_reason or "", "end_turn")
+        # The engine says a stop string matched, not which: with one given, it is that one.
+        sequence = self.stops[0] if reason == "stop_sequence" and len(self.stops) == 1 else None
+        return {"stop_reason": reason, "stop_sequence": sequence}
+
+    def message(self, chunks: Sequence[Chunk]) -> dict[str, Any]:
+        """The whole reply."""
+        last = chunks[-1]
+        text = "".join(c.text for c in chunks)
+        calls = join_deltas((), (d for c in chunks for d in c.tool_calls))
+        content = [{"type": "text", "text": text}] if text else []
+        content += [tool_use(c) for c in calls]
+        return {
+            **self._head(),
+            "content": content,
+            **self._ending(last),
+            "usage": usage(last.usage or Usage()),
+        }
+
+    # ---- streamed --------------------------------------------------------------------------
+
+    def opening(self, first: Chunk) -> Iterator[bytes]:
+        """`message_start`, with what the prompt's first progress report says it costs,
+        and a `ping`."""
+        p = first.progress or PromptProgress(0, 0, 0, 0.0)
+        start = {
+            "input_tokens": p.total - p.cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": p.cached,
+            "output_tokens": 0,
+        }
+        message = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None, "usage": start}
+        yield event({"type": "message_start", "message": message})
+        yield event({"type": "ping"})
+
+    def delta(self, c: Chunk) -> Iterator[bytes]:
+        """The events of a chunk: text in a text block, each call in a tool_use block (its
+        id and name at its start, its arguments as `input_json_delta`s)."""
+        if c.text:
+            if self._open != "text":
+                yield from self._start({"type": "text", "text": ""}, "text")
+            yield self._delta({"type": "text_delta", "text": c.text})
+        for d in c.tool_calls:
+            if d.name:
+                block = {"type": "tool_use", "id": d.call_id, "name": d.name, "input": {}}
+                yield from self._start(block, "tool_use")
+            if d.arguments:
+                yield self._delta({"type": "input_json_delta", "partial_json": d.arguments})
+
+    def closing(self, last: Chunk) -> Iterator[bytes]:
+        """The open block's end, the stop reason with the usage, `message_stop`."""
+        yield from self._stop()
+        u = usage(last.usage or Usage())
+        yield event({"type": "message_delta", "delta": self._ending(last), "usage": u})
+        yield event({"type": "message_stop"})
+
+    def _start(self, block: dict[str, Any], kind: str) -> Iterator[bytes]:
+        yield from self._stop()
+        yield event({"type": "content_block_start", "index": self._blocks, "content_block": block})
+        self._open = kind
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return event({"type": "content_block_delta", "index": self._blocks, "delta": delta})
+
+    def _stop(self) -> Iterator[bytes]:
+        if self._open is not None:
+            yield event({"type": "content_block_stop", "index": self._blocks})
+            self._blocks += 1
+            self._open = None
