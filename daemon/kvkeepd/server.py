@@ -26,6 +26,7 @@ from kvkeepd.config.settings import ConfigError, Settings, user_cache_dir
 from kvkeepd.engine.context import ContextConfig, ModelInfo
 from kvkeepd.engine.engine import Engine
 from kvkeepd.heap import keep_freed_memory
+from kvkeepd.model.fingerprints import fingerprint
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.prompting.templates import ChatTemplate
 from kvkeepd.sessions.tenants import AuthFileError, Quota, Tenants
@@ -37,7 +38,6 @@ from kvkeepd.storage.budget import DiskBudget
 from kvkeepd.storage.catalog import Catalog
 from kvkeepd.storage.catalog.sqlite import SqliteCatalog
 from kvkeepd.storage.checkpoints import CheckpointStore
-from kvkeepd.storage.fingerprints import fingerprint
 from kvkeepd.storage.journal import FileJournal, TurnJournal
 from kvkeepd.storage.statedir import StateDir
 from kvkeepd.storage.storekey import key_id, store_key
