@@ -31,9 +31,10 @@ from kvkeepd.sessions.host import SessionHost
 from kvkeepd.sessions.ledger import Ledger
 from kvkeepd.sessions.memory.prefix_cache import PrefixCache
 from kvkeepd.sessions.memory.residency import Residency
-from kvkeepd.sessions.prompting.fitting import Fitting, common_prefix
-from kvkeepd.sessions.prompting.templates import ChatTemplate, after_prefix
+from kvkeepd.sessions.prompting.fitting import Fitting
+from kvkeepd.sessions.prompting.templates import ChatTemplate
 from kvkeepd.sessions.prompting.tokens import Tokenizer
+from kvkeepd.sessions.prompting.turn_plan import TurnPlan, plan_turn
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenants
 from kvkeepd.tools import CallStream, call_ids_for
@@ -162,65 +163,26 @@ class Conversations:
             # Put back as it was if the turn adds nothing (it fails, or cannot be made durable).
             before = session.before()
             state = session.state
-            held = [m.message() for m in session.messages]
-            # The session's messages that the conversation keeps, and those it adds.
-            if whole:
-                n_same = common_prefix(held, messages)
-                if n_same == len(messages) < len(held):
-                    # An earlier point of the history: its reply is made again.
-                    n_same -= 1
-                conversation, added = list(messages), list(messages[n_same:])
-            else:
-                n_same = len(held)
-                conversation, added = [*held, *messages], list(messages)
-            if not added:
-                raise InvalidRequest("the conversation adds no message to what the session holds")
-            segments = await self.tokens.render(conversation, True, tools)
-            history = list(state.tokens)
-            history_text = await self.tokens.vocab(lambda c: c.detokenize(history, True))
-            delta = after_prefix(segments, history_text) if n_same == len(held) else None
-            if delta is not None:
-                if not truncating:
-                    self.fit.check_rendered(len(history), delta, request, prompt=True)
-                tokens = await self.tokens.segments(delta, first=not state.tokens)
-                start = len(state.tokens)
-            else:
-                # The history is not a prefix of the rendered conversation (raw generation, a
-                # stop string left text the template does not have, or another conversation):
-                # keep what matches.
-                if not truncating:
-                    self.fit.check_rendered(0, segments, request, prompt=False)
-                full = await self.tokens.segments(segments, first=True)
-                start = common_prefix(full, state.tokens)
-                tokens = full[start:]
-            request = replace(request, prompt=tuple(tokens))
-            truncated, dropped = False, 0
-            if truncating and not self.fit.fits(start, request, truncating=True):
+            plan = plan_turn([m.message() for m in session.messages], messages, whole=whole)
+            plan = await self._place(session, plan, request, tools, truncating=truncating)
+            request = replace(request, prompt=plan.prompt)
+            if truncating and not self.fit.fits(plan.start, request, truncating=True):
                 # Earlier turns make way; everything is decided before the history changes.
-                k = sum(1 for m in session.messages[:n_same] if m.start < session.system_end)
-                # A whole conversation may be cut anywhere before its newest turn (the messages
-                # after its last reply); otherwise only before the messages this request adds.
-                n_new = len(added)
-                if whole:
-                    n_new = next((i for i, m in enumerate(reversed(added)) if m.role == "assistant"), n_new)
+                k = plan.n_system(session.messages, session.system_end)
                 first, cut, kept_tokens = await self.fit.truncated(
-                    session, conversation, k, max(n_new, 1), request, tools
+                    session, plan.conversation, k, plan.n_newest, request, tools
                 )
-                if first > k:
-                    truncated = True
-                    # How much shorter the context is than it would have been.
-                    dropped = max(start + len(tokens) - cut - len(kept_tokens), 0)
-                    start, tokens, added, n_same = cut, kept_tokens, conversation[first:], k
-                    request = replace(request, prompt=tuple(tokens))
+                plan = plan.truncated_to(first, k, cut, kept_tokens)
+                request = replace(request, prompt=plan.prompt)
             self.fit.check_prompt(request)
-            self.fit.check(start, request)
-            if start < len(state.tokens):
+            self.fit.check(plan.start, request)
+            if plan.start < len(state.tokens):
                 await self._check_stored(session)
-                await self.residency.truncate(session, start)
-            kept = session.messages[:n_same]
+                await self.residency.truncate(session, plan.start)
+            kept = session.messages[: plan.n_kept]
             for m in kept:
-                m.start = min(m.start, start)
-            reply = ChatMessage("assistant", "", len(state.tokens) + len(tokens))
+                m.start = min(m.start, plan.start)
+            reply = ChatMessage("assistant", "", len(state.tokens) + len(plan.prompt))
             constraint = None
             if spec is not None:
                 ids = call_ids_for(request.params.seed, reply.start) if spec.kind == "tools" else ""
@@ -228,21 +190,50 @@ class Conversations:
             session.tools = tools
             session.messages = [
                 *kept,
-                *(ChatMessage(m.role, m.content, start, m.tool_calls, m.tool_call_id) for m in added),
+                *(
+                    ChatMessage(m.role, m.content, plan.start, m.tool_calls, m.tool_call_id)
+                    for m in plan.added
+                ),
                 reply,
             ]
-            if truncated:
+            if plan.truncated:
                 session.truncations += 1
-                session.dropped_tokens += dropped
+                session.dropped_tokens += plan.dropped
             try:
-                await self._run(session, slot, request, put, reply, constraint, dropped)
+                await self._run(session, slot, request, put, reply, constraint, plan.dropped)
             except BaseException:
-                if len(session.state.tokens) <= start:
+                if len(session.state.tokens) <= plan.start:
                     # Nothing was added: the history it cut (another conversation, or turns
                     # dropped to fit) comes back, as tokens to evaluate again past the cells
                     # kept below the cut.
                     session.put_back(before, session.state.n_kv)
                 raise
+
+    async def _place(
+        self,
+        session: Session,
+        plan: TurnPlan,
+        request: GenerationRequest,
+        tools: Sequence[Tool],
+        *,
+        truncating: bool,
+    ) -> TurnPlan:
+        """The turn's prompt: what the rendered conversation adds to the session's history,
+        or the whole conversation tokenized again past what the history shares with it;
+        refused by its fewest tokens first (not truncating: earlier turns cannot make way)."""
+        segments = await self.tokens.render(plan.conversation, True, tools)
+        history = list(session.state.tokens)
+        history_text = await self.tokens.vocab(lambda c: c.detokenize(history, True))
+        delta = plan.delta(segments, history_text)
+        if delta is not None:
+            if not truncating:
+                self.fit.check_rendered(len(history), delta, request, prompt=True)
+            tokens = await self.tokens.segments(delta, first=not history)
+            return plan.placed(history, tokens, delta=True)
+        if not truncating:
+            self.fit.check_rendered(0, segments, request, prompt=False)
+        full = await self.tokens.segments(segments, first=True)
+        return plan.placed(history, full, delta=False)
 
     async def _run(
         self,
