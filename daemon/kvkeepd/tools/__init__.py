@@ -19,6 +19,7 @@ only translates its shapes to `Tool`, `ToolChoice`, `ToolCall` and `Message` val
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
@@ -67,11 +68,21 @@ class Toolkit:
                     self._check_text(c.arguments, f"the arguments of the call to {c.name!r}")
         return shape(self.format, messages, tools)
 
-    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool) -> GrammarSpec | None:
-        """The constraint of a reply under `choice` (None for "none")."""
+    def grammar(
+        self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool, answer: str = ""
+    ) -> GrammarSpec | None:
+        """The constraint of a reply under `choice` (None for "none"); `answer`: the JSON
+        schema (its text, one that compiles) of a reply that is not a call."""
         if not choice.calls():
             return None
-        text = call_grammar(self.syntax, tools, choice, parallel, self.specials)
+        schema = json.loads(answer) if answer else None
+        if schema is not None and choice.mode == "auto" and not self.syntax.trigger:
+            raise InvalidRequest(
+                f"the model's tool-call format ({self.format}) writes a call as a bare JSON object, "
+                "which a JSON answer could be: give tools or a response schema, not both",
+                "json_schema",
+            )
+        text = call_grammar(self.syntax, tools, choice, parallel, self.specials, schema)
         if len(text) > MAX_TOOL_GRAMMAR_CHARS:
             raise InvalidRequest(
                 f"the tools' grammar has {len(text)} characters; the limit is {MAX_TOOL_GRAMMAR_CHARS}"

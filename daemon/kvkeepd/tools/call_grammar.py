@@ -7,6 +7,10 @@
   text is a lexeme that cannot contain the calls' opening, and the text before a call is a
   lazy lexeme that ends at its first opening, so once the opening is written the rest is held
   to the calls: the lazy trigger of llama.cpp's grammars, as llguidance writes it.
+- ``auto`` with a response schema (an agent with tools and a typed answer): the reply is the
+  answer, held to the schema, or calls, which begin with their opening. No text comes before
+  the calls (it could only be an answer cut short), and the family's opening must differ
+  from a JSON answer's (llama3's calls are bare JSON objects: refused there).
 
 Each call is literal text around its name, and its arguments are the tool's parameters
 inlined as a JSON schema (``%json``) of their own, so the schema's ``$ref``s resolve against
@@ -36,9 +40,11 @@ def call_grammar(
     choice: ToolChoice,
     parallel: bool,
     specials: Mapping[str, int],
+    answer: Mapping[str, Any] | None = None,
 ) -> str:
     """The Lark grammar of a reply under `choice` (not "none"). `specials`: the syntax's
-    markers that the vocabulary has as one control token, and their ids."""
+    markers that the vocabulary has as one control token, and their ids; `answer`: the JSON
+    schema of a reply that is not a call (None: free text)."""
     callable_tools = [t for t in tools if choice.mode != "function" or t.name == choice.function]
     several = parallel and syntax.parallel and choice.mode != "function"
     rules = ["%llguidance {}"]
@@ -46,7 +52,12 @@ def call_grammar(
     body = f"{_lit(syntax.head, specials)} {calls} {_lit(syntax.tail, specials)}".strip()
     if syntax.trigger:
         opener = _alternatives(syntax.trigger, specials)
-        if choice.mode == "auto":
+        if choice.mode == "auto" and answer is not None:
+            rules += [
+                f"start: answer | ({opener}) calls_body",
+                f"answer: %json {json.dumps(answer_schema(answer), ensure_ascii=False)}",
+            ]
+        elif choice.mode == "auto":
             special = specials.get(syntax.trigger)
             starts = ["TEXT", "text_head calls_body"]
             if special is not None:
@@ -60,6 +71,8 @@ def call_grammar(
         else:
             rules.append(f"start: ({opener}) calls_body")
         rules.append(f"calls_body: {body}")
+    elif choice.mode == "auto" and answer is not None:
+        raise ValueError(f"the {syntax.name} format writes a call as a JSON object, like the answer")
     elif choice.mode == "auto":
         # A reply that is a call begins with its opening brace; free text never does.
         rules += [f"start: TEXT | {body} | ", "TEXT: /[^{](?s:.*)/"]
@@ -92,6 +105,15 @@ def arguments_schema(tool: Tool) -> dict[str, Any]:
     style = schema.get("x-guidance")
     schema["x-guidance"] = {**JSON_STYLE, **(style if isinstance(style, dict) else {})}
     return schema
+
+
+def answer_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """A response schema as the grammar holds the answer to it: in the JSON style above unless
+    it says otherwise, as a response schema alone is (kvkeepd.engine)."""
+    out = dict(schema)
+    style = out.get("x-guidance")
+    out["x-guidance"] = {**JSON_STYLE, **(style if isinstance(style, dict) else {})}
+    return out
 
 
 # Where a JSON schema holds schemas: maps of them, lists of them, and single ones (a value

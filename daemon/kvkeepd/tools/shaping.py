@@ -122,10 +122,14 @@ def template_message(m: Shaped, content: str) -> dict[str, Any]:
     return out
 
 
+class WrittenJson(str):
+    """Arguments that are not JSON (a reply cut short in the middle of them), which a
+    template's `tojson` writes as the model wrote them, not as a JSON string."""
+
+
 def _arguments(call: ToolCall) -> Any:
-    """A call's arguments as an object; a reply cut short in the middle of them (recorded as
-    it was) keeps its text."""
+    """A call's arguments as an object; arguments that are not JSON keep their text."""
     try:
         return json.loads(call.arguments or "{}")
     except (ValueError, RecursionError):
-        return call.arguments
+        return WrittenJson(call.arguments)

@@ -148,9 +148,10 @@ def check_call_id(call_id: str) -> None:
 
 def check_calls(calls: Sequence[ToolCall], *, whole: bool = True) -> None:
     """InvalidRequest unless the calls (of a message given) have ids, names and arguments
-    that a template can render: arguments are a JSON object. With `whole` false (the calls of a
-    manifest, whose reply may have been cut short in the middle of a call's arguments) the
-    arguments may be any text: a template is given such a call's arguments as that text."""
+    that a template can render: arguments that are JSON are an object. Arguments that are not
+    JSON (a reply cut short in the middle of them, which agents send back with an error
+    result so that the model tries again) are given to a template as the text they are. With
+    `whole` false (the calls of a manifest) the arguments are not looked at."""
     if len(calls) > MAX_TOOL_CALLS:
         raise InvalidRequest(
             f"at most {MAX_TOOL_CALLS} tool calls in a message, got {len(calls)}", "messages"
@@ -163,9 +164,7 @@ def check_calls(calls: Sequence[ToolCall], *, whole: bool = True) -> None:
         try:
             arguments = json.loads(call.arguments or "{}")
         except (ValueError, RecursionError):
-            raise InvalidRequest(
-                f"the arguments of the call to {call.name!r} are not JSON", "messages"
-            ) from None
+            continue
         if not isinstance(arguments, dict):
             raise InvalidRequest(
                 f"the arguments of the call to {call.name!r} must be a JSON object", "messages"

@@ -383,14 +383,19 @@ class Conversations:
     async def _grammar(
         self, session: Session, turn: Turn, tools: tuple[Tool, ...] = (), choice: ToolChoice | None = None
     ) -> GrammarSpec | None:
-        """The request's grammar, or its tool calls' (chat turns whose choice may call),
-        compiled (or found compiled): refused before any wait."""
+        """The request's grammar, or its tool calls' (chat turns whose choice may call, with
+        the JSON schema of an answer that is not a call), compiled (or found compiled):
+        refused before any wait."""
         spec = GrammarSpec.of(turn.grammar, turn.json_schema)
         if choice is not None and choice.calls():
+            if spec is not None and spec.kind != "json_schema":
+                raise InvalidRequest("give a grammar or tools to call, not both", "grammar")
             if spec is not None:
-                raise InvalidRequest("give a grammar or a JSON schema, or tools to call, not both")
+                # The answer's schema alone first, so that a wrong one is named as itself.
+                await self.grammars.check(session.tenant, spec)
             assert self.template is not None
-            spec = self.template.toolkit.grammar(tools, choice, turn.parallel_tool_calls)
+            answer = spec.text if spec is not None else ""
+            spec = self.template.toolkit.grammar(tools, choice, turn.parallel_tool_calls, answer)
         if spec is not None:
             await self.grammars.check(session.tenant, spec)
         return spec

@@ -40,7 +40,7 @@ from kvkeepd.errors import FailedPrecondition, InvalidRequest
 from kvkeepd.request_limits import RENDER_SECONDS
 from kvkeepd.tools import Toolkit
 from kvkeepd.tools.formats import format_named
-from kvkeepd.tools.shaping import template_message
+from kvkeepd.tools.shaping import WrittenJson, template_message
 from kvkeepd.values.messages import Message
 from kvkeepd.values.toolcall import AUTO_FORMAT, Tool, ToolCall
 
@@ -150,7 +150,10 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    """JSON as Hugging Face's template renderer writes it (the templates were written for it)."""
+    """JSON as Hugging Face's template renderer writes it (the templates were written for it);
+    a call's arguments that are not JSON as the model wrote them."""
+    if isinstance(value, WrittenJson):
+        return str(value)
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
