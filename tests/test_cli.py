@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 import kvkeep
 from kvkeep.cli import DEFAULT_MAX_TOKENS, main
+from kvkeep.cli import _progress as progress
 from kvkeep.cli._output import format_age
 
 Invoke = Callable[..., Result]
@@ -196,6 +197,21 @@ def test_checkpoint_restore_says_what_the_session_holds_now(kv: Invoke, client: 
         assert last.startswith("  last: assistant: ")
     finally:
         s.close()
+
+
+def test_off_a_terminal_a_long_prompt_gets_a_progress_line_every_few_seconds(
+    kv: Invoke, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(progress, "LINE_EVERY", 0.2)  # a few seconds' lines, in a fraction of it
+    prompt = "Summarise: " + " ".join(f"item {i}," for i in range(150))
+    result = kv("run", "--max-tokens", "1", "--temperature", "0", prompt)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip()
+    *lines, end = result.stderr.splitlines()
+    assert end == "[length]"
+    assert len(lines) >= 2, result.stderr
+    for line in lines:
+        assert re.fullmatch(r"evaluating the prompt: \d+ s(, \d+/\d+ tokens(, \d+ tokens/s)?)?", line), line
 
 
 def test_replies_have_a_default_length(kv: Invoke) -> None:

@@ -191,6 +191,25 @@ def test_the_test_command_installs_the_servers_first(tmp_path: Path) -> None:
     assert "test_the_console_commands_run_as_printed" in done.stdout
 
 
+def test_the_test_command_says_why_each_skipped_test_was_skipped(tmp_path: Path) -> None:
+    skipping = tmp_path / "test_skipping.py"
+    skipping.write_text(
+        "import pytest\n\n\n"
+        "@pytest.mark.skip(reason='needs a GPU: none here')\n"
+        "def test_on_a_gpu() -> None:\n    pass\n"
+    )
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "test"), "-n", "0", "-p", "no:cacheprovider", str(skipping)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"^SKIPPED \[1\] .*test_skipping\.py:\d+: needs a GPU: none here$", done.stdout, re.M), (
+        done.stdout
+    )
+
+
 def test_the_readme_is_a_front_door() -> None:
     lines = README.read_text().splitlines()
     assert len(lines) <= 300

@@ -98,8 +98,8 @@ def _print_stream(stream: Iterator[Chunk], done: Callable[[], None]) -> None:
 
 def show_reply(state: State, start: Start) -> None:
     """Show the reply of the request `start` makes: streamed as text, or printed whole as JSON.
-    Until its first token, a terminal shows the prompt's evaluation: how long it has taken,
-    and its tokens as the daemon reports them."""
+    Until its first token, stderr shows the prompt's evaluation: how long it has taken, and
+    its tokens as the daemon reports them (a line every few seconds when not a terminal)."""
     if state.as_json:
         echo_json(join_chunks(start(None)))
         return

@@ -1,6 +1,6 @@
-"""Progress where people wait, on stderr and only when it is a terminal: the prompt's
-evaluation until a reply's first token (ticking, then a bar of its tokens as the daemon
-reports them), and bars of bytes for exports and imports.
+"""Progress where people wait, on stderr: the prompt's evaluation until a reply's first token
+(on a terminal ticking, then a bar of its tokens as the daemon reports them; elsewhere, as in
+a log, a line every few seconds), and, on a terminal, bars of bytes for exports and imports.
 
 tqdm draws them (see pyproject.toml for why): it keeps rates and times, and clears its line.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import BinaryIO, cast
 
@@ -19,6 +20,10 @@ from kvkeep._types import PromptProgress
 
 # The prompt's bar once the daemon reports its tokens (until then, the label and the time).
 PROMPT_BAR = "{desc} {percentage:3.0f}%|{bar:20}| {n}/{total} tokens{postfix} {elapsed}"
+
+#: Seconds between two lines of the prompt's progress when stderr is not a terminal: a wait
+#: shorter than this says nothing.
+LINE_EVERY = 5.0
 
 
 def on_terminal() -> bool:
@@ -63,11 +68,42 @@ class _Ticking:
             bar.refresh()
 
 
-class Prefill:
-    """What `evaluating` yields: `report` takes each PromptProgress the daemon sends (None off
-    a terminal: there is nothing to ask for), `done` ends the wait (the reply's first chunk)."""
+class _Lines:
+    """`label`, the seconds spent so far and the prompt's tokens as last reported, one line
+    every LINE_EVERY seconds, by a thread of its own until `done`."""
 
-    def __init__(self, report: Callable[[PromptProgress], None] | None, done: Callable[[], None]) -> None:
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.latest: PromptProgress | None = None
+        self._began = time.monotonic()
+        self._stopped = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="kvkeep-progress", daemon=True)
+        self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._stopped.wait(LINE_EVERY):
+            line = f"{self.label}: {time.monotonic() - self._began:.0f} s"
+            p = self.latest
+            if p is not None:
+                line += f", {p.processed}/{p.total} tokens"
+                if p.elapsed > 0 and p.evaluated:
+                    line += f", {p.evaluated / p.elapsed:.0f} tokens/s"
+            print(line, file=sys.stderr, flush=True)
+
+    def report(self, p: PromptProgress) -> None:
+        self.latest = p
+
+    def done(self) -> None:
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self._ticker.join()
+
+
+class Prefill:
+    """What `evaluating` yields: `report` takes each PromptProgress the daemon sends, `done`
+    ends the wait (the reply's first chunk)."""
+
+    def __init__(self, report: Callable[[PromptProgress], None], done: Callable[[], None]) -> None:
         self.report = report
         self.done = done
 
@@ -76,15 +112,12 @@ class Prefill:
 def evaluating(label: str) -> Iterator[Prefill]:
     """`label` and the seconds spent so far, ticking; once the daemon reports the prompt's
     progress, a bar of its tokens with the rate they are evaluated at. The line is cleared
-    at `done()` (or the block's end). Nothing off a terminal."""
-    if not on_terminal():
-        yield Prefill(None, lambda: None)
-        return
-    ticking = _Ticking(label)
+    at `done()` (or the block's end). Off a terminal, a line every LINE_EVERY seconds."""
+    shown = _Ticking(label) if on_terminal() else _Lines(label)
     try:
-        yield Prefill(ticking.report, ticking.done)
+        yield Prefill(shown.report, shown.done)
     finally:
-        ticking.done()
+        shown.done()
 
 
 @contextlib.contextmanager
