@@ -194,6 +194,14 @@ def test_tool_use_held_to_its_schema_and_streamed_as_json_deltas(claude: anthrop
     assert [(b.type, b.id, b.input) for b in final.content] == [("tool_use", starts[0].id, calls[0].input)]  # type: ignore[union-attr]
 
 
+def resent(block: dict[str, Any]) -> dict[str, Any]:
+    """A block as a client may send it back: an input's keys in another order (a JSON object's
+    order means nothing), which the door writes as the model did."""
+    if block["type"] == "tool_use":
+        block["input"] = dict(reversed(block["input"].items()))
+    return block
+
+
 def test_a_tool_round_trip_continues_the_kept_session(claude: anthropic.Anthropic) -> None:
     messages = [*few_shot(), {"role": "user", "content": "What is the weather in Paris?"}]
     first = create(claude, messages, tools=TOOLS[:1], system=SYSTEM, max_tokens=80)
@@ -201,7 +209,7 @@ def test_a_tool_round_trip_continues_the_kept_session(claude: anthropic.Anthropi
     call = next(b for b in first.content if b.type == "tool_use")
     valid(call)
     messages += [
-        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "assistant", "content": [resent(b.model_dump(exclude_none=True)) for b in first.content]},
         {
             "role": "user",
             "content": [
