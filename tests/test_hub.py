@@ -26,6 +26,7 @@ import httpx
 import pytest
 import testmodels
 from daemons import DaemonProcess
+from servers import free_port
 
 import kvkeep
 from kvkeepd.model import download
@@ -213,6 +214,21 @@ def test_an_unknown_repository_is_one_line(hub: Hub, tmp_path: Path) -> None:
         "error: cannot list the files of hf:tests/nothing-here on the Hub: "
     )
     assert "Traceback" not in done.stderr
+
+
+def test_a_hub_out_of_reach_points_to_a_mirror_and_to_a_local_file(tmp_path: Path) -> None:
+    closed = free_port()  # nothing listens there: the connection is refused, as offline
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{closed}", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    command = [sys.executable, "-c", "from kvkeep.cli import main; main()", "pull", f"hf:{REPO}"]
+    command += ["--model-cache", str(tmp_path / "models")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    line = one_error(done)
+    assert line.startswith(
+        f"error: cannot reach the Hub at http://127.0.0.1:{closed} to list the files of hf:{REPO} ("
+    )
+    assert line.endswith(
+        "set HF_ENDPOINT to a mirror this machine reaches, or serve a GGUF file it has with --model PATH"
+    )
 
 
 def test_serve_starts_on_a_model_from_the_hub_and_again_without_it(

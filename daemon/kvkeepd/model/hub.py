@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -162,6 +163,14 @@ def _listing(ref: HfRef) -> tuple[str, list[Remote]]:
     try:
         info = HfApi().model_info(ref.repo_id, files_metadata=True)
     except Exception as e:  # the Hub's errors, and the network's
+        if _unreachable(e):
+            from huggingface_hub import constants
+
+            raise HubError(
+                f"cannot reach the Hub at {constants.ENDPOINT} to list the files of {ref} "
+                f"({_first_line(e)}): set HF_ENDPOINT to a mirror this machine reaches, or serve "
+                "a GGUF file it has with --model PATH"
+            ) from None
         raise HubError(f"cannot list the files of {ref} on the Hub: {_first_line(e)}") from None
     files = [
         Remote(s.rfilename, s.size or s.lfs.size, s.lfs.sha256)
@@ -317,6 +326,24 @@ def _read(path: Path) -> str:
 
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _unreachable(e: BaseException) -> bool:
+    """Whether `e` (or what caused it) says the Hub was not reached at all: a name that does
+    not resolve, a connection refused or timed out; not an answer that refused the request."""
+    seen: BaseException | None = e
+    for _ in range(8):  # a chain of causes is short; this bounds a cycle
+        if seen is None:
+            return False
+        name = type(seen).__name__
+        if isinstance(seen, (socket.gaierror, ConnectionError, TimeoutError)) or name in (
+            "ConnectError",
+            "ConnectTimeout",
+            "OfflineModeIsEnabled",
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _first_line(e: BaseException) -> str:
