@@ -373,8 +373,8 @@ def test_the_catalog_setting_takes_redis_urls_and_keeps_passwords_out_of_sight()
 
 
 def test_a_daemon_with_another_store_key_is_refused_at_start(redis_server: str, tmp_path: Path) -> None:
-    from kvkeepd.server import durable_catalog
     from kvkeepd.storage.statedir import StateDir
+    from kvkeepd.storage.stores import durable_catalog
 
     settings = Settings(catalog=f"{redis_server}?prefix=test-{secrets.token_hex(6)}")
     state = StateDir.take(tmp_path / "state")

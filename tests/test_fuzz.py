@@ -1225,7 +1225,7 @@ IMPORT_LIMIT = 1 << 22
 
 @contextlib.contextmanager
 def memory_store(layout: StateLayout | None, codec: str = "lz4") -> Iterator[CheckpointStore]:
-    """A checkpoint store in RAM, as server.checkpoint_stores makes the volatile one."""
+    """A checkpoint store in RAM, as storage.stores.open_stores makes the volatile one."""
     catalog = SqliteCatalog(":memory:")
     try:
         yield CheckpointStore(

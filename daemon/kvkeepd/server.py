@@ -22,137 +22,22 @@ from kvkeepd.api.grpc_door import GRPC_CHANGE, SERVICE_NAME, build_server, serve
 from kvkeepd.api.listen import bind, check_free
 from kvkeepd.api.metrics import serve_metrics
 from kvkeepd.api.service import KvKeepService
-from kvkeepd.config.settings import ConfigError, Settings, user_cache_dir
-from kvkeepd.engine.context import ContextConfig, ModelInfo
+from kvkeepd.config.settings import ConfigError, Settings
+from kvkeepd.engine.context import ContextConfig
 from kvkeepd.engine.engine import Engine
 from kvkeepd.heap import keep_freed_memory
 from kvkeepd.model.fingerprints import fingerprint
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.prompting.templates import ChatTemplate
 from kvkeepd.sessions.tenants import AuthFileError, Quota, Tenants
-from kvkeepd.storage.blocks import open_durable
-from kvkeepd.storage.blocks.base import BlockStore
-from kvkeepd.storage.blocks.local import LocalBlockStore
-from kvkeepd.storage.blocks.memory import MemoryBlockStore
-from kvkeepd.storage.budget import DiskBudget
-from kvkeepd.storage.catalog import Catalog
-from kvkeepd.storage.catalog.sqlite import SqliteCatalog
-from kvkeepd.storage.checkpoints import CheckpointStore
-from kvkeepd.storage.journal import FileJournal, TurnJournal
+from kvkeepd.storage.journal import TurnJournal
 from kvkeepd.storage.statedir import StateDir
-from kvkeepd.storage.storekey import key_id, store_key
-from kvkeepd.storage.stores import Stores
+from kvkeepd.storage.stores import open_stores
 
 if TYPE_CHECKING:
     from kvkeepd.api.http.door import HttpDoor
 
 log = logging.getLogger(__name__)
-
-
-def engine_config(settings: Settings) -> ContextConfig:
-    return ContextConfig(
-        model_path=settings.model_path,
-        slots=settings.slots,
-        ctx_per_session=settings.ctx_per_session,
-        batch_size=settings.batch_size,
-        threads=settings.threads,
-        gpu_layers=settings.gpu_layers,
-        kv_type=settings.kv_type,
-        kv_unified=settings.kv_unified,
-        flash_attn=settings.flash_attn,
-        probe_cache=probe_cache(settings),
-        kv_budget=settings.gpu_kv_budget,
-    )
-
-
-def probe_cache(settings: Settings) -> Path | None:
-    """The file of the exactness probe's results (see probes.py); None: probe every start."""
-    if settings.probe_cache == "none":
-        return None
-    return Path(settings.probe_cache) if settings.probe_cache else user_cache_dir() / "probes.json"
-
-
-def durable_catalog(settings: Settings, state: StateDir, key: bytes) -> Catalog:
-    """sqlite in the state directory, or the shared Redis catalog `--catalog` names (redis-py
-    imported only then). Daemons sharing a catalog must share the store key (storekey.py):
-    one whose key differs stops here, where it would otherwise refuse every manifest."""
-    if not settings.catalog:
-        return SqliteCatalog(state.path / "catalog.db")
-    from kvkeepd.storage.catalog.redis import RedisCatalog
-
-    catalog = RedisCatalog(settings.catalog, grace=settings.orphan_grace)
-    ours = key_id(key)
-    found = catalog.store_key_id(ours)
-    if found != ours:
-        catalog.close()
-        raise OSError(
-            f"the catalog {catalog.where} holds manifests signed with another store key "
-            f"(fingerprint {found[:16]}, this daemon's is {ours[:16]}): give this daemon the "
-            "deployment's key (--store-key-file, KVKEEP_STORE_KEY, or store.key in its state directory)"
-        )
-    return catalog
-
-
-def turn_journal(catalog: Catalog, state: StateDir, clock: Callable[[], float]) -> TurnJournal:
-    """The turn journal: a file under the state dir, read back now (torn tail dropped), or,
-    with a shared catalog, the records on its server (another daemon continues from them)."""
-    if not catalog.shared:
-        return FileJournal(state.path / "journal")
-    from kvkeepd.storage.catalog.redis import RedisCatalog
-    from kvkeepd.storage.shared_journal import SharedJournal
-
-    assert isinstance(catalog, RedisCatalog)
-    return SharedJournal(catalog, clock)
-
-
-def checkpoint_stores(
-    settings: Settings, state: StateDir, info: ModelInfo, fp: str, clock: Callable[[], float] = time.time
-) -> Stores:
-    """durable: the catalog under the state dir (or the shared one `--catalog` names), blocks
-    there too or in the remote store `--store` names; volatile: both in RAM; spill: blocks
-    under the state dir, wiped now, with its catalog in RAM (nothing of it outlives us); the
-    turn journal (`turn_journal`)."""
-    given = store_key(state.path, text=settings.store_key, file=settings.store_key_file)
-    log.info("store key %s (from %s)", given.fingerprint, given.origin)
-    key = given.key
-
-    def make(catalog: Catalog, blocks: BlockStore) -> CheckpointStore:
-        return CheckpointStore(
-            catalog,
-            blocks,
-            key,
-            fingerprint=fp,
-            layout=info.layout,
-            block_tokens=settings.block_tokens,
-            codec=settings.codec,
-            n_vocab=info.n_vocab,
-            exact=info.exact,
-        )
-
-    catalog = durable_catalog(settings, state, key)
-    blocks = open_durable(
-        settings.store,
-        state.path / "blocks",
-        s3_endpoint=settings.s3_endpoint,
-        timeout=settings.store_timeout,
-        retries=settings.store_retries,
-        known_bytes=catalog.block_bytes,
-    )
-    durable = make(catalog, blocks)
-    state.wipe_spill()
-    # Ephemeral sessions' catalogs stay local and in RAM whatever the durable one is.
-    spill = make(SqliteCatalog(":memory:"), LocalBlockStore(state.spill))
-    journal = turn_journal(catalog, state, clock)
-    disk = DiskBudget(
-        settings.disk_budget,
-        (durable.store.total_bytes, spill.store.total_bytes, durable.catalog.file_bytes, journal.file_bytes),
-        lambda target: durable.sweep(target, used=disk.used),
-    )
-    durable.budget = spill.budget = disk
-    if isinstance(journal, FileJournal):
-        journal.budget = disk
-    volatile = make(SqliteCatalog(":memory:"), MemoryBlockStore())
-    return Stores(durable=durable, volatile=volatile, spill=spill, disk=disk, journal=journal)
 
 
 def load_tenants(settings: Settings) -> Tenants:
@@ -216,7 +101,7 @@ class Daemon:
         self.clock = clock
         # Other names the model goes by (hf:OWNER/REPO:QUANT's), beside its file's.
         self.names = tuple(names)
-        self.engine = Engine(engine_config(settings))
+        self.engine = Engine(ContextConfig.of(settings))
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
@@ -245,12 +130,8 @@ class Daemon:
             size = settings.model_path.stat().st_size
             log.info("loading the model %s (%.0f MiB)", settings.model_path, size / (1 << 20))
             info = await asyncio.to_thread(self.engine.start)
-            stores = await asyncio.to_thread(checkpoint_stores, settings, state, info, fp, self.clock)
+            stores = await asyncio.to_thread(open_stores, settings, state, info, fp, self.clock)
             self._journal = stores.journal
-            orphans = await asyncio.to_thread(stores.durable.remove_orphans)
-            if orphans:
-                log.info("removed %d blocks that no checkpoint was committed for", orphans)
-            await asyncio.to_thread(stores.durable.sweep, settings.disk_budget, stores.disk.used)
             source = await asyncio.to_thread(template_source, settings)
             template = await ChatTemplate.of_model(self.engine, settings.tool_format, source)
             tenants = await asyncio.to_thread(load_tenants, settings)

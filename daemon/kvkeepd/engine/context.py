@@ -26,6 +26,7 @@ import llguidance
 import numpy as np
 from llguidance.llamacpp import lltokenizer_from_vocab
 
+from kvkeepd.config.settings import Settings, user_cache_dir
 from kvkeepd.engine import backend, streams
 from kvkeepd.errors import InvalidRequest, KvkeepError
 from kvkeepd.heap import state_buffer
@@ -58,6 +59,26 @@ class ContextConfig:
     probe_cache: Path | None = None
     # Bytes of KV the context may take (--gpu-kv-budget; 0: one stream per slot, no docks).
     kv_budget: int = 0
+
+    @classmethod
+    def of(cls, settings: Settings) -> ContextConfig:
+        """What the settings ask of the context. `--probe-cache none`: probe at every start."""
+        probes: Path | None = None
+        if settings.probe_cache != "none":
+            probes = Path(settings.probe_cache) if settings.probe_cache else user_cache_dir() / "probes.json"
+        return cls(
+            model_path=settings.model_path,
+            slots=settings.slots,
+            ctx_per_session=settings.ctx_per_session,
+            batch_size=settings.batch_size,
+            threads=settings.threads,
+            gpu_layers=settings.gpu_layers,
+            kv_type=settings.kv_type,
+            kv_unified=settings.kv_unified,
+            flash_attn=settings.flash_attn,
+            probe_cache=probes,
+            kv_budget=settings.gpu_kv_budget,
+        )
 
     @property
     def flash_attention(self) -> bool:

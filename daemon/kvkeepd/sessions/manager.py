@@ -6,7 +6,8 @@ second one waits its turn. Where a session's state lives is the Residency's (ses
 saving and finding checkpoints is the Persistence's; taking sessions over from a shared
 catalog and handing them to other daemons is the Handover's (handover.py); the flows of
 generation and of checkpoints are in generation.py and checkpointing.py; expiry and the
-budgets' sweeps in expiry.py; the counters and the invariant in census.py.
+budgets' sweeps in expiry.py; the counters and the invariant in census.py. Which part gets
+which collaborator is flows/parts.py's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 from kvkeepd.config.settings import Settings
 from kvkeepd.engine.context import ModelInfo
 from kvkeepd.engine.engine import Engine
-from kvkeepd.engine.structured_output import Grammars
 from kvkeepd.errors import (
     Busy,
     InvalidRequest,
@@ -32,24 +32,14 @@ from kvkeepd.errors import (
     SessionElsewhere,
 )
 from kvkeepd.sessions import ops as opsmod
-from kvkeepd.sessions.durability.leases import Leases
-from kvkeepd.sessions.durability.persistence import Persistence
-from kvkeepd.sessions.flows.census import Census
-from kvkeepd.sessions.flows.checkpointing import Checkpointing
-from kvkeepd.sessions.flows.expiry import Sweeper
-from kvkeepd.sessions.flows.generation import Conversations
-from kvkeepd.sessions.flows.handover import Handover
-from kvkeepd.sessions.flows.lifecycle import Lifecycle
+from kvkeepd.sessions.flows.parts import build_parts
 from kvkeepd.sessions.flows.response_list import PAGE, ResponsePage, list_responses
-from kvkeepd.sessions.flows.responses import Describe, ResponseRecord, ResponseRequest, Responses
-from kvkeepd.sessions.ledger import Counters, Ledger
-from kvkeepd.sessions.memory.prefix_cache import PrefixCache
-from kvkeepd.sessions.memory.residency import Residency
+from kvkeepd.sessions.flows.responses import Describe, ResponseRecord, ResponseRequest
+from kvkeepd.sessions.ledger import Counters
 from kvkeepd.sessions.placement import Tier
 from kvkeepd.sessions.prompting.templates import ChatTemplate
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant, Tenants
-from kvkeepd.state.manifest import Snapshot
 from kvkeepd.storage.catalog import CheckpointRow, ListedSession
 from kvkeepd.storage.stores import Stores
 from kvkeepd.values.generation import Chunk, Turn
@@ -104,75 +94,11 @@ class SessionManager:
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self.ops = opsmod.Ops(on_idle=self._on_idle)
-        self.leases = Leases(
-            stores.durable.catalog, settings.lease_seconds, settings.lease_wait, settings.daemon_name
-        )
-        self.persistence = Persistence(stores, settings, lambda: self.clock(), self.leases)
-        # The one place requests' costs are counted: given to what counts, read by the Census.
-        self.ledger = Ledger()
-        self.residency = Residency(engine, settings, stores, self.persistence, tenants, self.ledger)
-        self._prefixes = PrefixCache(
-            settings, self.model, engine, stores, self.residency, live=lambda: self.sessions.values()
-        )
-        self._grammars = Grammars(
-            # Reads the vocabulary only: built in a worker thread, beside the engine's steps.
-            lambda: asyncio.to_thread(engine.read_vocab, lambda c: c.grammar_tokenizer()),
-            self.model.n_vocab,
-        )
-        self._conversations = Conversations(
-            self,
-            settings=settings,
-            model=self.model,
-            engine=engine,
-            residency=self.residency,
-            persistence=self.persistence,
-            prefixes=self._prefixes,
-            grammars=self._grammars,
-            tenants=tenants,
-            template=template,
-            ledger=self.ledger,
-        )
-        self._checkpointing = Checkpointing(
-            self, settings=settings, model=self.model, residency=self.residency, persistence=self.persistence
-        )
-        self._handover = Handover(
-            self,
-            leases=self.leases,
-            persistence=self.persistence,
-            residency=self.residency,
-            restored=self.restored_session,
-        )
-        self._lifecycle = Lifecycle(
-            self,
-            n_ctx=self.model.n_ctx_seq,
-            tokens=self._conversations.tokens,
-            residency=self.residency,
-            persistence=self.persistence,
-            leases=self.leases,
-        )
-        self._responses = Responses(
-            self,
-            settings=settings,
-            residency=self.residency,
-            persistence=self.persistence,
-            lifecycle=self._lifecycle,
-            checkpointing=self._checkpointing,
-            conversations=self._conversations,
-            template=template,
-            ledger=self.ledger,
-        )
-        self._sweeper = Sweeper(
-            self,
-            settings,
-            self.residency,
-            stores,
-            self.leases,
-            self._lifecycle.close_session,
-            self._responses.expire,
-        )
-        self._census = Census(
-            self, ledger=self.ledger, residency=self.residency, engine=engine, stores=stores
-        )
+        parts = build_parts(self, engine, settings, stores, template, tenants)
+        self.ledger, self.leases, self.persistence = parts.ledger, parts.leases, parts.persistence
+        self.residency, self._census, self._sweeper = parts.residency, parts.census, parts.sweeper
+        self._conversations, self._checkpointing = parts.conversations, parts.checkpointing
+        self._handover, self._lifecycle, self._responses = parts.handover, parts.lifecycle, parts.responses
         self.counters = Counters()
         self.invariant_violations = 0
         # A shared catalog: sessions are found in it on demand, one lookup at a time.
@@ -185,7 +111,7 @@ class SessionManager:
             self._handover.start()
             self.publish()
             return
-        loaded = await asyncio.to_thread(self.persistence.load_persistent, self.restored_session)
+        loaded = await asyncio.to_thread(self.persistence.load_persistent, Session.of_head)
         for session, where in loaded:
             self.residency.add(session, where)
             self.sessions[session.session_id] = session
@@ -198,19 +124,6 @@ class SessionManager:
         if loaded:
             log.info("loaded %d persistent sessions", len(loaded))
         self.publish()
-
-    def restored_session(self, snap: Snapshot, session_id: str) -> Session:
-        """A persistent session as its head's snapshot describes it."""
-        return Session(
-            session_id,
-            True,
-            snap.params,
-            snap.stop,
-            snap.created_at,
-            snap.saved_at,
-            tenant=snap.tenant,
-            salt=bytes.fromhex(snap.salt),
-        )
 
     async def shutdown(self) -> None:
         """Let running operations end, then save every persistent session that changed."""

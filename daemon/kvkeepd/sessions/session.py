@@ -67,6 +67,21 @@ class Session:
     # Let go to another daemon (a shared catalog): requests still holding it retry there.
     moved: bool = False
 
+    @classmethod
+    def of_head(cls, snap: Snapshot, session_id: str) -> Session:
+        """A persistent session as its head's snapshot describes it (its history not yet
+        applied: the caller places its state)."""
+        return cls(
+            session_id,
+            True,
+            snap.params,
+            snap.stop,
+            snap.created_at,
+            snap.saved_at,
+            tenant=snap.tenant,
+            salt=bytes.fromhex(snap.salt),
+        )
+
     @property
     def busy(self) -> bool:
         return self.lock.locked()
