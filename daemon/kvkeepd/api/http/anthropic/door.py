@@ -26,6 +26,7 @@ from kvkeepd import bulk
 from kvkeepd.api.http.anthropic.schema import ConversationBody, MessagesRequest
 from kvkeepd.api.http.anthropic.shapes import MessageShape, domain_error, error, event
 from kvkeepd.api.http.keep import SessionKeep
+from kvkeepd.api.http.sse import STREAM_HEADERS
 from kvkeepd.api.http.waiting import access, counted, unless_left
 from kvkeepd.errors import KvkeepError, NoChatTemplate, Unauthenticated, Unavailable
 from kvkeepd.sessions.manager import SessionManager
@@ -39,7 +40,6 @@ log = logging.getLogger(__name__)
 
 B = TypeVar("B", bound=BaseModel)
 Handler = Callable[[Request], Awaitable[Response]]
-STREAM_HEADERS = {"cache-control": "no-cache"}
 # The calls whose arguments the door remembers as the model wrote them (a client resends a
 # call's input as an object, which JSON may write otherwise): the latest, of all tenants.
 REMEMBERED_CALLS = 4096

@@ -18,8 +18,9 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from kvkeepd.api.http.body import Body
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.values.generation import Turn, check_stop
 from kvkeepd.values.messages import Message
@@ -34,36 +35,30 @@ Recall = Callable[[str, dict[str, Any]], str | None]
 CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
 
 
-class _Body(BaseModel):
-    # strict: "1" is no number and 1 is no boolean; ints are still accepted as floats.
-    # Fields that change nothing here (`cache_control`, `citations`...) are ignored.
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class CacheControl(_Body):
+class CacheControl(Body):
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
 
 
-class TextBlock(_Body):
+class TextBlock(Body):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
 
 
-class MediaBlock(_Body):
+class MediaBlock(Body):
     """An image or a document: refused, the served model has no vision."""
 
     type: Literal["image", "document"]
 
 
-class ThinkingBlock(_Body):
+class ThinkingBlock(Body):
     """An earlier reply's reasoning (another model's): dropped."""
 
     type: Literal["thinking", "redacted_thinking"]
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlock(Body):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -71,7 +66,7 @@ class ToolUseBlock(_Body):
     cache_control: CacheControl | None = None
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlock(Body):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]] = ""
@@ -88,7 +83,7 @@ Block = Annotated[
 ]
 
 
-class MessageIn(_Body):
+class MessageIn(Body):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
@@ -118,7 +113,7 @@ class MessageIn(_Body):
         return [*results, Message("user", text)] if text or not results else results
 
 
-class ToolIn(_Body):
+class ToolIn(Body):
     name: str
     description: str = ""
     input_schema: dict[str, Any]
@@ -135,7 +130,7 @@ class ToolIn(_Body):
         return Tool(self.name, self.description, json.dumps(self.input_schema))
 
 
-class ToolChoiceIn(_Body):
+class ToolChoiceIn(Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
@@ -146,7 +141,7 @@ class ToolChoiceIn(_Body):
         return ToolChoice.of(CHOICES[self.type], self.name or "")
 
 
-class ConversationBody(_Body):
+class ConversationBody(Body):
     """What a message and a count of its tokens share: the conversation and its tools."""
 
     # Any name: the daemon serves one model, whatever a client calls it.

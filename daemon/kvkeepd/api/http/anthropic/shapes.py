@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kvkeepd.api.http.sse import sse
 from kvkeepd.errors import KvkeepError
 from kvkeepd.values.generation import Chunk, PromptProgress, Usage
 from kvkeepd.values.toolcall import ToolCall, join_deltas
@@ -65,7 +66,7 @@ def usage(u: Usage) -> dict[str, int]:
 
 def event(data: dict[str, Any]) -> bytes:
     """One server-sent event, named by its type as Anthropic's are."""
-    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    return sse(data, data["type"])
 
 
 def tool_use(call: ToolCall) -> dict[str, Any]:
