@@ -280,53 +280,15 @@ class Conversations:
         held: Chunk | None = None
         try:
             while True:
-                item = held if held is not None else await items.get()
-                held = None
-                # Chunks that queued up while the client was being served go out as one; a
-                # progress report stays a chunk of its own (each says where the prompt was).
-                while _joins(item) and not items.empty():
-                    following = items.get_nowait()
-                    if not isinstance(following, Chunk):
-                        raise following
-                    if following.progress is not None:
-                        held = following
-                        break
-                    item = _merge(item, following)
-                if isinstance(item, BaseException):
-                    raise item
+                item, held = await _next_chunk(items, held)
                 if reply is not None:
                     reply.content += item.text
                     if item.tool_calls:
                         reply.tool_calls = join_deltas(reply.tool_calls, item.tool_calls)
                 if item.finish_reason is not None:
-                    session.job = None
-                    if item.usage is not None and dropped:
-                        item = replace(item, usage=replace(item.usage, dropped_tokens=dropped))
-                    if item.finish_reason in ("eos", "tool_calls"):
-                        # Allowed only once a grammar accepts: the constrained output is whole.
-                        session.constraint = None
-                    if item.usage is not None:
-                        u = item.usage
-                        self.ledger.turn(
-                            session.tenant,
-                            evaluated=u.evaluated_tokens,
-                            generated=u.generated_tokens,
-                            reused=u.reused_tokens,
-                        )
-                    session.keep_snapshot(job.snapshot)
-                    if job.boundary is not None:
-                        session.boundary = job.boundary
-                    if session.persistent:
-                        if item.token_ids:
-                            # NOTE: every token is sent before the turn is made durable, so a
-                            # stream cut before any token arrived was not kept: a client may
-                            # send it again (the SDK does) without adding the turn twice.
-                            put(replace(item, finish_reason=None, usage=None))
-                            item = replace(item, text="", token_ids=(), logprobs=(), tool_calls=())
-                        await self._save_turn(session, before, draws_before, truncated=dropped > 0)
-                put(item)
-                if item.finish_reason is not None:
+                    put(await self._finish(session, job, item, put, before, draws_before, dropped))
                     return
+                put(item)
         except BaseException:
             if len(session.state.tokens) == before:  # nothing was added (or it was undone)
                 session.constraint = previous
@@ -335,6 +297,48 @@ class Conversations:
             raise
         finally:
             session.job = None
+
+    async def _finish(
+        self,
+        session: Session,
+        job: Job,
+        last: Chunk,
+        put: Put,
+        n_before: int,
+        draws_before: int,
+        dropped: int,
+    ) -> Chunk:
+        """The turn's bookkeeping once its `last` chunk is here (`n_before` tokens and
+        `draws_before` draws before it, `dropped` by truncation): the session lets go of the job
+        and, where the output is whole, of its constraint; the tokens are counted, the engine's
+        snapshot and block boundary kept, and a persistent session's turn made durable (its
+        tokens sent first). The chunk that ends the stream."""
+        session.job = None
+        if last.usage is not None and dropped:
+            last = replace(last, usage=replace(last.usage, dropped_tokens=dropped))
+        if last.finish_reason in ("eos", "tool_calls"):
+            # Allowed only once a grammar accepts: the constrained output is whole.
+            session.constraint = None
+        if last.usage is not None:
+            u = last.usage
+            self.ledger.turn(
+                session.tenant,
+                evaluated=u.evaluated_tokens,
+                generated=u.generated_tokens,
+                reused=u.reused_tokens,
+            )
+        session.keep_snapshot(job.snapshot)
+        if job.boundary is not None:
+            session.boundary = job.boundary
+        if session.persistent:
+            if last.token_ids:
+                # NOTE: every token is sent before the turn is made durable, so a
+                # stream cut before any token arrived was not kept: a client may
+                # send it again (the SDK does) without adding the turn twice.
+                put(replace(last, finish_reason=None, usage=None))
+                last = replace(last, text="", token_ids=(), logprobs=(), tool_calls=())
+            await self._save_turn(session, n_before, draws_before, truncated=dropped > 0)
+        return last
 
     async def _check_stored(self, session: Session) -> None:
         """A persistent session's autosave would store more: refused before anything changes."""
@@ -412,6 +416,26 @@ class Conversations:
             )
             stream.feed(text)
         return stream
+
+
+async def _next_chunk(
+    items: asyncio.Queue[Chunk | BaseException], held: Chunk | None
+) -> tuple[Chunk, Chunk | None]:
+    """The next chunk to send, `held` (taken off the queue before, not sent yet) or the
+    queue's, and a chunk taken after it that could not join it. Chunks that queued up while
+    the client was being served go out as one; a progress report stays a chunk of its own
+    (each says where the prompt was). An error the engine sent is raised."""
+    item = held if held is not None else await items.get()
+    while _joins(item) and not items.empty():
+        following = items.get_nowait()
+        if not isinstance(following, Chunk):
+            raise following
+        if following.progress is not None:
+            return item, following
+        item = _merge(item, following)
+    if isinstance(item, BaseException):
+        raise item
+    return item, None
 
 
 def _joins(item: Chunk | BaseException) -> TypeGuard[Chunk]:
