@@ -37,7 +37,7 @@ def clocked(d: InProcessDaemon) -> FakeClock:
 
 def sweep(d: InProcessDaemon) -> None:
     assert d.daemon is not None and d.daemon.manager is not None
-    d.run(d.daemon.manager.sweeper.sweep())
+    d.run(d.daemon.manager.expire_now())
 
 
 def conversations(address: str, n: int, turns: int) -> list[tuple[int, ...]]:

@@ -99,6 +99,7 @@ class SessionManager:
         self.residency, self._census, self._sweeper = parts.residency, parts.census, parts.sweeper
         self._conversations, self._checkpointing = parts.conversations, parts.checkpointing
         self._handover, self._lifecycle, self._responses = parts.handover, parts.lifecycle, parts.responses
+        self._prefixes = parts.prefixes
         self.counters = Counters()
         self.invariant_violations = 0
         # A shared catalog: sessions are found in it on demand, one lookup at a time.
@@ -264,6 +265,10 @@ class SessionManager:
         """Expire sessions, checkpoints and responses by age and budget until cancelled."""
         await self._sweeper.run()
 
+    async def expire_now(self) -> None:
+        """One pass of expiry now: idle sessions, and RAM and disk brought within budget."""
+        await self._sweeper.sweep()
+
     async def create_session(
         self,
         tenant: Tenant,
@@ -392,6 +397,14 @@ class SessionManager:
         )
         async for chunk in stream:
             yield chunk
+
+    async def keep_prefixes(
+        self, session_id: str, tenant: Tenant, prefixes: Sequence[Sequence[Message]], ttl: float
+    ) -> int:
+        """Keep the session's state at the end of each prefix of its conversation for `ttl`
+        seconds at least, where later prompts find it (KeptPrefixes.keep); the tokens of the
+        longest newly stored."""
+        return await self._prefixes.keep(session_id, tenant, prefixes, ttl)
 
     async def count_tokens(self, messages: Sequence[Message], tools: Sequence[Tool]) -> int:
         """The tokens of a whole conversation, with the tools it may call, as the chat
