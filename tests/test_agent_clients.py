@@ -12,7 +12,8 @@ JSON) leads the 135M model to call first, then to answer once the result is back
 short by `max_tokens` (arguments that are not JSON), sent back with an error result as agents
 do, is accepted and rendered as the model wrote it: the kept session evaluates only what
 follows it, on the default model (the generic format writes arguments as text) and on a
-hermes-format model whose template writes them with `tojson`.
+hermes-format model whose template writes them with `tojson`. A stored response continued
+with no input (to ask for a typed final answer) is one more reply after it, its state kept.
 """
 
 from __future__ import annotations
@@ -349,3 +350,19 @@ def test_a_call_cut_short_is_sent_back_as_it_was_written(
     state = tmp_path_factory.mktemp("hermes")
     with own_daemon(state, model=path, slots=2, http_address="127.0.0.1:0") as hermes:
         cut_call_sent_back(url(hermes), path.stem, [{"role": "user", "content": "Weather in Paris?"}])
+
+
+def test_a_response_continued_with_no_input(oai: openai.OpenAI) -> None:
+    # A typed final answer asked of a stored response, with nothing new in the input.
+    first = oai.responses.create(model=MODEL, input="Name a city.", max_output_tokens=8, temperature=0)
+    text = {"format": {"type": "json_schema", "name": "weather", "schema": ANSWER_SCHEMA}}
+    for more in ({"input": []},):
+        typed = oai.responses.create(
+            model=MODEL, previous_response_id=first.id, text=text, max_output_tokens=40, temperature=0, **more
+        )
+        answer_is_valid(typed.output_text)
+        # Only the new turn's opening was evaluated: the stored response's state was kept.
+        assert typed.usage is not None and first.usage is not None
+        assert typed.usage.input_tokens_details.cached_tokens >= first.usage.total_tokens - 1
+    with pytest.raises(openai.BadRequestError, match="input"):
+        oai.responses.create(model=MODEL, input=[], max_output_tokens=4)

@@ -137,12 +137,20 @@ class Conversations:
         await self.converse(session, put, messages=[Message("user", message)], whole=False, turn=turn)
 
     async def converse(
-        self, session: Session, put: Put, *, messages: Sequence[Message], whole: bool, turn: Turn
+        self,
+        session: Session,
+        put: Put,
+        *,
+        messages: Sequence[Message],
+        whole: bool,
+        turn: Turn,
+        again: bool = False,
     ) -> None:
         """Add messages (any roles) through the chat template and stream the assistant's reply.
 
         With `whole`, `messages` is the whole conversation: the session keeps the part of
-        its history that matches it (token by token) and evaluates only the rest.
+        its history that matches it (token by token) and evaluates only the rest. With
+        `again`, a turn may add no message: the reply is one more after the conversation.
         """
         assert self.template is not None
         request = self._request(session, turn)
@@ -163,7 +171,8 @@ class Conversations:
             # Put back as it was if the turn adds nothing (it fails, or cannot be made durable).
             before = session.before()
             state = session.state
-            plan = plan_turn([m.message() for m in session.messages], messages, whole=whole)
+            held = [m.message() for m in session.messages]
+            plan = plan_turn(held, messages, whole=whole, again=again)
             plan = await self._place(session, plan, request, tools, truncating=truncating)
             request = replace(request, prompt=plan.prompt)
             if truncating and not self.fit.fits(plan.start, request, truncating=True):

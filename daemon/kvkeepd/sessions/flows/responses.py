@@ -194,8 +194,8 @@ class Responses:
         document) before its last chunk is sent."""
         if self.template is None:
             raise NoChatTemplate("the model has no chat template; use /v1/completions")
-        if not request.messages:
-            raise InvalidRequest("the input is empty: give at least one item")
+        if not request.messages and not request.previous_response_id:
+            raise InvalidRequest("the input is empty: give at least one item, or previous_response_id")
         stream: AsyncIterator[Chunk] = self.host.ops.stream(
             lambda put: self._answer(tenant, request, describe, put)
         )
@@ -223,8 +223,9 @@ class Responses:
         stored = False
         try:
             messages, whole = self._messages(session, base, request)
+            # No input continues the previous response: one more reply after it.
             await self.conversations.converse(
-                session, hold, messages=messages, whole=whole, turn=request.turn
+                session, hold, messages=messages, whole=whole, turn=request.turn, again=not request.messages
             )
             done = bool(last) and last[0].finish_reason != "cancelled"
             if not done:

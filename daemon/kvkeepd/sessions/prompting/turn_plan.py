@@ -88,11 +88,14 @@ class TurnPlan:
         )
 
 
-def plan_turn(held: Sequence[Message], messages: Sequence[Message], *, whole: bool) -> TurnPlan:
+def plan_turn(
+    held: Sequence[Message], messages: Sequence[Message], *, whole: bool, again: bool = False
+) -> TurnPlan:
     """The messages a turn keeps of those the session `held` and those it adds: `messages`
     after them, or with `whole` the whole conversation, of which the session keeps what
     matches its history (an earlier point of the history: its reply is made again).
-    InvalidRequest for a turn that adds no message."""
+    InvalidRequest for a turn that adds no message, unless `again`: then it is one more
+    reply after the conversation (a stored response continued with no input)."""
     if whole:
         n_same = common_prefix(held, messages)
         if n_same == len(messages) < len(held):
@@ -101,6 +104,6 @@ def plan_turn(held: Sequence[Message], messages: Sequence[Message], *, whole: bo
     else:
         n_same = len(held)
         conversation, added = (*held, *messages), tuple(messages)
-    if not added:
+    if not added and not again:
         raise InvalidRequest("the conversation adds no message to what the session holds")
     return TurnPlan(conversation, n_same, added, whole=whole, extends=n_same == len(held))
