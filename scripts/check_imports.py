@@ -24,7 +24,7 @@ RULES = {
     # The HTTP door's stack (an optional extra) stays inside its package.
     "starlette": {
         "daemon/kvkeepd/api/http/app.py",
-        "daemon/kvkeepd/api/http/responses.py",
+        "daemon/kvkeepd/api/http/responses/door.py",
         "daemon/kvkeepd/api/http/waiting.py",
         "daemon/kvkeepd/api/http/anthropic/door.py",
     },
@@ -33,8 +33,9 @@ RULES = {
     "huggingface_hub": {"daemon/kvkeepd/model/hub.py"},
     "pydantic": {
         "daemon/kvkeepd/api/http/app.py",
-        "daemon/kvkeepd/api/http/schema.py",
-        "daemon/kvkeepd/api/http/response_schema.py",
+        "daemon/kvkeepd/api/http/body.py",
+        "daemon/kvkeepd/api/http/chat/schema.py",
+        "daemon/kvkeepd/api/http/responses/schema.py",
         "daemon/kvkeepd/api/http/anthropic/door.py",
         "daemon/kvkeepd/api/http/anthropic/schema.py",
     },

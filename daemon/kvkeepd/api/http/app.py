@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP door: /v1/chat/completions, /v1/completions, /v1/models and
-/v1/responses (responses.py).
+/v1/responses (responses/).
 
 Handlers translate, as the gRPC servicer does: an OpenAI body in, a call to the
 SessionManager's flows, an OpenAI body (or a stream of server-sent events) out. Callers are
@@ -30,11 +30,13 @@ from starlette.types import Receive, Scope, Send
 from kvkeepd import bulk
 from kvkeepd.api.access import Access
 from kvkeepd.api.http.anthropic.door import MessagesDoor
-from kvkeepd.api.http.bodies import Reply, domain_error, error, sse
 from kvkeepd.api.http.browsers import BrowserGuard, BrowserPolicy
+from kvkeepd.api.http.chat.schema import NEW_SESSION, ChatCompletionRequest, CompletionRequest, GenerationBody
+from kvkeepd.api.http.chat.shapes import Reply
 from kvkeepd.api.http.keep import SessionKeep
-from kvkeepd.api.http.responses import ResponsesDoor
-from kvkeepd.api.http.schema import NEW_SESSION, ChatCompletionRequest, CompletionRequest, GenerationBody
+from kvkeepd.api.http.openai import domain_error, error
+from kvkeepd.api.http.responses.door import ResponsesDoor
+from kvkeepd.api.http.sse import STREAM_HEADERS, sse
 from kvkeepd.api.http.waiting import access, counted, unless_left
 from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound, Unavailable
 from kvkeepd.request_limits import MAX_CONCURRENT_RPCS
@@ -388,9 +390,7 @@ class OpenAiDoor:
                 if isinstance(it, AsyncGenerator):
                     await it.aclose()
 
-        return StreamingResponse(
-            events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
-        )
+        return StreamingResponse(events(), media_type="text/event-stream", headers=STREAM_HEADERS)
 
 
 def _says_something(c: Chunk) -> bool:

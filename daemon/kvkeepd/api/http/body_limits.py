@@ -13,7 +13,7 @@ import json
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from kvkeepd.api.http.bodies import error
+from kvkeepd.api.http.openai import error
 from kvkeepd.request_limits import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
 if TYPE_CHECKING:

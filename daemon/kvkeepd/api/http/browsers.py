@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvkeepd.api.http.bodies import error
+from kvkeepd.api.http.openai import error
 from kvkeepd.config.network import NetworkSettings, entries
 
 # ASGI's types (as Starlette names them; the door's stack stays in app.py and door.py).

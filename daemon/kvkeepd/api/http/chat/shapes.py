@@ -1,56 +1,15 @@
-"""Response bodies of the OpenAI-compatible door: completions, their stream chunks, usage,
-logprobs and errors, as OpenAI's API shapes them."""
+"""Response bodies of OpenAI's chat completions and completions: completions, their stream
+chunks, usage and logprobs, as OpenAI's API shapes them."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvkeepd.errors import InvalidRequest, KvkeepError
+from kvkeepd.api.http.logprobs import logprobs
+from kvkeepd.api.http.openai import FINISH
 from kvkeepd.values.generation import Chunk, GeneratedToken, PromptProgress, Usage
 from kvkeepd.values.toolcall import CallDelta, ToolCall, join_deltas
-
-# The engine's finish reasons as OpenAI names them.
-FINISH = {
-    "eos": "stop",
-    "stop": "stop",
-    "length": "length",
-    "context_full": "length",
-    "cancelled": "stop",
-    "tool_calls": "tool_calls",
-}
-
-# Each error class's HTTP status, OpenAI error type and code (docs/errors.md).
-STATUS = {
-    "INVALID_ARGUMENT": (400, "invalid_request_error", "invalid_value"),
-    "OUT_OF_RANGE": (400, "invalid_request_error", "context_length_exceeded"),
-    "UNAUTHENTICATED": (401, "authentication_error", "invalid_api_key"),
-    "NOT_FOUND": (404, "not_found_error", "not_found"),
-    "ALREADY_EXISTS": (409, "conflict_error", "conflict"),
-    "FAILED_PRECONDITION": (409, "conflict_error", "conflict"),
-    "RESOURCE_EXHAUSTED": (429, "rate_limit_error", "rate_limit_exceeded"),
-    "DATA_LOSS": (500, "server_error", "server_error"),
-    "INTERNAL": (500, "server_error", "server_error"),
-    "UNAVAILABLE": (503, "service_unavailable", "service_unavailable"),
-}
-INTERNAL_MESSAGE = "internal error (see the daemon's log)"
-
-
-def error(kind: str, message: str, code: str = "", param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code or kind}}
-
-
-def domain_error(e: KvkeepError, prompt: str = "messages") -> tuple[int, dict[str, Any]]:
-    """The status and body of a domain error; a bare KvkeepError says nothing of itself.
-    `code` is specific (`context_length_exceeded`...); errors that share a status name their
-    cause in it (`no-chat-template`...), as gRPC's `kvkeep-error` metadata does. `param` is
-    the request's field at fault where the error knows it (`prompt`: the field a full
-    context blames, `messages` or `prompt`)."""
-    status, kind, code = STATUS.get(e.code, STATUS["INTERNAL"])
-    message = INTERNAL_MESSAGE if type(e) is KvkeepError else str(e)
-    param = e.field or None if isinstance(e, InvalidRequest) else prompt if e.code == "OUT_OF_RANGE" else None
-    return status, error(kind, message, e.cause or code, param)
 
 
 def tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
@@ -92,12 +51,6 @@ def prompt_progress(p: PromptProgress) -> dict[str, Any]:
     return {"total": p.total, "cache": p.cached, "processed": p.processed, "time_ms": round(p.time_ms)}
 
 
-def sse(data: dict[str, Any] | str) -> bytes:
-    """One server-sent event."""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {text}\n\n".encode()
-
-
 class Reply:
     """The constant part of every body of one response: id, times, model, session."""
 
@@ -135,7 +88,7 @@ class Reply:
                 {
                     "index": 0,
                     "message": message,
-                    "logprobs": {"content": chat_logprobs(tokens, top)} if tokens else None,
+                    "logprobs": {"content": logprobs(tokens, top)} if tokens else None,
                     "finish_reason": FINISH.get(last.finish_reason or "", "stop"),
                 }
             ],
@@ -156,7 +109,7 @@ class Reply:
                 {
                     "index": 0,
                     "delta": delta,
-                    "logprobs": {"content": chat_logprobs(c.logprobs, top)} if c.logprobs else None,
+                    "logprobs": {"content": logprobs(c.logprobs, top)} if c.logprobs else None,
                     "finish_reason": FINISH.get(c.finish_reason, "stop") if c.finish_reason else None,
                 }
             ],
@@ -203,20 +156,6 @@ class Reply:
 def _progress_of(c: Chunk) -> dict[str, Any]:
     """The `prompt_progress` field of a progress chunk; nothing for another."""
     return {"prompt_progress": prompt_progress(c.progress)} if c.progress is not None else {}
-
-
-def chat_logprobs(tokens: Sequence[GeneratedToken], top: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "token": g.sampled.text,
-            "logprob": g.sampled.logprob,
-            "bytes": list(g.sampled.text.encode()),
-            "top_logprobs": [
-                {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())} for t in g.top[:top]
-            ],
-        }
-        for g in tokens
-    ]
 
 
 def completion_logprobs(tokens: Sequence[GeneratedToken], top: int) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Request bodies of the OpenAI-compatible door, as typed models, and what they mean for the
-session layer (messages, tools, a Turn).
+"""Request bodies of OpenAI's chat completions and completions, as typed models, and what
+they mean for the session layer (messages, tools, a Turn).
 
 Fields kvkeep cannot honour are refused with a 400 that names them, never ignored: a client
 that asks for two choices, legacy functions or a sampler kvkeep lacks must not get something
@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from kvkeepd.api.http.body import ROLES, Body
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.request_limits import MAX_LOGPROBS
 from kvkeepd.values.generation import Turn, check_stop
@@ -27,35 +28,28 @@ from kvkeepd.values.toolcall import Tool, ToolCall, ToolChoice
 NEW_SESSION = "new"
 # OpenAI's legacy completions give 16 tokens unless asked for more.
 COMPLETION_MAX_TOKENS = 16
-# Roles of OpenAI's chat API and the template role each becomes.
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # llama.cpp's sampling extensions kvkeep has no sampler for, and their neutral values: another
 # value is refused.
 NEUTRAL = {"mirostat": 0, "typical_p": 1.0, "ignore_eos": False, "n_probs": 0, "dry_multiplier": 0.0}
 
 
-class _Body(BaseModel):
-    # strict: "1" is no number and 1 is no boolean; ints are still accepted as floats.
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class CalledFunction(_Body):
+class CalledFunction(Body):
     name: str
     arguments: str
 
 
-class ToolCallIn(_Body):
+class ToolCallIn(Body):
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class ChatMessageIn(_Body):
+class ChatMessageIn(Body):
     role: str
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallIn] | None = None
@@ -80,14 +74,14 @@ class ChatMessageIn(_Body):
         return Message(role, content, calls, self.tool_call_id or "")
 
 
-class FunctionIn(_Body):
+class FunctionIn(Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # every call is held to its parameters anyway
 
 
-class ToolIn(_Body):
+class ToolIn(Body):
     type: Literal["function"]
     function: FunctionIn
 
@@ -96,20 +90,20 @@ class ToolIn(_Body):
         return Tool(f.name, f.description or "", "" if f.parameters is None else json.dumps(f.parameters))
 
 
-class NamedFunction(_Body):
+class NamedFunction(Body):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class GenerationBody(_Body):
+class GenerationBody(Body):
     """What chat and legacy completions share."""
 
     # Any name: the daemon serves one model, whatever a client calls it (as llama-server does).

@@ -17,8 +17,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from kvkeepd.api.http.body import ROLES, ClosedBody
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.request_limits import MAX_LOGPROBS
 from kvkeepd.values.generation import Turn
@@ -27,7 +28,7 @@ from kvkeepd.values.sampling import SamplingOverrides, SamplingParams
 from kvkeepd.values.toolcall import Tool, ToolCall, ToolChoice
 
 # Roles of input messages and the template role each becomes.
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MESSAGE_ROLES = {role: becomes for role, becomes in ROLES.items() if role != "tool"}
 # Content parts that are text, by the roles that send them.
 TEXT_PARTS = ("input_text", "output_text")
 # What `include` may ask for.
@@ -36,12 +37,7 @@ LOGPROBS = "message.output_text.logprobs"
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
 
 
-class _Body(BaseModel):
-    # strict: "1" is no number and 1 is no boolean; ints are still accepted as floats.
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class ResponseCreate(_Body):
+class ResponseCreate(ClosedBody):
     """`POST /v1/responses`."""
 
     model: str
@@ -240,8 +236,8 @@ def _item(i: int, item: dict[str, Any]) -> dict[str, Any]:
 
 def _message_item(where: str, item: dict[str, Any]) -> dict[str, Any]:
     role = item.get("role")
-    if not isinstance(role, str) or role not in ROLES:
-        raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}", "input")
+    if not isinstance(role, str) or role not in MESSAGE_ROLES:
+        raise InvalidRequest(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}", "input")
     _only(where, item, {"type", "role", "content", "id", "status"})
     text = _text(item.get("content"), where + ".content")
     part: dict[str, Any] = {"type": "input_text", "text": text}
@@ -303,7 +299,7 @@ def messages_of(items: tuple[dict[str, Any], ...]) -> list[Message]:
         elif item["type"] == "function_call_output":
             out.append(Message("tool", item["output"], tool_call_id=item["call_id"]))
         else:
-            out.append(Message(ROLES[item["role"]], "".join(p["text"] for p in item["content"])))
+            out.append(Message(MESSAGE_ROLES[item["role"]], "".join(p["text"] for p in item["content"])))
     return out
 
 

@@ -5,7 +5,7 @@ lost can be deleted.
 
 Handlers translate: a body in, the SessionManager's stored responses (sessions/flows/responses.py),
 a body or a stream of events out. What is stored with a response is its response object and
-input items as these handlers shape them (response_shapes.py), so a retrieval, a listing or
+input items as these handlers shape them (shapes.py), so a retrieval, a listing or
 a replayed stream answers from the record alone.
 """
 
@@ -20,9 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvkeepd import bulk
-from kvkeepd.api.http.bodies import domain_error
-from kvkeepd.api.http.response_schema import LOGPROBS, ResponseCreate, ResponseSpec
-from kvkeepd.api.http.response_shapes import ResponseShape, listing, replay
+from kvkeepd.api.http.openai import domain_error
+from kvkeepd.api.http.responses.schema import LOGPROBS, ResponseCreate, ResponseSpec
+from kvkeepd.api.http.responses.shapes import ResponseShape, listing, replay
+from kvkeepd.api.http.sse import STREAM_HEADERS
 from kvkeepd.api.http.waiting import counted, unless_left
 from kvkeepd.errors import InvalidRequest, KvkeepError
 from kvkeepd.sessions.flows.response_list import PAGE as LISTED
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 
 #: Input items a listing gives at most, and by default (OpenAI's bounds).
 MAX_PAGE, PAGE = 100, 20
-STREAM_HEADERS = {"cache-control": "no-cache"}
 
 
 class ResponsesDoor:

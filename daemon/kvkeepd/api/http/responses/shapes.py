@@ -4,14 +4,15 @@ the input items listing, and the server-sent events of a streamed response (each
 
 from __future__ import annotations
 
-import json
 import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvkeepd.api.http.bodies import FINISH
-from kvkeepd.api.http.response_schema import ResponseCreate, ResponseSpec
+from kvkeepd.api.http.logprobs import logprobs
+from kvkeepd.api.http.openai import FINISH
+from kvkeepd.api.http.responses.schema import ResponseCreate, ResponseSpec
+from kvkeepd.api.http.sse import sse
 from kvkeepd.values.generation import Chunk, GeneratedToken, Usage
 from kvkeepd.values.sampling import SamplingParams
 from kvkeepd.values.toolcall import CallDelta, join_deltas
@@ -19,8 +20,7 @@ from kvkeepd.values.toolcall import CallDelta, join_deltas
 
 def event(kind: str, number: int, **fields: Any) -> bytes:
     """One server-sent event, named as its type."""
-    data = json.dumps({"type": kind, "sequence_number": number, **fields}, ensure_ascii=False)
-    return f"event: {kind}\ndata: {data}\n\n".encode()
+    return sse({"type": kind, "sequence_number": number, **fields}, event=kind)
 
 
 def usage(u: Usage) -> dict[str, Any]:
@@ -33,20 +33,6 @@ def usage(u: Usage) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u.context_tokens + u.generated_tokens,
     }
-
-
-def logprobs(tokens: Sequence[GeneratedToken], top: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "token": g.sampled.text,
-            "logprob": g.sampled.logprob,
-            "bytes": list(g.sampled.text.encode()),
-            "top_logprobs": [
-                {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())} for t in g.top[:top]
-            ],
-        }
-        for g in tokens
-    ]
 
 
 #: The key of a reply's message among its output items (calls are keyed by their index).

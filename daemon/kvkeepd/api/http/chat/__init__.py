@@ -1,0 +1,10 @@
+"""OpenAI's chat completions and completions on the HTTP door (`/v1/chat/completions`,
+`/v1/completions`): their request bodies and their replies; app.py routes them.
+
+<!-- generated: modules -->
+- schema.py: Request bodies of OpenAI's chat completions and completions, as typed models, and
+  what they mean for the session layer (messages, tools, a Turn).
+- shapes.py: Response bodies of OpenAI's chat completions and completions: completions, their
+  stream chunks, usage and logprobs, as OpenAI's API shapes them.
+<!-- end -->
+"""
