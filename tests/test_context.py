@@ -19,7 +19,7 @@ from daemons import GREEDY, DaemonProcess, InProcessDaemon
 from test_faults import FailingFsync
 
 import kvkeep
-from kvkeepd.storage.blocks import local
+from kvkeepd import files
 
 SYSTEM = "You are a patient assistant who answers in full sentences."
 QUESTIONS = [
@@ -194,7 +194,7 @@ def test_a_truncating_turn_whose_autosave_fails_is_undone(
     start_daemon: Callable[..., InProcessDaemon], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     faulty = FailingFsync()
-    monkeypatch.setattr(local, "os", faulty)
+    monkeypatch.setattr(files, "os", faulty)  # the block store writes through files.write_new
     small = start_daemon(slots=2, ctx_per_session=256)
     with kvkeep.Client(small.address, timeout=120) as client:
         s = client.create_session(SYSTEM, sampling=GREEDY, persistent=True, context_policy="truncate")

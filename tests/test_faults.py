@@ -27,8 +27,8 @@ from checkpoint_helpers import GREEDY, SAMPLED, block_files, gen, ids, long_text
 from daemons import InProcessDaemon
 
 import kvkeep
+from kvkeepd import files
 from kvkeepd.storage import journal
-from kvkeepd.storage.blocks import local
 
 DISK = 24 << 20
 # Turns of 70 tokens save a head (their blocks), not only a journal record.
@@ -229,7 +229,7 @@ def test_fsync_failing_with_eio_fails_the_checkpoint_and_loses_nothing(
     start_daemon: Callable[..., InProcessDaemon], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     faulty = FailingFsync()
-    monkeypatch.setattr(local, "os", faulty)
+    monkeypatch.setattr(files, "os", faulty)  # the block store writes through files.write_new
     monkeypatch.setattr(journal, "os", faulty)
     d = start_daemon(ctx_per_session=1024, head_interval=HEAD_INTERVAL)
     with kvkeep.Client(d.address, timeout=120) as client:
