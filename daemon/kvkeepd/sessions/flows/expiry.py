@@ -2,8 +2,9 @@
 
 Every `sweep_interval` seconds, one pass runs as an operation (ops.py): sessions idle past
 `--idle-ttl` (ephemeral) or `--persistent-ttl` (persistent) are closed as a client's close
-would; stored responses older than `--response-ttl` are deleted; with a shared catalog, the
-persistent sessions that no daemon holds, and the stored responses, expire there by
+would; stored responses older than `--response-ttl` are deleted, and kept prefixes past
+their time to live; with a shared catalog, the persistent sessions that no daemon holds,
+and the stored responses and kept prefixes, expire there by
 whichever one daemon has the cluster's expiry duty (leases.py: one at a time, another
 taking over when it dies), and the blocks that saves cut short left in a shared store are
 collected by the holder of the collector duty (storage/collector.py); parked state beyond
@@ -48,10 +49,12 @@ class Sweeper:
         leases: Leases,
         close: Callable[[Session], Awaitable[None]],
         expire_responses: Callable[[float], Awaitable[int]],
+        expire_prefixes: Callable[[float], Awaitable[int]],
     ) -> None:
         """`close`: closes a session as a client's close would; `expire_responses`: deletes
-        the stored responses older than --response-ttl as of a time; `leases`: whose duty
-        leases say which daemon expires what no daemon holds."""
+        the stored responses older than --response-ttl as of a time, `expire_prefixes` the
+        kept prefixes past their time to live; `leases`: whose duty leases say which daemon
+        expires what no daemon holds."""
         self.host = host
         self.settings = settings
         self.residency = residency
@@ -59,6 +62,7 @@ class Sweeper:
         self.leases = leases
         self.close = close
         self.expire_responses = expire_responses
+        self.expire_prefixes = expire_prefixes
 
     async def sweep(self) -> None:
         """One pass of the sweeper: expire idle sessions, keep RAM and disk within budget."""
@@ -76,10 +80,9 @@ class Sweeper:
                     "session %s expired after %.0f s idle", session.session_id, now - session.last_used_at
                 )
                 await self.close(session)
-        expiring = settings.persistent_ttl > 0 or settings.response_ttl > 0
         if not durable.catalog.shared:
             await self._expire_responses(now)
-        elif expiring and await self.leases.duty(EXPIRY_DUTY, settings.sweep_interval):
+        elif await self.leases.duty(EXPIRY_DUTY, settings.sweep_interval):
             if settings.persistent_ttl > 0:
                 await self._expire_unheld(now - settings.persistent_ttl)
             await self._expire_responses(now)
@@ -112,6 +115,10 @@ class Sweeper:
             await self.expire_responses(now)
         except KvkeepError as e:
             log.warning("stored responses were not expired: %s", e)
+        try:
+            await self.expire_prefixes(now)
+        except KvkeepError as e:
+            log.warning("kept prefixes were not expired: %s", e)
 
     async def run(self) -> None:
         """Sweep every `sweep_interval` seconds until cancelled."""

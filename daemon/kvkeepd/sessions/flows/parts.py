@@ -16,6 +16,7 @@ from kvkeepd.sessions.flows.checkpointing import Checkpointing
 from kvkeepd.sessions.flows.expiry import Sweeper
 from kvkeepd.sessions.flows.generation import Conversations
 from kvkeepd.sessions.flows.handover import Handover
+from kvkeepd.sessions.flows.kept_prefixes import KeptPrefixes
 from kvkeepd.sessions.flows.lifecycle import Lifecycle
 from kvkeepd.sessions.flows.responses import Responses
 from kvkeepd.sessions.host import SessionHost
@@ -42,6 +43,7 @@ class Parts:
     handover: Handover
     lifecycle: Lifecycle
     responses: Responses
+    prefixes: KeptPrefixes
     sweeper: Sweeper
     census: Census
 
@@ -107,7 +109,17 @@ def build_parts(
         template=template,
         ledger=ledger,
     )
-    sweeper = Sweeper(host, settings, residency, stores, leases, lifecycle.close_session, responses.expire)
+    kept = KeptPrefixes(
+        host,
+        settings=settings,
+        model=model,
+        tokens=conversations.tokens,
+        residency=residency,
+        persistence=persistence,
+    )
+    sweeper = Sweeper(
+        host, settings, residency, stores, leases, lifecycle.close_session, responses.expire, kept.expire
+    )
     census = Census(host, ledger=ledger, residency=residency, engine=engine, stores=stores)
     return Parts(
         ledger=ledger,
@@ -119,6 +131,7 @@ def build_parts(
         handover=handover,
         lifecycle=lifecycle,
         responses=responses,
+        prefixes=kept,
         sweeper=sweeper,
         census=census,
     )

@@ -139,6 +139,11 @@ class Catalog(Protocol):
         oldest first."""
         ...
 
+    def expired_prefixes(self, now: float, limit: int) -> list[str]:
+        """Up to `limit` kept prefixes' checkpoint ids (kind "prefix", whose label is their
+        time to live in seconds) past their time at `now`, the longest expired first."""
+        ...
+
     def tenant_checkpoints(self, tenant: str) -> list[CheckpointRow]:
         """A tenant's explicit and imported checkpoints, oldest first."""
         ...

@@ -22,6 +22,7 @@ catalog needs one server (or a primary), not a cluster:
     P:responses          zset: stored responses' CIDs by creation (expiry reads it)
     P:tenant-responses:T zset: the tenant's stored responses' CIDs by creation (listings)
     P:responses-indexed  set once the one above indexes every stored response
+    P:prefixes           zset: kept prefixes' CIDs by the time they expire (expiry reads it)
     P:ckpts:SID          set: the session's checkpoint ids
     P:tenant:TENANT      set: the tenant's explicit and imported checkpoint ids
     P:tenant-all:TENANT  set: all the tenant's checkpoint ids (heads too: stored bytes)
@@ -244,6 +245,12 @@ class RedisCatalog:
     def old_responses(self, created_before: float, limit: int) -> list[str]:
         found = self._call(
             self._db.zrangebyscore, self._k("responses"), "-inf", f"({created_before!r}", start=0, num=limit
+        )
+        return [_str(cid) for cid in found]
+
+    def expired_prefixes(self, now: float, limit: int) -> list[str]:
+        found = self._call(
+            self._db.zrangebyscore, self._k("prefixes"), "-inf", f"({now!r}", start=0, num=limit
         )
         return [_str(cid) for cid in found]
 

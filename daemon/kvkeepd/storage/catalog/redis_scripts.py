@@ -22,6 +22,7 @@ local function delete_ckpt(P, cid)
   redis.call('DEL', P .. ':refs:' .. cid, ck)
   redis.call('ZREM', P .. ':responses', cid)
   redis.call('ZREM', P .. ':tenant-responses:' .. f[2], cid)
+  redis.call('ZREM', P .. ':prefixes', cid)
   redis.call('SREM', P .. ':ckpts:' .. f[1], cid)
   redis.call('SREM', P .. ':tenant:' .. f[2], cid)
   redis.call('SREM', P .. ':tenant-all:' .. f[2], cid)
@@ -154,6 +155,7 @@ redis.call('SADD', P .. ':ckpts:' .. sid, cid)
 redis.call('SADD', P .. ':tenant-all:' .. tenant, cid)
 if kind == 'explicit' or kind == 'imported' then redis.call('SADD', P .. ':tenant:' .. tenant, cid) end
 if kind == 'explicit' then redis.call('HINCRBY', P .. ':explicit', sid, 1) end
+if kind == 'prefix' then redis.call('ZADD', P .. ':prefixes', created_at + tonumber(label), cid) end
 redis.call('INCRBY', P .. ':manifest-bytes', string.len(manifest))
 if response ~= '' then
   redis.call('HSET', ck, 'response', response)

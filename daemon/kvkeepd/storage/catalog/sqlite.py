@@ -251,6 +251,16 @@ class SqliteCatalog:
             ).fetchall()
         return [r[0] for r in rows]
 
+    def expired_prefixes(self, now: float, limit: int) -> list[str]:
+        """Kept prefixes past their time to live (their label) at `now`."""
+        with self._reading():
+            rows = self._db.execute(
+                "SELECT checkpoint_id FROM checkpoints WHERE kind = 'prefix' "
+                "AND created_at + CAST(label AS REAL) < ? ORDER BY created_at + CAST(label AS REAL) LIMIT ?",
+                (now, limit),
+            ).fetchall()
+        return [r[0] for r in rows]
+
     def tenant_checkpoints(self, tenant: str) -> list[CheckpointRow]:
         """A tenant's explicit and imported checkpoints, oldest first."""
         with self._reading():

@@ -81,17 +81,25 @@ class MessagesDoor:
         messages = await bulk.run(
             lambda: req.conversation(self._recall(tenant)), large=len(req.messages) > bulk.LARGE_MESSAGES
         )
-        stream = await self._converse(request, tenant, messages, turn)
+        marks = req.breakpoints(messages)
+        session_id, stream = await self._converse(request, tenant, messages, turn)
         shape = MessageShape("msg_" + secrets.token_hex(12), req.model or self.model_id, turn.stop)
+
+        async def keep(last: Chunk) -> int:
+            if not marks or last.finish_reason == "cancelled":
+                return 0
+            return await self._keep(tenant, session_id, marks)
+
         if req.stream:
-            return await self._events(request, tenant, stream, shape)
+            return await self._events(request, tenant, stream, shape, keep)
 
-        async def collect() -> list[Chunk]:
-            return [c async for c in stream]
+        async def collect() -> tuple[list[Chunk], int]:
+            chunks = [c async for c in stream]
+            return chunks, await keep(chunks[-1])
 
-        chunks = await unless_left(request, collect())
+        chunks, kept = await unless_left(request, collect())
         self._remember(tenant, chunks)
-        return JSONResponse(shape.message(chunks))
+        return JSONResponse(shape.message(chunks, kept))
 
     async def _count_tokens(self, request: Request) -> Response:
         tenant = self._tenant(request)
@@ -106,9 +114,9 @@ class MessagesDoor:
 
     async def _converse(
         self, request: Request, tenant: Tenant, messages: Sequence[Message], turn: Turn
-    ) -> AsyncIterator[Chunk]:
-        """The reply's stream: in the kept session whose conversation this one continues,
-        or in a new one (kept) whose system prompt is the conversation's."""
+    ) -> tuple[str, AsyncIterator[Chunk]]:
+        """The session and the reply's stream: in the kept session whose conversation this
+        one continues, or in a new one (kept) whose system prompt is the conversation's."""
         if self.manager.template is None:
             raise NoChatTemplate("the model has no chat template: the Messages API needs one")
         m = self.manager
@@ -127,7 +135,20 @@ class MessagesDoor:
             session_id = session.session_id
             stream = m.converse(session_id, tenant, messages=rest, whole=False, turn=turn)
         access(request).session = session_id
-        return counted(request, stream)
+        return session_id, counted(request, stream)
+
+    async def _keep(self, tenant: Tenant, session_id: str, marks: list[tuple[list[Message], float]]) -> int:
+        """Keep the prefixes the client marked, each for its time to live: the tokens of
+        the longest newly stored. A breakpoint that cannot be kept (the tenant's quota, the
+        disk budget) costs the reply nothing: it is logged, and reported as not stored."""
+        kept = 0
+        for ttl in sorted({ttl for _, ttl in marks}):
+            prefixes = [p for p, t in marks if t == ttl]
+            try:
+                kept = max(kept, await self.manager.keep_prefixes(session_id, tenant, prefixes, ttl))
+            except KvkeepError as e:
+                log.info("a cache breakpoint of session %s was not kept: %s", session_id, e)
+        return kept
 
     def _recall(self, tenant: Tenant) -> Callable[[str, dict[str, Any]], str | None]:
         def recall(call_id: str, given: dict[str, Any]) -> str | None:
@@ -144,7 +165,12 @@ class MessagesDoor:
             self._calls.popitem(last=False)
 
     async def _events(
-        self, request: Request, tenant: Tenant, stream: AsyncIterator[Chunk], shape: MessageShape
+        self,
+        request: Request,
+        tenant: Tenant,
+        stream: AsyncIterator[Chunk],
+        shape: MessageShape,
+        keep: Callable[[Chunk], Awaitable[int]],
     ) -> Response:
         it = aiter(stream)
         # The first chunk (the prompt's first progress report) before the response starts:
@@ -166,7 +192,8 @@ class MessagesDoor:
                         break
                     chunk = await anext(it)
                 self._remember(tenant, chunks)
-                for e in shape.closing(chunk):
+                kept = await keep(chunk)
+                for e in shape.closing(chunk, kept):
                     yield e
             except Exception as e:
                 if not isinstance(e, KvkeepError) or type(e) is KvkeepError:

@@ -31,13 +31,20 @@ from kvkeepd.values.toolcall import Tool, ToolCall, ToolChoice
 #: that id, when its JSON is the call's `input` (so the conversation matches the session's
 #: history exactly); None to write the input as JSON.
 Recall = Callable[[str, dict[str, Any]], str | None]
+#: A cache breakpoint's time to live in seconds, by its `ttl` (none: 5 minutes).
+TTLS = {"5m": 300.0, "1h": 3600.0}
 # Choices of Anthropic's `tool_choice` and the mode each is here.
 CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
 
 
 class CacheControl(Body):
+    """A cache breakpoint: the conversation up to its block is kept for `ttl`."""
+
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
+
+    def seconds(self) -> float:
+        return TTLS[self.ttl or "5m"]
 
 
 class TextBlock(Body):
@@ -50,12 +57,14 @@ class MediaBlock(Body):
     """An image or a document: refused, the served model has no vision."""
 
     type: Literal["image", "document"]
+    cache_control: CacheControl | None = None
 
 
 class ThinkingBlock(Body):
     """An earlier reply's reasoning (another model's): dropped."""
 
     type: Literal["thinking", "redacted_thinking"]
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlock(Body):
@@ -86,6 +95,12 @@ Block = Annotated[
 class MessageIn(Body):
     role: Literal["user", "assistant"]
     content: str | list[Block]
+
+    def cache_control(self) -> CacheControl | None:
+        """The breakpoint of its last marked block (None: none is)."""
+        if isinstance(self.content, str):
+            return None
+        return next((b.cache_control for b in reversed(self.content) if b.cache_control is not None), None)
 
     def messages(self, recall: Recall) -> list[Message]:
         """This message as the template's: tool results first (Anthropic puts them first
@@ -173,6 +188,24 @@ class ConversationBody(Body):
 
     def chat_tools(self) -> tuple[Tool, ...]:
         return tuple(t.tool() for t in self.tools or ())
+
+    def breakpoints(self, conversation: list[Message]) -> list[tuple[list[Message], float]]:
+        """The prefixes of the conversation (as `conversation` gave it) that the client
+        marked for caching, each with its time to live. The template renders whole messages:
+        a mark on the system prompt or on a tool ends after the system message, and a mark on
+        any block of a message ends after that message."""
+        marks: list[tuple[int, CacheControl]] = []
+        n = 1 if conversation and conversation[0].role == "system" else 0
+        blocks = [] if isinstance(self.system, str) else self.system or []
+        heads = [b.cache_control for b in blocks] + [t.cache_control for t in self.tools or ()]
+        if n:
+            marks += [(n, m) for m in heads if m is not None]
+        for m in self.messages:
+            n += len(m.messages(lambda _id, _input: ""))
+            mark = m.cache_control()
+            if mark is not None and n:
+                marks.append((n, mark))
+        return [(conversation[:end], mark.seconds()) for end, mark in marks]
 
 
 class MessagesRequest(ConversationBody):

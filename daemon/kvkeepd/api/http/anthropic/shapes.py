@@ -1,9 +1,11 @@
 """The bodies of Anthropic's Messages API: a message with its content blocks, stop reason and
 usage, the server-sent events of a streamed one, and the error envelope with its statuses.
 
-Usage tells what the prompt cost: `cache_read_input_tokens` were not evaluated again (the
-session's history, or blocks the prefix cache attached), `input_tokens` were, and
-`cache_creation_input_tokens` is 0: no request stores more than any other.
+Usage tells what the prompt cost, in three parts that add up to it:
+`cache_read_input_tokens` were not evaluated again (the session's history, or blocks the
+prefix cache attached), `cache_creation_input_tokens` were evaluated and newly kept as a
+cache breakpoint's prefix, and `input_tokens` were evaluated only. A stream's
+`message_start` says what was read before the prompt runs; its `message_delta` says all.
 """
 
 from __future__ import annotations
@@ -53,13 +55,16 @@ def domain_error(e: KvkeepError) -> tuple[int, dict[str, Any]]:
     return status, error(kind, INTERNAL_MESSAGE if type(e) is KvkeepError else str(e))
 
 
-def usage(u: Usage) -> dict[str, int]:
-    """The prompt's tokens split into those evaluated and those read from what was computed
-    before; the reply's tokens."""
+def usage(u: Usage, kept: int = 0) -> dict[str, int]:
+    """The prompt's tokens in three parts that add up to it: those read from what was
+    computed before, those evaluated and kept (the first `kept` tokens of the prompt were
+    newly stored as a breakpoint's prefix), and those evaluated only; the reply's tokens."""
+    read = u.reused_tokens
+    created = max(0, min(kept, u.context_tokens) - read)
     return {
-        "input_tokens": u.context_tokens - u.reused_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": u.reused_tokens,
+        "input_tokens": u.context_tokens - read - created,
+        "cache_creation_input_tokens": created,
+        "cache_read_input_tokens": read,
         "output_tokens": u.generated_tokens,
     }
 
@@ -104,8 +109,8 @@ class MessageShape:
         sequence = self.stops[0] if reason == "stop_sequence" and len(self.stops) == 1 else None
         return {"stop_reason": reason, "stop_sequence": sequence}
 
-    def message(self, chunks: Sequence[Chunk]) -> dict[str, Any]:
-        """The whole reply."""
+    def message(self, chunks: Sequence[Chunk], kept: int = 0) -> dict[str, Any]:
+        """The whole reply; `kept`: the prompt's tokens newly stored (see `usage`)."""
         last = chunks[-1]
         text = "".join(c.text for c in chunks)
         calls = join_deltas((), (d for c in chunks for d in c.tool_calls))
@@ -115,7 +120,7 @@ class MessageShape:
             **self._head(),
             "content": content,
             **self._ending(last),
-            "usage": usage(last.usage or Usage()),
+            "usage": usage(last.usage or Usage(), kept),
         }
 
     # ---- streamed --------------------------------------------------------------------------
@@ -148,10 +153,11 @@ class MessageShape:
             if d.arguments:
                 yield self._delta({"type": "input_json_delta", "partial_json": d.arguments})
 
-    def closing(self, last: Chunk) -> Iterator[bytes]:
-        """The open block's end, the stop reason with the usage, `message_stop`."""
+    def closing(self, last: Chunk, kept: int = 0) -> Iterator[bytes]:
+        """The open block's end, the stop reason with the usage (`kept`: see `usage`),
+        `message_stop`."""
         yield from self._stop()
-        u = usage(last.usage or Usage())
+        u = usage(last.usage or Usage(), kept)
         yield event({"type": "message_delta", "delta": self._ending(last), "usage": u})
         yield event({"type": "message_stop"})
 
