@@ -3,7 +3,9 @@
 
 A conversation is answered as the chat door answers one sent whole: in a session the door
 keeps (keep.py), so the next request that resends it continues that session and evaluates
-only what is new. Calls are the chat door's: in the model's own format, held to each tool's
+only what is new; a `cache_control` breakpoint keeps the state up to it for its TTL, where
+any later prompt of the tenant that begins the same way finds it (SessionManager.keep_prefixes).
+Calls are the chat door's: in the model's own format, held to each tool's
 schema. The caller is the tenant its `x-api-key` names, or its bearer token, as on the other
 routes; `anthropic-version` and `anthropic-beta` are accepted whatever they say. Errors are
 Anthropic's envelope on these routes (shapes.py).
