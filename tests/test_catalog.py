@@ -7,6 +7,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -474,3 +475,16 @@ def test_sessions_of_a_catalog_written_before_its_indexes_are_indexed_at_open(re
     assert opened.tenant_sessions("t1", 10) == [listed]
     assert opened.expire_sessions(50.0, 10) == [listed.session_id]
     assert raw.zcard(f"{prefix}:sessions-used") == 0
+
+
+def test_kept_prefixes_expire_by_their_own_time_to_live(catalog: Catalog) -> None:
+    short = replace(row("", "prefix", "acme", at=10.0), label="300")
+    long = replace(row("", "prefix", "acme", at=5.0), label="3600")
+    catalog.add_checkpoint(short, b"p1", [(key(1), 10)], now=10.0)
+    catalog.add_checkpoint(long, b"p2", [(key(1), 10)], now=5.0)
+    catalog.add_checkpoint(row(sid(), at=0.0), b"e", [], now=0.0)  # other kinds never expire here
+    assert catalog.expired_prefixes(300.0, 10) == []
+    assert catalog.expired_prefixes(320.0, 10) == [short.checkpoint_id]
+    assert catalog.expired_prefixes(4000.0, 10) == [short.checkpoint_id, long.checkpoint_id]
+    assert catalog.delete(short.checkpoint_id)
+    assert catalog.expired_prefixes(4000.0, 10) == [long.checkpoint_id]
