@@ -230,7 +230,7 @@ def checkpoint_run(client: kvkeep.Client, text: str, persistent: bool, repeat: i
     s.close()
     return {
         "n": done.usage.prompt_tokens if done.usage else 0,
-        "grown": (grow.usage.prompt_tokens + 1) if grow.usage else 0,
+        "grown": (grow.usage.added_tokens + 1) if grow.usage else 0,
         "prefill": prefill,
         "full_s": full_s,
         "full": full,

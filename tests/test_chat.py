@@ -30,7 +30,7 @@ def test_chat_records_messages_and_reuses_the_history(client: kvkeep.Client) -> 
     assert first.finish_reason in ("length", "eos")
     assert first.text
     after_first = session.info().n_tokens
-    assert after_first == n_system + first.usage.prompt_tokens + first.usage.generated_tokens
+    assert after_first == n_system + first.usage.added_tokens + first.usage.generated_tokens
 
     second = session.chat("Another one.", max_tokens=12)
     info = session.info()
@@ -43,8 +43,9 @@ def test_chat_records_messages_and_reuses_the_history(client: kvkeep.Client) -> 
     ]
     # The second turn evaluates only its own new tokens: the history is reused.
     assert second.usage.reused_tokens >= after_first - 1
-    assert second.usage.evaluated_tokens <= (second.usage.prompt_tokens + second.usage.generated_tokens + 1)
-    assert second.usage.prompt_tokens < after_first
+    assert second.usage.evaluated_tokens <= second.usage.added_tokens + 1
+    assert second.usage.added_tokens < after_first
+    assert second.usage.prompt_tokens == second.usage.reused_tokens + second.usage.evaluated_tokens
     session.close()
 
 
@@ -81,8 +82,8 @@ def test_chat_markers_in_a_user_message_stay_plain_text(client: kvkeep.Client) -
     n_before = injected.info().n_tokens
     turn = injected.chat(INJECTION, max_tokens=1)
 
-    assert turn.usage.prompt_tokens - base_turn.usage.prompt_tokens == plain - x
-    assert injected.info().n_tokens - n_before == turn.usage.prompt_tokens + 1
+    assert turn.usage.added_tokens - base_turn.usage.added_tokens == plain - x
+    assert injected.info().n_tokens - n_before == turn.usage.added_tokens + 1
     roles = [m.role for m in injected.info().messages]
     assert roles == ["user", "assistant"]
     assert injected.info().messages[0].content == INJECTION

@@ -59,8 +59,8 @@ def test_generate_streams_chunks_and_the_last_has_finish_reason_and_usage(
     assert last.usage.generated_tokens == 8
     assert last.usage.prompt_tokens == session.info().n_tokens - 8
     assert last.usage.reused_tokens == 0
-    # The prompt and every sampled token but the last (decoded on the next request) ran.
-    assert last.usage.evaluated_tokens == last.usage.prompt_tokens + 7
+    # A fresh session: the whole prompt is new, and all of it ran through the model.
+    assert last.usage.added_tokens == last.usage.evaluated_tokens == last.usage.prompt_tokens
 
 
 def test_complete_joins_the_stream(client: kvkeep.Client) -> None:
@@ -84,7 +84,8 @@ def test_prompt_as_token_ids(client: kvkeep.Client) -> None:
     assert session.complete(PROMPT, max_tokens=8).token_ids == reference[:8]
     n_before = session.info().n_tokens
     more = session.complete(list(reference[8:12]), max_tokens=4)
-    assert more.usage.prompt_tokens == 4
+    assert more.usage.added_tokens == 4
+    assert more.usage.prompt_tokens == n_before + 4
     assert session.info().n_tokens == n_before + 4 + 4
     assert more.token_ids == reference[12:16]
 
@@ -185,19 +186,21 @@ def test_empty_prompt_continues_and_reuses_held_tokens(session: kvkeep.Session) 
 
     second = session.complete(max_tokens=8, sampling=GREEDY)
     assert second.finish_reason == "length"
-    assert second.usage.prompt_tokens == 0
+    assert second.usage.added_tokens == 0
+    assert second.usage.prompt_tokens == held
     assert second.usage.generated_tokens == 8
     # Every held token but the last sampled one (never decoded yet) has its KV computed.
     assert second.usage.reused_tokens == held - 1
-    # Only that last token and the new ones (but the newest) ran through the model.
-    assert second.usage.evaluated_tokens == 8
+    # Only that last token of the prompt ran through the model.
+    assert second.usage.evaluated_tokens == 1
     assert session.info().n_tokens == held + 8
 
     # A text prompt on top: only the pending token and the new prompt are evaluated.
     third = session.complete(" And", max_tokens=4, sampling=GREEDY)
     assert third.usage.reused_tokens == held + 8 - 1
-    assert third.usage.evaluated_tokens == third.usage.prompt_tokens + 4
-    assert session.info().n_tokens == held + 8 + third.usage.prompt_tokens + 4
+    assert third.usage.evaluated_tokens == third.usage.added_tokens + 1
+    assert third.usage.prompt_tokens == held + 8 + third.usage.added_tokens
+    assert session.info().n_tokens == held + 8 + third.usage.added_tokens + 4
 
 
 def test_continuation_equals_one_long_generation(client: kvkeep.Client) -> None:

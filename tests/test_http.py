@@ -284,6 +284,57 @@ def test_a_new_session_over_http(oai: openai.OpenAI, grpc_client: kvkeep.Client)
     grpc_client.session(session_id).close()
 
 
+def test_usage_counts_the_whole_prompt_on_every_door(oai: openai.OpenAI, grpc_client: kvkeep.Client) -> None:
+    """The same second turn over gRPC, chat completions and the Responses API: each says the
+    prompt is the whole conversation so far (its tokens: the context after the turn less the
+    reply), of which the cached part was not evaluated again."""
+    questions = ["What is at pier 7?", "And at pier 3?"]
+    session = grpc_client.create_session(SYSTEM, sampling=GREEDY)
+    try:
+        first = session.chat(questions[0], max_tokens=8)
+        n_first = session.info().n_tokens
+        second = session.chat(questions[1], max_tokens=8)
+        over_grpc = second.usage
+        # The whole prompt, not only the tokens this turn added to it.
+        assert over_grpc.prompt_tokens == session.info().n_tokens - over_grpc.generated_tokens
+        assert over_grpc.prompt_tokens == n_first + over_grpc.added_tokens
+        assert over_grpc.prompt_tokens == over_grpc.reused_tokens + over_grpc.evaluated_tokens
+        assert over_grpc.reused_tokens == n_first - 1  # all but the last reply token, never decoded
+        assert over_grpc.evaluated_tokens == over_grpc.added_tokens + 1
+
+        # A third turn over HTTP on the same session: its prompt is the session's too.
+        third = chat(
+            oai,
+            [{"role": "user", "content": "Who uses it?"}],
+            max_tokens=8,
+            extra_body={"session_id": session.session_id},
+        ).usage
+        assert third.prompt_tokens == session.info().n_tokens - third.completion_tokens
+        assert (
+            third.prompt_tokens_details.cached_tokens
+            == over_grpc.prompt_tokens + over_grpc.generated_tokens - 1
+        )
+    finally:
+        session.close()
+
+    conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": questions[0]}]
+    assert chat(oai, conversation, max_tokens=8).choices[0].message.content == first.text
+    conversation += [{"role": "assistant", "content": first.text}, {"role": "user", "content": questions[1]}]
+    over_chat = chat(oai, conversation, max_tokens=8).usage
+    assert over_chat.prompt_tokens == over_grpc.prompt_tokens
+    assert over_chat.total_tokens == over_chat.prompt_tokens + over_chat.completion_tokens
+    assert over_chat.prompt_tokens_details.cached_tokens == over_grpc.reused_tokens
+
+    asked = {"model": MODEL, "instructions": SYSTEM, "temperature": 0, "max_output_tokens": 8}
+    started = oai.responses.create(input=questions[0], **asked)  # type: ignore[call-overload]
+    assert started.output_text == first.text
+    over_responses = oai.responses.create(input=questions[1], previous_response_id=started.id, **asked).usage  # type: ignore[call-overload]
+    assert over_responses is not None
+    assert over_responses.input_tokens == over_grpc.prompt_tokens
+    assert over_responses.input_tokens_details.cached_tokens == over_grpc.reused_tokens
+    assert over_responses.output_tokens == over_grpc.generated_tokens
+
+
 def test_the_door_keeps_a_bounded_number_of_sessions(oai: openai.OpenAI, grpc_client: kvkeep.Client) -> None:
     for i in range(PER_TENANT + 2):
         chat(oai, [{"role": "user", "content": f"Say {i}."}], max_tokens=1)

@@ -224,7 +224,7 @@ def test_stress_many_clients_many_sessions_few_slots(spawn_daemon: Callable[...,
                 done = s.complete(" word", max_tokens=2)
                 assert done.usage is not None
                 with locks[s.session_id]:
-                    expected[s.session_id] += done.usage.prompt_tokens + done.usage.generated_tokens
+                    expected[s.session_id] += done.usage.added_tokens + done.usage.generated_tokens
                 if r % 10 == 0 and w == 0:
                     rss.append(_rss(pid))
         except BaseException as e:

@@ -165,6 +165,7 @@ def usage_to_pb(u: Usage) -> pb.Usage:
         reused_tokens=u.reused_tokens,
         evaluated_tokens=u.evaluated_tokens,
         dropped_tokens=u.dropped_tokens,
+        added_tokens=u.added_tokens,
     )
 
 
@@ -176,6 +177,7 @@ def usage_from_pb(m: pb.Usage) -> Usage:
         reused_tokens=m.reused_tokens,
         evaluated_tokens=m.evaluated_tokens,
         dropped_tokens=m.dropped_tokens,
+        added_tokens=m.added_tokens,
     )
 
 

@@ -89,17 +89,24 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """What one generation request cost, in tokens."""
+    """What one generation request cost, in tokens, as OpenAI counts them: the prompt is the
+    whole context the reply followed (the session's earlier turns and this request's), of
+    which ``reused_tokens`` were computed already and ``evaluated_tokens`` ran through the
+    model. For a request that finished, ``prompt_tokens == reused_tokens + evaluated_tokens``
+    (one cancelled during its prompt evaluated less)."""
 
     prompt_tokens: int
-    """Tokens the request added to the session."""
+    """The whole prompt the reply followed, in tokens (OpenAI's ``prompt_tokens``)."""
     generated_tokens: int
     reused_tokens: int
-    """Tokens already computed that the request did not evaluate again."""
+    """Of the prompt, tokens already computed that the request did not evaluate again
+    (OpenAI's ``cached_tokens``)."""
     evaluated_tokens: int
-    """Tokens the request ran through the model."""
+    """Of the prompt, tokens the request ran through the model."""
     dropped_tokens: int = 0
     """Tokens of earlier turns dropped to make room (context policy ``"truncate"``)."""
+    added_tokens: int = 0
+    """Of the prompt, tokens the request added to the session (its new part)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -344,6 +344,11 @@ Global___ToolList: _TypeAlias = ToolList  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):
+    """As OpenAI counts a request's tokens: the prompt is the whole context the reply followed
+    (the session's earlier turns and this request's), prompt_tokens = reused_tokens +
+    evaluated_tokens for a request that finished (one cancelled during its prompt evaluated less).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
@@ -351,15 +356,18 @@ class Usage(_message.Message):
     REUSED_TOKENS_FIELD_NUMBER: _builtins.int
     EVALUATED_TOKENS_FIELD_NUMBER: _builtins.int
     DROPPED_TOKENS_FIELD_NUMBER: _builtins.int
+    ADDED_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
-    """tokens added to the session by this request"""
+    """the whole prompt the reply followed"""
     generated_tokens: _builtins.int
     reused_tokens: _builtins.int
-    """tokens already computed that this request did not evaluate again"""
+    """of the prompt, tokens already computed (not evaluated again)"""
     evaluated_tokens: _builtins.int
-    """tokens this request ran through the model"""
+    """of the prompt, tokens this request ran through the model"""
     dropped_tokens: _builtins.int
     """Tokens of earlier turns the session's context policy "truncate" dropped for this request."""
+    added_tokens: _builtins.int
+    """of the prompt, tokens this request added to the session"""
     def __init__(
         self,
         *,
@@ -368,10 +376,11 @@ class Usage(_message.Message):
         reused_tokens: _builtins.int = ...,
         evaluated_tokens: _builtins.int = ...,
         dropped_tokens: _builtins.int = ...,
+        added_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_tokens", b"dropped_tokens", "evaluated_tokens", b"evaluated_tokens", "generated_tokens", b"generated_tokens", "prompt_tokens", b"prompt_tokens", "reused_tokens", b"reused_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["added_tokens", b"added_tokens", "dropped_tokens", b"dropped_tokens", "evaluated_tokens", b"evaluated_tokens", "generated_tokens", b"generated_tokens", "prompt_tokens", b"prompt_tokens", "reused_tokens", b"reused_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

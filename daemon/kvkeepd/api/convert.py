@@ -192,6 +192,7 @@ def chunk_to_pb(c: Chunk) -> pb.GenerationChunk:
                 reused_tokens=c.usage.reused_tokens,
                 evaluated_tokens=c.usage.evaluated_tokens,
                 dropped_tokens=c.usage.dropped_tokens,
+                added_tokens=c.usage.added_tokens,
             )
         )
     return out

@@ -151,12 +151,15 @@ class Job:
         self.emit(Chunk(text="", token_ids=(), progress=progress))
 
     def usage(self) -> Usage:
+        prompt = len(self.state.tokens) - len(self.generated)
         return Usage(
-            prompt_tokens=len(self.request.prompt),
+            prompt_tokens=prompt,
             generated_tokens=len(self.generated),
             reused_tokens=self.reused,
-            evaluated_tokens=self.evaluated,
-            context_tokens=len(self.state.tokens) - len(self.generated),
+            # Less than the rest of the prompt only where the request ended during it.
+            evaluated_tokens=min(self.evaluated, prompt - self.reused),
+            added_tokens=len(self.request.prompt),
+            decoded_tokens=self.evaluated,
         )
 
     def sample(self, row: Logits, vocab: Vocab, ctx_limit: int) -> bool:

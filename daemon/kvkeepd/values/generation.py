@@ -67,12 +67,20 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class Usage:
+    """What one request cost, in tokens, as OpenAI counts them: the prompt is the whole
+    context the reply followed (earlier turns and this request's), `reused_tokens` of it were
+    computed already and `evaluated_tokens` ran through the model (a finished request's
+    prompt is their sum)."""
+
     prompt_tokens: int = 0
     generated_tokens: int = 0
     reused_tokens: int = 0
     evaluated_tokens: int = 0
-    # The history the generation followed (earlier turns and this prompt), in tokens.
-    context_tokens: int = 0
+    # Tokens this request added to the session before its reply (the prompt's new part).
+    added_tokens: int = 0
+    # Every token the request ran through the model: the prompt's evaluated ones and the
+    # generated ones fed back (the daemon's tally counts these as evaluated).
+    decoded_tokens: int = 0
     # Tokens of earlier turns dropped to make room (the "truncate" context policy).
     dropped_tokens: int = 0
 

@@ -332,7 +332,7 @@ class Conversations:
             u = last.usage
             self.ledger.turn(
                 session.tenant,
-                evaluated=u.evaluated_tokens,
+                evaluated=u.decoded_tokens,
                 generated=u.generated_tokens,
                 reused=u.reused_tokens,
             )

@@ -60,9 +60,9 @@ def usage(u: Usage, kept: int = 0) -> dict[str, int]:
     computed before, those evaluated and kept (the first `kept` tokens of the prompt were
     newly stored as a breakpoint's prefix), and those evaluated only; the reply's tokens."""
     read = u.reused_tokens
-    created = max(0, min(kept, u.context_tokens) - read)
+    created = max(0, min(kept, u.prompt_tokens) - read)
     return {
-        "input_tokens": u.context_tokens - read - created,
+        "input_tokens": u.prompt_tokens - read - created,
         "cache_creation_input_tokens": created,
         "cache_read_input_tokens": read,
         "output_tokens": u.generated_tokens,

@@ -39,9 +39,9 @@ def tool_call_deltas(deltas: Sequence[CallDelta]) -> list[dict[str, Any]]:
 def usage(u: Usage) -> dict[str, Any]:
     """OpenAI's usage: the whole prompt, of which `cached_tokens` were not evaluated again."""
     return {
-        "prompt_tokens": u.context_tokens,
+        "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.generated_tokens,
-        "total_tokens": u.context_tokens + u.generated_tokens,
+        "total_tokens": u.prompt_tokens + u.generated_tokens,
         "prompt_tokens_details": {"cached_tokens": u.reused_tokens},
     }
 

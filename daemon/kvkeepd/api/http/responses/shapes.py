@@ -27,11 +27,11 @@ def usage(u: Usage) -> dict[str, Any]:
     """The Responses API's usage: the whole input, of which `cached_tokens` were not
     evaluated again."""
     return {
-        "input_tokens": u.context_tokens,
+        "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.reused_tokens},
         "output_tokens": u.generated_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": u.context_tokens + u.generated_tokens,
+        "total_tokens": u.prompt_tokens + u.generated_tokens,
     }
 
 
