@@ -12,13 +12,13 @@ JSON) leads the 135M model to call first, then to answer once the result is back
 short by `max_tokens` (arguments that are not JSON), sent back with an error result as agents
 do, is accepted and rendered as the model wrote it: the kept session evaluates only what
 follows it, on the default model (the generic format writes arguments as text) and on a
-hermes-format model whose template writes them with `tojson`. A stored response continued
-with no input (to ask for a typed final answer) is one more reply after it, its state kept.
+hermes-format model whose template writes them with `tojson`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -352,11 +352,157 @@ def test_a_call_cut_short_is_sent_back_as_it_was_written(
         cut_call_sent_back(url(hermes), path.stem, [{"role": "user", "content": "Weather in Paris?"}])
 
 
+def codex_first_request(prompt: str) -> dict[str, Any]:
+    """The body of Codex CLI's first request (its Responses request struct, codex-rs
+    codex-api/src/common.rs, and its tool specs, codex-rs/tools/src/tool_spec.rs): function
+    tools, a namespace group of function tools (an MCP server's), a hosted tool, reasoning
+    with a summary, the encrypted reasoning asked back, store off, a prompt cache key and the
+    client's metadata."""
+    shell = {
+        "type": "object",
+        "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+        "required": ["command"],
+        "additionalProperties": False,
+    }
+    read = {
+        "type": "object",
+        "properties": {"path": {"type": "string"}},
+        "required": ["path"],
+        "additionalProperties": False,
+    }
+    return {
+        "model": MODEL,
+        "instructions": "You are a coding agent running in a terminal.",
+        "input": [
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "cwd: /src"}],
+            },
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": prompt}]},
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "name": "shell",
+                "description": "Runs a command.",
+                "strict": False,
+                "parameters": shell,
+            },
+            {
+                "type": "namespace",
+                "name": "mcp__files",
+                "description": "Tools of the files MCP server.",
+                "tools": [
+                    {
+                        "type": "function",
+                        "name": "read",
+                        "description": "Reads a file.",
+                        "strict": False,
+                        "parameters": read,
+                    }
+                ],
+            },
+            {"type": "web_search", "external_web_access": False},
+        ],
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "0199a7e2-codex-session",
+        "text": {"verbosity": "medium"},
+        "client_metadata": {"x-codex-turn": "1"},
+    }
+
+
+def test_codex_s_first_request_is_served(
+    oai: openai.OpenAI, door: InProcessDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = codex_first_request("Say hello.")
+    # OpenAI's client has no client_metadata parameter: it goes in the body as Codex sends it.
+    extra = {"client_metadata": body.pop("client_metadata")}
+    with caplog.at_level(logging.INFO, logger="kvkeepd.access"):
+        raw = oai.responses.with_raw_response.create(**body, extra_body=extra)
+        events = list(raw.parse())
+    # The hosted tool the daemon cannot run is left out of what the model sees, and said so.
+    assert raw.headers["x-kvkeep-ignored-tools"] == "web_search"
+    assert any("ignored-tools=web_search" in r.getMessage() for r in caplog.records)
+    done = events[-1]
+    assert done.type in ("response.completed", "response.incomplete")
+    # No reasoning items from a model that does not reason apart from its reply.
+    assert all(item.type != "reasoning" for item in done.response.output)
+
+    # The namespace's function, the only one left to call, is called as OpenAI names it.
+    body = codex_first_request("Read README.md.")
+    body["tools"] = body["tools"][1:2]
+    body.update(stream=False, tool_choice="required", max_output_tokens=60)
+    body.pop("client_metadata")
+    first = oai.responses.create(**body)
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    assert (call.name, call.model_extra) == ("read", {"namespace": "mcp__files"}) or (
+        call.name == "read" and getattr(call, "namespace", None) == "mcp__files"
+    )
+    # Codex sends the whole input back, the call with its namespace and its output after it.
+    body["input"] = [
+        *body["input"],
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": "read",
+            "namespace": "mcp__files",
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": "# kvkeep"},
+    ]
+    body.update(tool_choice="auto", max_output_tokens=8)
+    assert oai.responses.create(**body).status in ("completed", "incomplete")
+
+
+def post(door: InProcessDaemon, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url(door) + path, json=body, timeout=60)
+
+
+def test_errors_name_the_field_and_the_access_log_its_reason(
+    door: InProcessDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    responses = {"model": MODEL, "input": "Hi", "max_output_tokens": 16}
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        # OpenAI's range of temperatures is 0 to 2.
+        ("/chat/completions", {**chat, "temperature": 3}, "temperature"),
+        ("/responses", {**responses, "temperature": 3}, "temperature"),
+        # A schema that does not compile is blamed on the field it came in.
+        ("/responses", {**responses, "input": [{"role": "tool", "content": "x"}]}, "input"),
+        ("/responses", {**responses, "max_output_tokens": 100000}, "input"),
+    ]
+    with caplog.at_level(logging.INFO, logger="kvkeepd.access"):
+        for path, body, param in cases:
+            r = post(door, path, body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvkeepd.access"]
+    assert len(lines) >= len(cases)
+    assert all(
+        line.endswith(" 400 invalid_value") or line.endswith(" 400 context_length_exceeded")
+        for line in lines[-len(cases) :]
+    ), lines
+
+
+def test_system_fingerprint_names_the_model_build_and_mode(oai: openai.OpenAI) -> None:
+    reply = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    fingerprint = reply.system_fingerprint or ""
+    assert MODEL in fingerprint and "llama.cpp" in fingerprint
+    assert fingerprint.endswith(("exact", "compact"))
+
+
 def test_a_response_continued_with_no_input(oai: openai.OpenAI) -> None:
     # A typed final answer asked of a stored response, with nothing new in the input.
     first = oai.responses.create(model=MODEL, input="Name a city.", max_output_tokens=8, temperature=0)
     text = {"format": {"type": "json_schema", "name": "weather", "schema": ANSWER_SCHEMA}}
-    for more in ({"input": []},):
+    for more in ({"input": []}, {}):
         typed = oai.responses.create(
             model=MODEL, previous_response_id=first.id, text=text, max_output_tokens=40, temperature=0, **more
         )

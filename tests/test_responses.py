@@ -236,14 +236,13 @@ def test_structured_output_by_text_format(oai: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("field", "value", "says"),
     [
-        ("reasoning", {"effort": "high"}, "reasoning"),
         ("background", True, "background"),
-        ("tools", [{"type": "web_search"}], "web_search"),
+        ("tools", [{"type": "custom", "name": "patch"}], "custom"),
         ("tools", [{"type": "function", "name": "bad name"}], "name"),
         ("tool_choice", {"type": "allowed_tools", "mode": "auto", "tools": []}, "tool_choice"),
         ("tool_choice", "required", "needs tools"),
         ("input", [{"type": "function_call_output", "output": "x"}], "call_id"),
-        ("include", ["reasoning.encrypted_content"], "include"),
+        ("include", ["message.output_text.everything"], "include"),
         ("text", {"format": {"type": "grammar"}}, "text.format"),
         ("text", {"verbosity": "low"}, "verbosity"),
         ("conversation", "conv_1", "conversations"),
@@ -255,7 +254,7 @@ def test_structured_output_by_text_format(oai: openai.OpenAI) -> None:
         ("input", [{"type": "item_reference", "id": "msg_1"}], "item_reference"),
         ("input", [], "input is empty"),
         ("max_output_tokens", 0, "max_output_tokens"),
-        ("temperature", 1000.0, "temperature"),
+        ("temperature", 2.5, "temperature"),
     ],
 )
 def test_what_cannot_be_honoured_is_400(door: InProcessDaemon, field: str, value: Any, says: str) -> None:

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -38,6 +38,7 @@ from kvkeepd.api.http.openai import domain_error, error
 from kvkeepd.api.http.responses.door import ResponsesDoor
 from kvkeepd.api.http.sse import STREAM_HEADERS, sse
 from kvkeepd.api.http.waiting import access, counted, unless_left
+from kvkeepd.engine.backend import build_facts
 from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound, Unavailable
 from kvkeepd.request_limits import MAX_CONCURRENT_RPCS
 from kvkeepd.sessions.manager import SessionManager
@@ -80,6 +81,10 @@ class OpenAiDoor:
         #: name any model: one is served.
         self.names = (model_id, *(a for a in aliases if a != model_id))
         self.body_limit = body_limit
+        # What replies depend on besides the request: the model file, the llama.cpp build and
+        # the mode (exact or compact), so that a client can tell when they may change.
+        mode = "exact" if manager.model.exact else "compact"
+        self.fingerprint = f"{model_id} llama.cpp-{build_facts()['version']} {mode}"
         self.keep = SessionKeep(manager)
         self.accepting = True
         self.in_flight = 0
@@ -91,7 +96,14 @@ class OpenAiDoor:
         stored = "/v1/responses/{response_id}"
         routes = Starlette(
             routes=[
-                Route("/v1/responses", self._endpoint(self.responses.create, "input"), methods=["POST"]),
+                Route(
+                    "/v1/responses",
+                    # The Responses API's conversation is its input, its schema in text.format.
+                    self._endpoint(
+                        self.responses.create, "input", {"messages": "input", "json_schema": "text"}
+                    ),
+                    methods=["POST"],
+                ),
                 Route("/v1/responses", self._endpoint(self.responses.listing), methods=["GET"]),
                 Route(stored, self._endpoint(self.responses.retrieve), methods=["GET"]),
                 Route(stored, self._endpoint(self.responses.delete), methods=["DELETE"]),
@@ -148,10 +160,14 @@ class OpenAiDoor:
     # ---- plumbing ----------------------------------------------------------------------------
 
     def _endpoint(
-        self, fn: Callable[[Request], Awaitable[Response]], prompt: str = "messages"
+        self,
+        fn: Callable[[Request], Awaitable[Response]],
+        prompt: str = "messages",
+        fields: Mapping[str, str] | None = None,
     ) -> Callable[[Request], Awaitable[Response]]:
         """Errors of a handler as OpenAI error bodies (`prompt`: the field that a prompt
-        beyond the context is blamed on)."""
+        beyond the context is blamed on; `fields`: the API's names of the session layer's
+        fields, for `param`). The access log's line gets a refusal's code."""
 
         async def handle(request: Request) -> Response:
             try:
@@ -160,9 +176,13 @@ class OpenAiDoor:
                 if type(e) is KvkeepError:
                     log.error("internal error", exc_info=e)
                 status, body = domain_error(e, prompt)
+                param = body["error"]["param"]
+                body["error"]["param"] = (fields or {}).get(param, param)
+                access(request).reason = body["error"]["code"] if status < 500 else ""
                 return JSONResponse(body, status)
             except ValidationError as e:
                 message, code, param = _describe(e)
+                access(request).reason = code
                 return JSONResponse(error("invalid_request_error", message, code, param), 400)
             except ClientDisconnect:
                 return Response(status_code=400)  # nobody reads it
@@ -328,7 +348,9 @@ class OpenAiDoor:
         """A reply's shape; it names the model as the request did (llama-server does so too)."""
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         name = model or self.model_id
-        return Reply(kind, prefix + secrets.token_hex(12), int(time.time()), name, session_id)
+        return Reply(
+            kind, prefix + secrets.token_hex(12), int(time.time()), name, session_id, self.fingerprint
+        )
 
     def _closer(self, session: Session, tenant: Tenant) -> Callable[[], Awaitable[None]]:
         """Close a session made for a request that failed before the client learnt its id."""

@@ -111,7 +111,8 @@ class GenerationBody(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: float | None = None
+    # OpenAI's range.
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: float | None = None
     seed: Annotated[int, Field(ge=0)] | None = None
     stop: str | list[str] | None = None

@@ -52,14 +52,18 @@ def prompt_progress(p: PromptProgress) -> dict[str, Any]:
 
 
 class Reply:
-    """The constant part of every body of one response: id, times, model, session."""
+    """The constant part of every body of one response: id, times, model, session, and the
+    system fingerprint (what a reply depends on besides the request)."""
 
-    def __init__(self, kind: str, response_id: str, created: int, model: str, session_id: str | None) -> None:
+    def __init__(
+        self, kind: str, response_id: str, created: int, model: str, session_id: str | None, fingerprint: str
+    ) -> None:
         self.kind = kind
         self.response_id = response_id
         self.created = created
         self.model = model
         self.session_id = session_id
+        self.fingerprint = fingerprint
 
     def _head(self, obj: str) -> dict[str, Any]:
         head: dict[str, Any] = {
@@ -67,7 +71,7 @@ class Reply:
             "object": obj,
             "created": self.created,
             "model": self.model,
-            "system_fingerprint": None,
+            "system_fingerprint": self.fingerprint,
         }
         if self.session_id is not None:
             head["session_id"] = self.session_id

@@ -24,7 +24,7 @@ from kvkeepd.api.http.openai import domain_error
 from kvkeepd.api.http.responses.schema import LOGPROBS, ResponseCreate, ResponseSpec
 from kvkeepd.api.http.responses.shapes import ResponseShape, listing, replay
 from kvkeepd.api.http.sse import STREAM_HEADERS
-from kvkeepd.api.http.waiting import counted, unless_left
+from kvkeepd.api.http.waiting import access, counted, unless_left
 from kvkeepd.errors import InvalidRequest, KvkeepError
 from kvkeepd.sessions.flows.response_list import PAGE as LISTED
 from kvkeepd.sessions.flows.response_list import StoredResponse
@@ -65,6 +65,9 @@ class ResponsesDoor:
             return body, body.checked()
 
         body, spec = await bulk.run(parse, large=len(raw) > bulk.LARGE_BYTES)
+        if spec.ignored_tools:
+            # Said where a client and an operator look: a header, and the access log.
+            access(request).notes["ignored-tools"] = ",".join(spec.ignored_tools)
         shape = ResponseShape(new_response_id(), int(time.time()), self.model_id, body, spec)
         wanted = ResponseRequest(
             response_id=shape.response_id,
@@ -83,7 +86,7 @@ class ResponsesDoor:
             return [c async for c in stream]
 
         chunks = await unless_left(request, collect())
-        return JSONResponse(shape.response(chunks))
+        return JSONResponse(shape.response(chunks), headers=ignored_tools(spec))
 
     async def _events(self, request: Request, stream: AsyncIterator[Chunk], shape: ResponseShape) -> Response:
         it = aiter(stream)
@@ -116,7 +119,8 @@ class ResponsesDoor:
                 if isinstance(it, AsyncGenerator):
                     await it.aclose()
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers=STREAM_HEADERS)
+        headers = {**STREAM_HEADERS, **ignored_tools(shape.spec)}
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     async def retrieve(self, request: Request) -> Response:
         tenant = self.tenant(request)
@@ -209,3 +213,12 @@ def _number(value: str | None, name: str, default: int) -> int:
 async def _aiter(events: Any) -> AsyncGenerator[bytes, None]:
     for e in events:
         yield e
+
+
+#: The header that names the hosted tools a request gave and the model was not shown.
+IGNORED_TOOLS_HEADER = "x-kvkeep-ignored-tools"
+
+
+def ignored_tools(spec: ResponseSpec) -> dict[str, str]:
+    """The response's header naming the hosted tools left out (none: no header)."""
+    return {IGNORED_TOOLS_HEADER: ",".join(spec.ignored_tools)} if spec.ignored_tools else {}

@@ -3,18 +3,23 @@ what it means for the session layer: the messages its input items add, a Turn, a
 it is stored.
 
 Every field OpenAI defines is either honoured, or refused with a 400 that names it when it
-asks for something kvkeep does not do (reasoning, background runs, prompt templates, input
-that is not text...); a field OpenAI does not define is refused as OpenAI refuses it
-("unknown parameter"). Fields that change nothing here are accepted: `user`,
-`safety_identifier`, `prompt_cache_key`, `prompt_cache_retention`, `service_tier`,
-`max_tool_calls` (it bounds built-in tools, and there are none), `stream_options`.
+asks for something kvkeep does not do (background runs, prompt templates, input that is not
+text...); a field OpenAI does not define is refused as OpenAI refuses it ("unknown
+parameter"). Fields that cannot change the reply are accepted: `user`, `safety_identifier`,
+`prompt_cache_key`, `prompt_cache_retention`, `service_tier`, `client_metadata`,
+`max_tool_calls` (it bounds built-in tools, and there are none), `stream_options`,
+`reasoning` (the model does not reason apart from its reply: no reasoning items come out),
+`include` values there is nothing for. Function tools in a `namespace` are offered to the
+model as `NAMESPACE__NAME` and their calls come back with `name` and `namespace`; hosted tools
+the daemon cannot run (web search, file search...) are left out of what the model sees, and
+the response says so (ResponseSpec.ignored_tools).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
@@ -33,6 +38,35 @@ MESSAGE_ROLES = {role: becomes for role, becomes in ROLES.items() if role != "to
 TEXT_PARTS = ("input_text", "output_text")
 # What `include` may ask for.
 LOGPROBS = "message.output_text.logprobs"
+# `include` values of OpenAI's for outputs kvkeep never makes (reasoning items, hosted tools'
+# results, images): asked for, there is nothing to include.
+NOTHING_TO_INCLUDE = frozenset(
+    {
+        "reasoning.encrypted_content",
+        "web_search_call.action.sources",
+        "web_search_call.results",
+        "file_search_call.results",
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "message.input_image.image_url",
+    }
+)
+# Tools OpenAI runs itself: the daemon cannot, so the model is not shown them.
+HOSTED_TOOLS = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "web_search_2025_08_26",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "computer_use_preview",
+        "mcp",
+    }
+)
+# Between a namespace's name and its function's, in the name the model sees.
+NAMESPACE_JOIN = "__"
 # OpenAI's bounds on metadata: 16 pairs, keys of 64 characters, values of 512.
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
 
@@ -41,7 +75,8 @@ class ResponseCreate(ClosedBody):
     """`POST /v1/responses`."""
 
     model: str
-    input: str | list[dict[str, Any]]
+    # Optional with previous_response_id: none continues the stored response.
+    input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool | None = None
@@ -49,7 +84,8 @@ class ResponseCreate(ClosedBody):
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: float | None = None
+    # OpenAI's range.
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: float | None = None
     # An extension: the sampler's seed (the same state and seed give the same reply).
     seed: Annotated[int, Field(ge=0)] | None = None
@@ -67,8 +103,10 @@ class ResponseCreate(ClosedBody):
     prompt_cache_retention: str | None = None
     service_tier: str | None = None
     max_tool_calls: Annotated[int, Field(ge=0)] | None = None
-    # Refused when they ask for something.
+    client_metadata: dict[str, str] | None = None
+    # The model does not reason apart from its reply: asked for, there is none to give.
     reasoning: dict[str, Any] | None = None
+    # Refused when they ask for something.
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
@@ -86,17 +124,18 @@ class ResponseCreate(ClosedBody):
         sampling = SamplingOverrides.of(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
         sampling.apply(SamplingParams())  # a value no sampler can use is refused here
         logprobs = LOGPROBS in (self.include or ())
+        tools, namespaces, ignored = _tools(self.tools or [])
         turn = Turn(
             max_tokens=self.max_output_tokens,
             sampling=sampling,
             logprobs=max(1, self.top_logprobs or 0) if logprobs else 0,
             json_schema=self.json_schema(),
             # A previous response's tools are not carried over (OpenAI's rule): none given, none.
-            tools=tuple(_tool(i, t) for i, t in enumerate(self.tools or ())),
+            tools=tools,
             tool_choice=_choice(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls is not False,
         )
-        items = input_items(self.input)
+        items = input_items(self.input or [])
         return ResponseSpec(
             instructions=self.instructions or None,
             items=items,
@@ -105,13 +144,11 @@ class ResponseCreate(ClosedBody):
             store=self.store is not False,
             stream=self.stream is True,
             logprobs=logprobs,
+            namespaces=namespaces,
+            ignored_tools=ignored,
         )
 
     def _refuse_unsupported(self) -> None:
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise InvalidRequest(
-                "reasoning is not supported: the model does not reason apart from its reply", "reasoning"
-            )
         if self.background:
             raise InvalidRequest(
                 "background responses are not supported: stream the response instead", "background"
@@ -130,7 +167,7 @@ class ResponseCreate(ClosedBody):
             if getattr(self, name) is not None:
                 raise InvalidRequest(why, name)
         for name in self.include or ():
-            if name != LOGPROBS:
+            if name != LOGPROBS and name not in NOTHING_TO_INCLUDE:
                 raise InvalidRequest(f"include {name[:80]!r} is not supported: only {LOGPROBS!r}", "include")
         if self.top_logprobs and LOGPROBS not in (self.include or ()):
             raise InvalidRequest(f"top_logprobs needs include: [{LOGPROBS!r}]", "top_logprobs")
@@ -187,6 +224,10 @@ class ResponseSpec:
     store: bool
     stream: bool
     logprobs: bool
+    #: The names the model sees for a namespace's functions: (namespace, name) by that name.
+    namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: The types of the hosted tools left out of what the model sees.
+    ignored_tools: tuple[str, ...] = ()
 
 
 def input_items(given: str | list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
@@ -203,17 +244,22 @@ def _item(i: int, item: dict[str, Any]) -> dict[str, Any]:
     if kind == "message":
         return _message_item(where, item)
     if kind == "function_call":
-        _only(where, item, {"type", "call_id", "name", "arguments", "id", "status"})
+        _only(where, item, {"type", "call_id", "name", "namespace", "arguments", "id", "status"})
         call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
         if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
             raise InvalidRequest(
                 f"{where}: a function_call has a call_id, a name and arguments (text)", "input"
             )
+        namespace = item.get("namespace")
+        if namespace is not None and not isinstance(namespace, str):
+            raise InvalidRequest(f"{where}.namespace must be a string", "input")
+        listed = {"namespace": namespace} if namespace else {}
         return {
             "id": _id(item.get("id"), "fc_"),
             "type": "function_call",
             "call_id": call_id,
             "name": name,
+            **listed,
             "arguments": arguments,
             "status": "completed",
         }
@@ -290,7 +336,8 @@ def messages_of(items: tuple[dict[str, Any], ...]) -> list[Message]:
     out: list[Message] = []
     for item in items:
         if item["type"] == "function_call":
-            call = ToolCall(item["call_id"], item["name"], item["arguments"])
+            name = NAMESPACE_JOIN.join(filter(None, (item.get("namespace"), item["name"])))
+            call = ToolCall(item["call_id"], name, item["arguments"])
             last = out[-1] if out else None
             if last is not None and last.role == "assistant":
                 out[-1] = Message("assistant", last.content, (*last.tool_calls, call))
@@ -303,21 +350,50 @@ def messages_of(items: tuple[dict[str, Any], ...]) -> list[Message]:
     return out
 
 
-def _tool(i: int, given: dict[str, Any]) -> Tool:
+def _tools(
+    given: list[dict[str, Any]],
+) -> tuple[tuple[Tool, ...], dict[str, tuple[str, str]], tuple[str, ...]]:
+    """The function tools the model is offered, a namespace's under `NAMESPACE__NAME`; those
+    names' namespaces and names; and the hosted tools left out."""
+    tools: list[Tool] = []
+    namespaces: dict[str, tuple[str, str]] = {}
+    ignored: list[str] = []
+    for i, t in enumerate(given):
+        kind = t.get("type")
+        if kind in HOSTED_TOOLS:
+            ignored.append(str(kind))
+        elif kind == "namespace":
+            _only(f"tools[{i}]", t, {"type", "name", "description", "tools"})
+            space, members = t.get("name"), t.get("tools")
+            if not isinstance(space, str) or not isinstance(members, list):
+                raise InvalidRequest(f"tools[{i}]: a namespace has a name and tools", "tools")
+            for j, member in enumerate(members):
+                tool = _tool(f"tools[{i}].tools[{j}]", member)
+                name = space + NAMESPACE_JOIN + tool.name
+                namespaces[name] = (space, tool.name)
+                tools.append(Tool(name, tool.description, tool.parameters))
+        else:
+            tools.append(_tool(f"tools[{i}]", t))
+    return tuple(tools), namespaces, tuple(ignored)
+
+
+def _tool(where: str, given: Any) -> Tool:
     """A function tool, as the Responses API gives it (flat: name, description, parameters)."""
+    if not isinstance(given, dict):
+        raise InvalidRequest(f"{where} must be an object", "tools")
     kind = given.get("type")
     if kind != "function":
         raise InvalidRequest(
-            f"tools[{i}]: tools of type {str(kind)[:40]!r} are not supported: function", "tools"
+            f"{where}: tools of type {str(kind)[:40]!r} are not supported: function", "tools"
         )
-    _only(f"tools[{i}]", given, {"type", "name", "description", "parameters", "strict"})
+    _only(where, given, {"type", "name", "description", "parameters", "strict"})
     name, description, parameters = given.get("name"), given.get("description"), given.get("parameters")
     if not isinstance(name, str):
-        raise InvalidRequest(f"tools[{i}] needs a name", "tools")
+        raise InvalidRequest(f"{where} needs a name", "tools")
     if description is not None and not isinstance(description, str):
-        raise InvalidRequest(f"tools[{i}].description must be a string", "tools")
+        raise InvalidRequest(f"{where}.description must be a string", "tools")
     if parameters is not None and not isinstance(parameters, dict):
-        raise InvalidRequest(f"tools[{i}].parameters must be a JSON schema (an object)", "tools")
+        raise InvalidRequest(f"{where}.parameters must be a JSON schema (an object)", "tools")
     # `strict` false asks for less than kvkeep gives: every call is held to its parameters.
     return Tool(name, description or "", "" if parameters is None else json.dumps(parameters))
 

@@ -139,11 +139,14 @@ class ResponseShape:
         }
 
     def call_item(self, key: int, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+        # A namespace's function is named as OpenAI names it: its name, and its namespace.
+        space, name = self.spec.namespaces.get(name, ("", name))
         return {
             "id": self.item_id(key),
             "type": "function_call",
             "call_id": call_id,
             "name": name,
+            **({"namespace": space} if space else {}),
             "arguments": arguments,
             "status": status,
         }
