@@ -12,7 +12,14 @@ JSON) leads the 135M model to call first, then to answer once the result is back
 short by `max_tokens` (arguments that are not JSON), sent back with an error result as agents
 do, is accepted and rendered as the model wrote it: the kept session evaluates only what
 follows it, on the default model (the generic format writes arguments as text) and on a
-hermes-format model whose template writes them with `tojson`.
+hermes-format model whose template writes them with `tojson`. A stored response continued
+with no input (to ask for a typed final answer) is one more reply after it, its state kept.
+Codex CLI's first request, in the shape its source builds (function tools, a namespace group,
+a hosted tool, reasoning, include, client_metadata, store off), is served: no reasoning items,
+the hosted tool left out and named in a header and the access log, the namespace's function
+called with its name and namespace. Errors name the Responses API's fields, the access log
+gives a refusal's reason code, temperatures outside 0-2 are refused, and system_fingerprint
+names the model file, the llama.cpp build and the mode.
 """
 
 from __future__ import annotations
