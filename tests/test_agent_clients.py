@@ -519,3 +519,35 @@ def test_a_response_continued_with_no_input(oai: openai.OpenAI) -> None:
         assert typed.usage.input_tokens_details.cached_tokens >= first.usage.total_tokens - 1
     with pytest.raises(openai.BadRequestError, match="input"):
         oai.responses.create(model=MODEL, input=[], max_output_tokens=4)
+
+
+def test_chat_fields_that_cannot_change_the_reply_are_accepted_and_those_that_would_refused(
+    door: InProcessDaemon,
+) -> None:
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+    accepted = {
+        "reasoning_effort": "high",
+        "prediction": {"type": "content", "content": "Hello"},
+        "store": True,
+        "metadata": {"k": "v"},
+        "prompt_cache_key": "agent-1",
+        "modalities": ["text"],
+        "verbosity": "medium",
+    }
+    plain = post(door, "/chat/completions", chat)
+    given = post(door, "/chat/completions", {**chat, **accepted})
+    assert given.status_code == 200, given.text
+    assert given.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    for field, value in (
+        ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("verbosity", "low"),
+        ("web_search_options", {}),
+    ):
+        r = post(door, "/chat/completions", {**chat, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

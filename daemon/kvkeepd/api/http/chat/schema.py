@@ -230,12 +230,24 @@ class ChatCompletionRequest(GenerationBody):
     parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
+    # Refused when they ask for what the model cannot give (they would change the reply).
+    modalities: list[str] | None = None
+    audio: Any = None
+    verbosity: str | None = None
+    web_search_options: Any = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
                 raise InvalidRequest(f"{name} (legacy functions) is not supported: use tools", name)
+        if self.modalities not in (None, ["text"]) or self.audio is not None:
+            name = "audio" if self.audio is not None else "modalities"
+            raise InvalidRequest("the output is text: audio is not supported", name)
+        if self.verbosity not in (None, "medium"):
+            raise InvalidRequest("verbosity is not supported (the model's own is medium)", "verbosity")
+        if self.web_search_options is not None:
+            raise InvalidRequest("web search is not supported: nothing here searches", "web_search_options")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
 
