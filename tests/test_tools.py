@@ -308,7 +308,8 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"tools": [Tool(f"f{i}") for i in range(MAX_TOOLS + 1)]}, "at most"),
     ({"tools": [WEATHER], "tool_choice": "get_time"}, "none of the tools"),
     ({"tool_choice": "required"}, "needs tools"),
-    ({"tools": [WEATHER], "json_schema": {"type": "object"}}, "not both"),
+    # A JSON schema goes with tools (the answer's); a grammar does not.
+    ({"tools": [WEATHER], "grammar": 'root ::= "yes"'}, "not both"),
     ({"tools": [WEATHER], "tool_choice": "maybe"}, "none of the tools"),
 ]
 
