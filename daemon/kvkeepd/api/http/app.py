@@ -89,7 +89,7 @@ class OpenAiDoor:
         self.accepting = True
         self.in_flight = 0
         self.created = int(time.time())
-        self.responses = ResponsesDoor(manager, model_id, tenant=self._tenant, body=self._body)
+        self.responses = ResponsesDoor(manager, model_id, self.keep, tenant=self._tenant, body=self._body)
         self.messages = MessagesDoor(
             manager, model_id, self.keep, body_limit, accepting=lambda: self.accepting
         )

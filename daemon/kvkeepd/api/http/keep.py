@@ -5,8 +5,11 @@ request in one of its own ephemeral sessions and keeps the most recent ones open
 tenant: the next request whose messages begin with a kept session's continues that session
 (only the new messages are evaluated), and any other one starts a new session that the
 prefix cache can attach blocks to from the kept ones (a closed ephemeral session leaves
-nothing in the cache). Nobody else is given their ids, so the door owns them: it closes the
-oldest beyond `PER_TENANT`, and the sweeper's idle expiry closes the rest.
+nothing in the cache). A client that names its conversation (the Responses API's
+`prompt_cache_key`) is answered only in sessions kept under that key: two conversations of one
+tenant with the same beginning do not take each other's session. Nobody else is given their
+ids, so the door owns them: it closes the oldest beyond `PER_TENANT`, and the sweeper's idle
+expiry closes the rest.
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
-from kvkeepd.errors import KvkeepError
+from kvkeepd.errors import InvalidRequest, KvkeepError
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant
+from kvkeepd.values.generation import Chunk, Turn
 from kvkeepd.values.messages import Message
+from kvkeepd.values.sampling import SamplingOverrides
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +40,31 @@ class SessionKeep:
     def __init__(self, manager: SessionManager) -> None:
         self.manager = manager
         self._kept: dict[str, OrderedDict[str, Session]] = {}
+        # The key each kept session was made under ("": none), by its id.
+        self._keys: dict[str, str] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
     def _live(self, tenant: Tenant) -> OrderedDict[str, Session]:
         kept = self._kept.setdefault(tenant.name, OrderedDict())
         for sid in [sid for sid, s in kept.items() if s.closed]:
-            del kept[sid]
+            self._forget(kept, sid)
         return kept
 
-    def find(self, tenant: Tenant, messages: Sequence[Message]) -> tuple[Session, int] | None:
-        """The idle kept session whose messages are the longest proper prefix of `messages`
-        (at least one message long), and that prefix's length; it becomes the most recent."""
+    def _forget(self, kept: OrderedDict[str, Session], session_id: str) -> None:
+        kept.pop(session_id, None)
+        self._keys.pop(session_id, None)
+
+    def find(self, tenant: Tenant, messages: Sequence[Message], key: str = "") -> tuple[Session, int] | None:
+        """The idle session kept under `key` whose messages are the longest proper prefix of
+        `messages` (at least one message long), and that prefix's length; it becomes the most
+        recent."""
         kept = self._live(tenant)
         best: tuple[Session, int] | None = None
         for s in kept.values():
             n = len(s.messages)
             if s.busy or not 0 < n < len(messages) or (best is not None and n <= best[1]):
+                continue
+            if self._keys.get(s.session_id, "") != key:
                 continue
             if all(m.message() == w for m, w in zip(s.messages, messages, strict=False)):
                 best = (s, n)
@@ -58,10 +72,12 @@ class SessionKeep:
             kept.move_to_end(best[0].session_id)
         return best
 
-    def add(self, tenant: Tenant, session: Session) -> None:
-        """Keep a new session; close the oldest idle ones beyond the bound."""
+    def add(self, tenant: Tenant, session: Session, key: str = "") -> None:
+        """Keep a new session (under `key`); close the oldest idle ones beyond the bound."""
         kept = self._live(tenant)
         kept[session.session_id] = session
+        if key:
+            self._keys[session.session_id] = key
         for old in [s for s in kept.values() if not s.busy][: max(0, len(kept) - PER_TENANT)]:
             self._close(tenant, old)
 
@@ -70,7 +86,7 @@ class SessionKeep:
         Only the tenant's own kept sessions are looked at: another tenant's id changes nothing."""
         kept = self._kept.get(tenant.name)
         if kept is not None:
-            kept.pop(session_id, None)
+            self._forget(kept, session_id)
 
     async def make_room(self, tenant: Tenant) -> None:
         """Close the tenant's oldest idle kept session if its session quota is reached, so
@@ -80,11 +96,48 @@ class SessionKeep:
             return
         idle = [s for s in self._live(tenant).values() if not s.busy]
         if idle:
-            self._kept[tenant.name].pop(idle[0].session_id, None)
+            self._forget(self._kept[tenant.name], idle[0].session_id)
             await self._close_now(idle[0], tenant)
 
+    async def converse(
+        self,
+        tenant: Tenant,
+        messages: Sequence[Message],
+        turn: Turn,
+        *,
+        key: str = "",
+        context_policy: str = "",
+    ) -> tuple[str, AsyncIterator[Chunk]]:
+        """Answer a conversation sent whole: in the session kept under `key` that it
+        continues (only what is new is evaluated), or in a new one kept under it, whose system
+        prompt is the conversation's leading system message. The session's id and the reply."""
+        m = self.manager
+        found = self.find(tenant, messages, key)
+        if found is not None:
+            # The whole conversation: if another request moved the session on meanwhile, the
+            # flow keeps what still matches.
+            session_id = found[0].session_id
+            return session_id, m.converse(session_id, tenant, messages=messages, whole=True, turn=turn)
+        system = messages[0].content if messages and messages[0].role == "system" else ""
+        rest = list(messages[1:] if system else messages)
+        if not rest:
+            raise InvalidRequest("the conversation has no message after its system prompt")
+        await self.make_room(tenant)
+        session = await m.create_session(
+            tenant,
+            system,
+            SamplingOverrides(),
+            (),
+            persistent=False,
+            context_policy=context_policy,
+            tools=turn.tools or (),
+        )
+        self.add(tenant, session, key)
+        stream = m.converse(session.session_id, tenant, messages=rest, whole=False, turn=turn)
+        return session.session_id, stream
+
     def _close(self, tenant: Tenant, session: Session) -> None:
-        self._kept[tenant.name].pop(session.session_id, None)
+        self._forget(self._kept[tenant.name], session.session_id)
         task = asyncio.get_running_loop().create_task(self._close_now(session, tenant))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)

@@ -7,6 +7,12 @@ Handlers translate: a body in, the SessionManager's stored responses (sessions/f
 a body or a stream of events out. What is stored with a response is its response object and
 input items as these handlers shape them (shapes.py), so a retrieval, a listing or
 a replayed stream answers from the record alone.
+
+A response that stores nothing and continues no stored one (`store: false`, as Codex CLI
+sends every turn) carries its whole conversation in its input: it is answered as the chat door
+answers a conversation sent whole, in a session the door keeps (keep.py) under the tenant and
+the request's `prompt_cache_key`, so that the next turn, which resends it, evaluates only what
+is new.
 """
 
 from __future__ import annotations
@@ -20,18 +26,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvkeepd import bulk
+from kvkeepd.api.http.keep import SessionKeep
 from kvkeepd.api.http.openai import domain_error
 from kvkeepd.api.http.responses.schema import LOGPROBS, ResponseCreate, ResponseSpec
 from kvkeepd.api.http.responses.shapes import ResponseShape, listing, replay
 from kvkeepd.api.http.sse import STREAM_HEADERS
 from kvkeepd.api.http.waiting import access, counted, unless_left
-from kvkeepd.errors import InvalidRequest, KvkeepError
+from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate
 from kvkeepd.sessions.flows.response_list import PAGE as LISTED
 from kvkeepd.sessions.flows.response_list import StoredResponse
 from kvkeepd.sessions.flows.responses import ResponseRequest, new_response_id
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.values.generation import Chunk
+from kvkeepd.values.messages import Message
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +49,21 @@ MAX_PAGE, PAGE = 100, 20
 
 class ResponsesDoor:
     """The Responses API's handlers; `tenant` resolves a request's caller, `body` reads its
-    body within the door's limit. A request may name any model: one is served."""
+    body within the door's limit; `keep` holds the sessions of conversations sent whole. A
+    request may name any model: one is served."""
 
     def __init__(
         self,
         manager: SessionManager,
         model_id: str,
+        keep: SessionKeep,
         *,
         tenant: Callable[[Request], Tenant],
         body: Callable[[Request], Awaitable[bytes]],
     ) -> None:
         self.manager = manager
         self.model_id = model_id
+        self.keep = keep
         self.tenant = tenant
         self.body = body
 
@@ -69,16 +80,20 @@ class ResponsesDoor:
             # Said where a client and an operator look: a header, and the access log.
             access(request).notes["ignored-tools"] = ",".join(spec.ignored_tools)
         shape = ResponseShape(new_response_id(), int(time.time()), self.model_id, body, spec)
-        wanted = ResponseRequest(
-            response_id=shape.response_id,
-            previous_response_id=body.previous_response_id or "",
-            instructions=spec.instructions,
-            messages=spec.messages,
-            turn=spec.turn,
-            store=spec.store,
-            context_policy="truncate" if body.truncation == "auto" else "error",
-        )
-        stream = counted(request, self.manager.answer(tenant, wanted, shape.document))
+        context_policy = "truncate" if body.truncation == "auto" else "error"
+        if not spec.store and not body.previous_response_id:
+            stream = counted(request, await self._sent_whole(request, tenant, body, spec, context_policy))
+        else:
+            wanted = ResponseRequest(
+                response_id=shape.response_id,
+                previous_response_id=body.previous_response_id or "",
+                instructions=spec.instructions,
+                messages=spec.messages,
+                turn=spec.turn,
+                store=spec.store,
+                context_policy=context_policy,
+            )
+            stream = counted(request, self.manager.answer(tenant, wanted, shape.document))
         if spec.stream:
             return await self._events(request, stream, shape)
 
@@ -87,6 +102,28 @@ class ResponsesDoor:
 
         chunks = await unless_left(request, collect())
         return JSONResponse(shape.response(chunks), headers=ignored_tools(spec))
+
+    async def _sent_whole(
+        self, request: Request, tenant: Tenant, body: ResponseCreate, spec: ResponseSpec, context_policy: str
+    ) -> AsyncIterator[Chunk]:
+        """The reply to a conversation sent whole and stored nowhere, in the session kept
+        for it under the tenant and its prompt_cache_key."""
+        if self.manager.template is None:
+            raise NoChatTemplate("the model has no chat template; use /v1/completions")
+        if not spec.messages:
+            raise InvalidRequest(
+                "the input is empty: give at least one item, or previous_response_id", "input"
+            )
+        lead = [Message("system", spec.instructions)] if spec.instructions is not None else []
+        session_id, stream = await self.keep.converse(
+            tenant,
+            [*lead, *spec.messages],
+            spec.turn,
+            key=body.prompt_cache_key or "",
+            context_policy=context_policy,
+        )
+        access(request).session = session_id
+        return stream
 
     async def _events(self, request: Request, stream: AsyncIterator[Chunk], shape: ResponseShape) -> Response:
         it = aiter(stream)
