@@ -47,7 +47,8 @@ def test_the_log_names_every_address_and_a_line_per_request_without_prompts(spaw
         rf"grpc Chat tenant=- session={sid} tokens=\d+\+3 \d+\.\d{{3}}s OK",
         rf"grpc CloseSession tenant=- session={sid} tokens=- \d+\.\d{{3}}s OK",
         r"http POST /v1/chat/completions tenant=- session=s_\w+ tokens=\d+\+2 \d+\.\d{3}s 200",
-        r"http POST /v1/chat/completions tenant=- session=- tokens=- \d+\.\d{3}s 400",
+        r"http POST /v1/chat/completions tenant=- session=- tokens=- \d+\.\d{3}s"
+        r" 400 missing_required_parameter",  # a refusal ends with its reason code
     ]
     marker = "kvkeepd.access: "
     # A request's line is written once its reply has gone, so the client may read the log first.
