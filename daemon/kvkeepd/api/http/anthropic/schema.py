@@ -5,7 +5,8 @@ as messages, its tools, and a Turn.
 Anthropic's content blocks become the template's messages: a user's text blocks one user
 message (joined by a blank line), its `tool_result` blocks a tool message each (an `is_error`
 result's text begins with "Error: ", since templates have no field for it), an assistant's
-text and `tool_use` blocks one assistant message with its calls. `thinking` blocks and the
+text and `tool_use` blocks one assistant message with its calls, a system message among the
+others (Claude Code sends its environment so) a system message where it stands. `thinking` blocks and the
 `thinking` option are accepted and dropped: the served model has no separate reasoning to
 show or to hide. Images and documents are refused: the model has no vision. What would
 change the reply and cannot be honoured (an assistant's message last, to be continued;
@@ -93,7 +94,8 @@ Block = Annotated[
 
 
 class MessageIn(Body):
-    role: Literal["user", "assistant"]
+    # Claude Code sends its environment as a system message among the others, after the user's.
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
     def cache_control(self) -> CacheControl | None:
@@ -123,6 +125,8 @@ class MessageIn(Body):
                     raise InvalidRequest("tool_result blocks are the user's", "messages")
                 results.append(Message("tool", block.text(), tool_call_id=block.tool_use_id))
         text = _joined(texts)
+        if self.role == "system":
+            return [Message("system", text)] if text else []
         if self.role == "assistant":
             return [Message("assistant", text, tuple(calls))] if text or calls else []
         return [*results, Message("user", text)] if text or not results else results
@@ -175,7 +179,7 @@ class ConversationBody(Body):
             raise InvalidRequest(
                 "mcp_servers is not supported: the daemon calls no tools itself", "mcp_servers"
             )
-        if self.messages[-1].role != "user":
+        if [m.role for m in self.messages if m.role != "system"][-1:] != ["user"]:
             raise InvalidRequest(
                 "the last message must be the user's: continuing an assistant's message is not supported",
                 "messages",
