@@ -251,7 +251,6 @@ def test_structured_output_by_text_format(oai: openai.OpenAI) -> None:
         ("metadata", {"k" * 65: "v"}, "metadata"),
         ("top_logprobs", 3, "include"),
         ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input_image"),
-        ("input", [{"type": "item_reference", "id": "msg_1"}], "item_reference"),
         ("input", [], "input is empty"),
         ("max_output_tokens", 0, "max_output_tokens"),
         ("temperature", 2.5, "temperature"),

@@ -6,7 +6,8 @@ lost can be deleted.
 Handlers translate: a body in, the SessionManager's stored responses (sessions/flows/responses.py),
 a body or a stream of events out. What is stored with a response is its response object and
 input items as these handlers shape them (shapes.py), so a retrieval, a listing or
-a replayed stream answers from the record alone.
+a replayed stream answers from the record alone. An input item that is an `item_reference`
+stands for the output item of the tenant's stored response it names.
 
 A response that stores nothing and continues no stored one (`store: false`, as Codex CLI
 sends every turn) carries its whole conversation in its input: it is answered as the chat door
@@ -29,10 +30,10 @@ from kvkeepd import bulk
 from kvkeepd.api.http.keep import SessionKeep
 from kvkeepd.api.http.openai import domain_error
 from kvkeepd.api.http.responses.schema import LOGPROBS, ResponseCreate, ResponseSpec
-from kvkeepd.api.http.responses.shapes import ResponseShape, listing, replay
+from kvkeepd.api.http.responses.shapes import ResponseShape, holder_of, listing, replay
 from kvkeepd.api.http.sse import STREAM_HEADERS
 from kvkeepd.api.http.waiting import access, counted, unless_left
-from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate
+from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound
 from kvkeepd.sessions.flows.response_list import PAGE as LISTED
 from kvkeepd.sessions.flows.response_list import StoredResponse
 from kvkeepd.sessions.flows.responses import ResponseRequest, new_response_id
@@ -71,11 +72,11 @@ class ResponsesDoor:
         tenant = self.tenant(request)
         raw = await self.body(request)
 
-        def parse() -> tuple[ResponseCreate, ResponseSpec]:
-            body = ResponseCreate.model_validate_json(raw)
-            return body, body.checked()
-
-        body, spec = await bulk.run(parse, large=len(raw) > bulk.LARGE_BYTES)
+        large = len(raw) > bulk.LARGE_BYTES
+        body = await bulk.run(lambda: ResponseCreate.model_validate_json(raw), large=large)
+        if isinstance(body.input, list) and any(i.get("type") == "item_reference" for i in body.input):
+            body.input = await self._dereferenced(tenant, body.input)
+        spec = await bulk.run(body.checked, large=large)
         if spec.ignored_tools:
             # Said where a client and an operator look: a header, and the access log.
             access(request).notes["ignored-tools"] = ",".join(spec.ignored_tools)
@@ -102,6 +103,33 @@ class ResponsesDoor:
 
         chunks = await unless_left(request, collect())
         return JSONResponse(shape.response(chunks), headers=ignored_tools(spec))
+
+    async def _dereferenced(self, tenant: Tenant, given: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The input with each `item_reference` replaced by the item it names: an output item
+        of one of the tenant's stored responses (NotFound otherwise, another tenant's too)."""
+        out: list[dict[str, Any]] = []
+        held: dict[str, list[dict[str, Any]]] = {}
+        for i, item in enumerate(given):
+            if item.get("type") != "item_reference":
+                out.append(item)
+                continue
+            item_id = item.get("id")
+            if not isinstance(item_id, str) or set(item) - {"type", "id"}:
+                raise InvalidRequest(f"input[{i}]: an item_reference has a type and an id (text)", "input")
+            response_id = holder_of(item_id)
+            if response_id is None:
+                raise NotFound(f"no item {item_id[:80]!r}")
+            if response_id not in held:
+                try:
+                    record = await self.manager.lookup_response(response_id, tenant)
+                except NotFound:
+                    raise NotFound(f"no item {item_id[:80]!r}") from None
+                held[response_id] = record.document["response"]["output"]
+            found = [o for o in held[response_id] if o.get("id") == item_id]
+            if not found:
+                raise NotFound(f"no item {item_id[:80]!r}")
+            out.append(found[0])
+        return out
 
     async def _sent_whole(
         self, request: Request, tenant: Tenant, body: ResponseCreate, spec: ResponseSpec, context_policy: str

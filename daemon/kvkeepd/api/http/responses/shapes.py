@@ -1,10 +1,14 @@
 """The bodies of OpenAI's Responses API: the response object, its output items and usage,
 the input items listing, and the server-sent events of a streamed response (each with its
-`sequence_number`), live or replayed from a stored response."""
+`sequence_number`), live or replayed from a stored response.
+
+A response's output items are named after it (`msg_HEX`, `fc_HEX_N` for `resp_HEX`), so that
+an `item_reference` finds the stored response that holds the item it names.
+"""
 
 from __future__ import annotations
 
-import secrets
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +17,7 @@ from kvkeepd.api.http.logprobs import logprobs
 from kvkeepd.api.http.openai import FINISH
 from kvkeepd.api.http.responses.schema import ResponseCreate, ResponseSpec
 from kvkeepd.api.http.sse import sse
+from kvkeepd.sessions.flows.responses import RESPONSE_ID_PREFIX
 from kvkeepd.values.generation import Chunk, GeneratedToken, Usage
 from kvkeepd.values.sampling import SamplingParams
 from kvkeepd.values.toolcall import CallDelta, join_deltas
@@ -51,6 +56,16 @@ def order(chunks: Sequence[Chunk]) -> list[int]:
     return out or [MESSAGE]
 
 
+# An output item's id: its kind's prefix, its response's hex, and a call's number.
+_OUTPUT_ITEM = re.compile(r"^(?:msg_([0-9a-f]{24})|fc_([0-9a-f]{24})_\d{1,6})$")
+
+
+def holder_of(item_id: str) -> str | None:
+    """The id of the response whose output item this is (None: not an output item's id)."""
+    found = _OUTPUT_ITEM.match(item_id)
+    return RESPONSE_ID_PREFIX + (found[1] or found[2]) if found else None
+
+
 @dataclass
 class ResponseShape:
     """Everything one response's bodies share: its id, times, the request's echoed fields,
@@ -61,15 +76,17 @@ class ResponseShape:
     model: str
     body: ResponseCreate
     spec: ResponseSpec
-    message_id: str = field(default_factory=lambda: "msg_" + secrets.token_hex(12))
-    call_ids: dict[int, str] = field(default_factory=dict)
     opened: list[int] = field(default_factory=list)
     number: int = 0
+
+    @property
+    def message_id(self) -> str:
+        return "msg_" + self.response_id.removeprefix(RESPONSE_ID_PREFIX)
 
     def item_id(self, key: int) -> str:
         if key == MESSAGE:
             return self.message_id
-        return self.call_ids.setdefault(key, "fc_" + secrets.token_hex(12))
+        return f"fc_{self.response_id.removeprefix(RESPONSE_ID_PREFIX)}_{key}"
 
     # ---- the response object -------------------------------------------------------------
 
