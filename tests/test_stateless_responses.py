@@ -63,7 +63,9 @@ def reads_all_before(response: Any, before: Any) -> bool:
 def test_each_resent_step_reads_what_the_step_before_held(door: InProcessDaemon) -> None:
     with client(door, "alice") as alice, client(door, "bob") as bob:
         items: list[dict[str, Any]] = []
-        inputs, replies, steps = [], [], []
+        inputs: list[list[dict[str, Any]]] = []
+        replies: list[str] = []
+        steps: list[Any] = []
         for k in range(5):
             items.append(question(k))
             r = step(alice, items, prompt_cache_key="agent-1")
