@@ -12,6 +12,7 @@ tenant sending the same conversation under the same key reads nothing of it.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -127,3 +128,32 @@ def test_a_conversation_sent_whole_keeps_one_session(door: InProcessDaemon) -> N
             items += [{"role": "assistant", "content": r.output_text}, question(21 + k)]
     after = {s.session_id for s in manager.sessions.values() if s.tenant == "alice"}
     assert len(after - before) == 1
+
+
+def test_the_first_turn_after_a_restart_reads_the_kept_system_prompt(tmp_path: Path) -> None:
+    # A named conversation's leading system messages are kept in the durable store: after a
+    # restart (its session gone), its next turn reads them instead of evaluating them.
+    def serve() -> InProcessDaemon:
+        return InProcessDaemon.with_settings(
+            tmp_path / "state",
+            http_address="127.0.0.1:0",
+            auth_file=write_auth(tmp_path / "auth.toml", TOKENS),
+            block_tokens=BLOCK_TOKENS,
+        )
+
+    d = serve()
+    try:
+        with client(d, "alice") as alice:
+            first = step(alice, [question(30)], prompt_cache_key="agent-r")
+            items = [question(30), {"role": "assistant", "content": first.output_text}, question(31)]
+    finally:
+        d.stop()
+    d = serve()
+    try:
+        with client(d, "alice") as alice:
+            after = step(alice, items, prompt_cache_key="agent-r")
+    finally:
+        d.stop()
+    cached = after.usage.input_tokens_details.cached_tokens
+    # All of the system prompt to the block grid: the first turn less its question and opening.
+    assert cached >= first.usage.input_tokens - 2 * BLOCK_TOKENS and cached % BLOCK_TOKENS == 0, cached

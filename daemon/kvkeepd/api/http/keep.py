@@ -107,17 +107,19 @@ class SessionKeep:
         *,
         key: str = "",
         context_policy: str = "",
-    ) -> tuple[str, AsyncIterator[Chunk]]:
+    ) -> tuple[str, AsyncIterator[Chunk], bool]:
         """Answer a conversation sent whole: in the session kept under `key` that it
         continues (only what is new is evaluated), or in a new one kept under it, whose system
-        prompt is the conversation's leading system message. The session's id and the reply."""
+        prompt is the conversation's leading system message. The session's id, the reply, and
+        whether a kept session was continued."""
         m = self.manager
         found = self.find(tenant, messages, key)
         if found is not None:
             # The whole conversation: if another request moved the session on meanwhile, the
             # flow keeps what still matches.
             session_id = found[0].session_id
-            return session_id, m.converse(session_id, tenant, messages=messages, whole=True, turn=turn)
+            stream = m.converse(session_id, tenant, messages=messages, whole=True, turn=turn)
+            return session_id, stream, True
         system = messages[0].content if messages and messages[0].role == "system" else ""
         rest = list(messages[1:] if system else messages)
         if not rest:
@@ -134,7 +136,7 @@ class SessionKeep:
         )
         self.add(tenant, session, key)
         stream = m.converse(session.session_id, tenant, messages=rest, whole=False, turn=turn)
-        return session.session_id, stream
+        return session.session_id, stream, False
 
     def _close(self, tenant: Tenant, session: Session) -> None:
         self._forget(self._kept[tenant.name], session.session_id)

@@ -13,11 +13,13 @@ A response that stores nothing and continues no stored one (`store: false`, as C
 sends every turn) carries its whole conversation in its input: it is answered as the chat door
 answers a conversation sent whole, in a session the door keeps (keep.py) under the tenant and
 the request's `prompt_cache_key`, so that the next turn, which resends it, evaluates only what
-is new.
+is new; its leading system messages are kept in the durable store, for its first turn after a
+restart.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -46,6 +48,9 @@ log = logging.getLogger(__name__)
 
 #: Input items a listing gives at most, and by default (OpenAI's bounds).
 MAX_PAGE, PAGE = 100, 20
+#: How long a named conversation's system prompt is kept: OpenAI's `prompt_cache_retention`,
+#: an hour (its in-memory retention's longest) or a day ("24h").
+HOUR, DAY = 3600.0, 86400.0
 
 
 class ResponsesDoor:
@@ -143,15 +148,33 @@ class ResponsesDoor:
                 "the input is empty: give at least one item, or previous_response_id", "input"
             )
         lead = [Message("system", spec.instructions)] if spec.instructions is not None else []
-        session_id, stream = await self.keep.converse(
-            tenant,
-            [*lead, *spec.messages],
-            spec.turn,
-            key=body.prompt_cache_key or "",
-            context_policy=context_policy,
+        conversation = [*lead, *spec.messages]
+        session_id, stream, continued = await self.keep.converse(
+            tenant, conversation, spec.turn, key=body.prompt_cache_key or "", context_policy=context_policy
         )
         access(request).session = session_id
-        return stream
+        system = list(itertools.takewhile(lambda m: m.role == "system", conversation))
+        if continued or not body.prompt_cache_key or not system or len(system) == len(conversation):
+            return stream
+        # A named conversation's leading system messages (the agent's instructions and tools,
+        # the bulk of its every prompt) are kept in the durable store, where the prefix cache
+        # finds them: its first turn after a restart, or once its session was let go, reads
+        # them instead of evaluating them. Kept again, nothing new is stored.
+        ttl = DAY if body.prompt_cache_retention == "24h" else HOUR
+        return self._then_keep(stream, tenant, session_id, system, ttl)
+
+    async def _then_keep(
+        self, stream: AsyncIterator[Chunk], tenant: Tenant, session_id: str, prefix: list[Message], ttl: float
+    ) -> AsyncIterator[Chunk]:
+        """The reply; before its end, the conversation's state at the end of `prefix` is kept
+        for `ttl` seconds (a failure, the tenant's quota say, costs the reply nothing)."""
+        async for chunk in stream:
+            if chunk.finish_reason not in (None, "cancelled"):
+                try:
+                    await self.manager.keep_prefixes(session_id, tenant, [prefix], ttl)
+                except KvkeepError as e:
+                    log.info("the system prompt of session %s was not kept: %s", session_id, e)
+            yield chunk
 
     async def _events(self, request: Request, stream: AsyncIterator[Chunk], shape: ResponseShape) -> Response:
         it = aiter(stream)

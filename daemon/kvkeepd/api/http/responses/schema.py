@@ -6,7 +6,7 @@ Every field OpenAI defines is either honoured, or refused with a 400 that names 
 asks for something kvkeep does not do (background runs, prompt templates, input that is not
 text...); a field OpenAI does not define is refused as OpenAI refuses it ("unknown
 parameter"). Fields that cannot change the reply are accepted: `user`, `safety_identifier`,
-`prompt_cache_retention`, `service_tier`, `client_metadata`,
+`service_tier`, `client_metadata`,
 `max_tool_calls` (it bounds built-in tools, and there are none), `stream_options`,
 `reasoning` (the model does not reason apart from its reply: no reasoning items come out),
 `include` values there is nothing for. Function tools in a `namespace` are offered to the
@@ -96,12 +96,13 @@ class ResponseCreate(ClosedBody):
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     include: list[str] | None = None
-    # Names the conversation sent whole (store false) whose kept session continues it.
+    # Names the conversation sent whole (store false) whose kept session continues it, and
+    # how long its system prompt is kept durably.
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     # Changes nothing here.
     user: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_retention: str | None = None
     service_tier: str | None = None
     max_tool_calls: Annotated[int, Field(ge=0)] | None = None
     client_metadata: dict[str, str] | None = None
