@@ -6,7 +6,9 @@ What is checked, with OpenAI's own client on a daemon with two tenants: each ste
 five-step conversation reads again all that the step before it held (its prompt and its
 reply), and its reply is the one a fresh evaluation gives at temperature 0; a conversation
 under another key that begins the same way does not take the first one's session; another
-tenant sending the same conversation under the same key reads nothing of it.
+tenant sending the same conversation under the same key reads nothing of it; an empty input
+is refused naming `input`; the steps leave one session, not one each; and the first turn
+after a restart reads the system prompt kept in the durable store.
 """
 
 from __future__ import annotations
