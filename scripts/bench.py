@@ -21,6 +21,11 @@ compared with, and reported as a ratio: this machine is shared and noisy.
                                a 20-step agent loop by previous_response_id, resent to the
                                chat door and to llama-server, and with a kill -9 midway
                                (bench_agent.py)
+    scripts/bench agent-cli [--peer LLAMA_SERVER]
+                               Codex- and Claude-Code-shaped loops: a ~6,500-token prefix,
+                               the whole conversation resent each step, against chaining
+                               and llama-server, 4 agents on 2 slots, a restart
+                               (bench_agent_cli.py)
     scripts/bench chain [--steps 1000]
                                the RAM a chain of stored responses holds against --ram-cache
                                (the daemon's metrics every 100 steps; bench_chain.py)
@@ -1360,6 +1365,7 @@ def bench_shared_turns(args: argparse.Namespace) -> None:
 
 def main() -> None:
     import bench_agent
+    import bench_agent_cli
     import bench_chain
     import bench_peer  # imports this module's helpers as `bench`
     import bench_tools
@@ -1405,6 +1411,7 @@ def main() -> None:
     bench_peer.add_parser(sub)
     bench_tools.add_parser(sub)
     bench_agent.add_parser(sub)
+    bench_agent_cli.add_parser(sub)
     bench_chain.add_parser(sub)
     t = sub.add_parser("turns")
     t.add_argument("--tokens", type=int, default=1900)
@@ -1432,6 +1439,7 @@ def main() -> None:
         "peer": bench_peer.run,
         "tools": bench_tools.run,
         "agent": bench_agent.run,
+        "agent-cli": bench_agent_cli.run,
         "chain": bench_chain.run,
         "turns": bench_turns,
         "store": bench_store,
