@@ -30,11 +30,14 @@ from daemons import InProcessDaemon
 BIN = Path(__file__).resolve().parent.parent / ".agent-clis" / "node_modules" / ".bin"
 CODEX = BIN / "codex"
 CLAUDE = BIN / "claude"
-# Codex's instructions and tools are some 9,000 tokens of the default model's, Claude Code's
-# system prompt and Bash tool some 5,000 (20,600 with all its tools).
+# Codex's instructions and tools are 9,190 tokens of the default model's, Claude Code's system
+# prompt with its Bash tool 3,380 (20,600 with all its tools).
 CTX = 12288
-# Neither CLI's turn needs more to show that it completes; Codex asks for no limit.
-MAX_TOKENS = 24
+# Both CLIs take a reply cut short for a failed turn (Claude Code asks for more first), so
+# their replies have room for the one word asked; Codex asks for no limit: the daemon's
+# default caps it, CLAUDE_CODE_MAX_OUTPUT_TOKENS Claude Code's.
+MAX_TOKENS = 256
+PROMPT = "Reply with the single word: hello."
 # Each CLI is given time for its prompt on a loaded machine's CPU, and gives up long after.
 RUN_SECONDS = 900
 
@@ -95,7 +98,9 @@ def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
     done = subprocess.run(
         args, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=RUN_SECONDS
     )
-    assert done.returncode == 0, f"{args[0]} exited {done.returncode}: {done.stderr[-3000:]}"
+    assert done.returncode == 0, (
+        f"{args[0]} exited {done.returncode}: {done.stdout[-3000:]} {done.stderr[-3000:]}"
+    )
     return done
 
 
@@ -111,9 +116,11 @@ def codex(d: InProcessDaemon, home: Path) -> dict[str, Any]:
         f'base_url = "{url(d)}/v1"\n'
         'wire_api = "responses"\n'
         'env_key = "KVKEEP_API_KEY"\n'
+        # The Responses door's stream opens with the reply's first token, after the prompt.
+        f"stream_idle_timeout_ms = {RUN_SECONDS * 1000}\n"
     )
     env = {**quiet_env(home), "CODEX_HOME": str(codex_home), "KVKEEP_API_KEY": "dummy"}
-    done = run([str(CODEX), "exec", "--json", "--skip-git-repo-check", "Say hello."], env, home / "work")
+    done = run([str(CODEX), "exec", "--json", "--skip-git-repo-check", PROMPT], env, home / "work")
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     answers = [
         e["item"]["text"]
@@ -124,6 +131,7 @@ def codex(d: InProcessDaemon, home: Path) -> dict[str, Any]:
     turns = [e for e in events if e["type"] == "turn.completed"]
     assert len(turns) == 1, done.stdout[-3000:]
     usage: dict[str, Any] = turns[0]["usage"]
+    print("codex:", usage, repr(answers[-1][:200]))
     return usage
 
 
@@ -135,15 +143,17 @@ def claude(d: InProcessDaemon, home: Path) -> dict[str, Any]:
         "ANTHROPIC_API_KEY": "dummy",
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_TOKENS),
     }
-    args = [str(CLAUDE), "-p", "Say hello.", "--output-format", "json", "--tools", "Bash", "--max-turns", "1"]
+    args = [str(CLAUDE), "-p", PROMPT, "--output-format", "json", "--tools", "Bash"]
     done = run(args, env, home / "work")
     result: dict[str, Any] = json.loads(done.stdout)
     assert result["subtype"] == "success" and not result["is_error"], done.stdout[-3000:]
     assert str(result["result"]).strip(), done.stdout[-3000:]
+    print("claude:", result["usage"], repr(str(result["result"])[:200]))
     return result
 
 
 @needs(CODEX)
+@pytest.mark.timeout(2 * RUN_SECONDS)
 def test_codex_exec_completes_a_turn_and_reads_its_prefix_after_a_restart(
     state: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -169,6 +179,7 @@ def test_codex_exec_completes_a_turn_and_reads_its_prefix_after_a_restart(
 
 
 @needs(CLAUDE)
+@pytest.mark.timeout(2 * RUN_SECONDS)
 def test_claude_code_completes_a_turn_and_reads_its_prefix_after_a_restart(
     state: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
