@@ -12,7 +12,8 @@ most `--max-tokens` (16) a reply, so that a step's time is its prompt's: what is
   with `--peer`, llama-server's `/v1/responses` (`--jinja`, `--cache-reuse 256`, its RAM
   prompt cache on by default).
 - **Claude-Code-shaped**, on `/v1/messages`: `system` as two text blocks with `cache_control`
-  on the last, `tools` with `input_schema`, the whole `messages` every step; against
+  on the last, `tools` with `input_schema`, the whole `messages` every step, the last
+  message's last block marked `cache_control` too (as Claude Code does); against
   llama-server's `/v1/messages`.
 
 One agent first, the ways taking their steps in turn on servers of their own, so that the
@@ -215,7 +216,12 @@ def claude_loop(url: str, agent: int, steps: int, max_tokens: int, short: bool) 
         }
     ]
     for step in range(1, steps + 1):
-        seconds, answer = post(url + "/v1/messages", {**base, "messages": messages})
+        # As Claude Code, the last message's last block is marked too: the conversation so far is
+        # a breakpoint, which the next step (or the first after a restart) reads.
+        last = messages[-1]
+        marked = [*last["content"][:-1], {**last["content"][-1], "cache_control": {"type": "ephemeral"}}]
+        sent = [*messages[:-1], {**last, "content": marked}]
+        seconds, answer = post(url + "/v1/messages", {**base, "messages": sent})
         u = answer["usage"]
         evaluated = u["input_tokens"] + (u.get("cache_creation_input_tokens") or 0)
         yield Step(seconds, evaluated, u["output_tokens"])
