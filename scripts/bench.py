@@ -1157,7 +1157,7 @@ LEASE_SECONDS = 1.5
 
 
 def store_servers(work: Path) -> tuple[Any, Any]:
-    """Redis and S3 (weed mini) on loopback, as the tests start them (tests/servers.py)."""
+    """Redis and S3 (weed mini) on loopback, as the tests start them (tests/support/servers.py)."""
     missing = [
         b
         for b in ("redis-server", "weed")

@@ -35,7 +35,7 @@ from gen_reference import pages as reference_pages  # noqa: E402
 PAGE = ROOT / "docs" / "configuration.md"
 SOURCE = "daemon/kvkeepd/config/settings.py"
 
-# What a bad setting prints (as tests/test_config.py checks such lines).
+# What a bad setting prints (as tests/unit/test_config.py checks such lines).
 EXAMPLE = (
     "error: ctx-per-session (environment KVKEEP_CTX_PER_SESSION): "
     "must be in [256, 1048576], a multiple of 256, got 300"

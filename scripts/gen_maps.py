@@ -28,6 +28,18 @@ from check_imports import LAYERS, layer_of  # noqa: E402
 README = ROOT / "README.md"
 DEVELOPMENT = ROOT / "docs" / "development.md"
 CLI_PAGE = ROOT / "docs" / "cli.md"
+TESTS = ROOT / "tests"
+# What each folder of tests/ holds (a folder has no __init__.py: its files import the helpers
+# of tests/support/ by name, and a test file its neighbours').
+TEST_FOLDERS = {
+    "support": "the helpers every test imports: daemons, servers, test models, certificates",
+    "unit": "pure code, no daemon",
+    "daemon": "one daemon over gRPC: sessions, generation, checkpoints, tools, limits, start-up",
+    "durability": "what survives: crashes, faults, the state directory, tiers and budgets, integrity",
+    "http": "the HTTP door: OpenAI chat, completions and Responses, Anthropic's Messages, browsers",
+    "cluster": "several daemons: shared catalogs and stores, routing, Redis, S3, HAProxy",
+    "clients": "the SDK, the CLI, LangChain, the README and docs as printed, packaging",
+}
 # The width of a package docstring's map, within the code's line length.
 WIDTH = 96
 
@@ -66,6 +78,31 @@ def modules_map() -> str:
         for path in sorted(init.parent.glob("*.py")):
             if path.name != "__init__.py":
                 lines.append(f"  - `{path.name}`: {first_line(path)}")
+    return "\n".join(lines)
+
+
+def tests_map() -> str:
+    """Every test file by folder with its first sentence, then which test files import each
+    daemon module directly (most tests reach the daemon through the SDK or HTTP instead)."""
+    folders = sorted({p.parent.name for p in TESTS.glob("*/*.py")})
+    unknown = set(folders) - set(TEST_FOLDERS)
+    if unknown:
+        raise Unmarked(f"tests/{sorted(unknown)[0]}/ is not described in TEST_FOLDERS")
+    lines: list[str] = []
+    importers: dict[str, set[str]] = {}
+    for folder in TEST_FOLDERS:
+        files = sorted((TESTS / folder).glob("*.py"))
+        if not files:
+            continue
+        lines.append(f"- `tests/{folder}/`: {TEST_FOLDERS[folder]}")
+        for path in files:
+            lines.append(f"  - `{path.name}`: {first_line(path)}")
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvkeepd"):
+                    importers.setdefault(str(node.module), set()).add(f"{folder}/{path.name}")
+    lines += ["", "Daemon modules and the test files that import them:", ""]
+    for module in sorted(importers):
+        lines.append(f"- `{module}`: " + ", ".join(f"`{t}`" for t in sorted(importers[module])))
     return "\n".join(lines)
 
 
@@ -148,6 +185,6 @@ def pages() -> dict[Path, str]:
     return {
         **maps,
         README: splice(README.read_text(), "packages", packages_map()),
-        DEVELOPMENT: splice(DEVELOPMENT.read_text(), "modules", modules_map()),
+        DEVELOPMENT: splice(splice(DEVELOPMENT.read_text(), "modules", modules_map()), "tests", tests_map()),
         CLI_PAGE: cli_page(),
     }

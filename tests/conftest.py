@@ -8,7 +8,7 @@
 - ``spawn_daemon(*args)``: ``python -m kvkeepd`` as a subprocess (DaemonProcess), for signals,
   kill -9 and restarts; its log is attached to the report of a failing test.
 - ``redis_server``, ``start_redis``, ``s3_server``, ``start_haproxy``: real servers on
-  loopback (tests/servers.py).
+  loopback (tests/support/servers.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,230 @@
+"""Agent CLIs run against the HTTP door as their users run them: OpenAI's Codex CLI
+(`codex exec`, with a model provider at the door's /v1 speaking the Responses API) and
+Anthropic's Claude Code (`claude -p`, with ANTHROPIC_BASE_URL at the door), both from npm.
+scripts/agent-clis installs them into .agent-clis/ (scripts/test runs it where node is);
+without node or them, their tests skip and say why.
+
+What is checked: each CLI completes a turn on the embedded model (exit status 0, an answer
+printed) and every request it sent was served 200 (the access log); its second run, on a
+daemon restarted on the same state directory, reads part of its long prompt (instructions
+and tools) instead of evaluating it, as the CLI's own usage report says. Without node: the
+Messages API takes a system message among the messages, after the user's, as Claude Code
+sends its environment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from daemons import InProcessDaemon
+
+BIN = Path(__file__).resolve().parents[2] / ".agent-clis" / "node_modules" / ".bin"
+CODEX = BIN / "codex"
+CLAUDE = BIN / "claude"
+# Codex's instructions and tools are 9,190 tokens of the default model's, Claude Code's system
+# prompt with its Bash tool 3,380 (20,600 with all its tools).
+CTX = 12288
+# Both CLIs take a reply cut short for a failed turn (Claude Code asks for more first), so
+# their replies have room for the one word asked; Codex asks for no limit: the daemon's
+# default caps it, CLAUDE_CODE_MAX_OUTPUT_TOKENS Claude Code's.
+MAX_TOKENS = 256
+PROMPT = "Reply with the single word: hello."
+# Each CLI is given time for its prompt on a loaded machine's CPU, and gives up long after.
+RUN_SECONDS = 900
+
+
+def needs(cli: Path) -> pytest.MarkDecorator:
+    """Skip unless node and the installed CLI are here, saying which is missing."""
+    if shutil.which("node") is None:
+        return pytest.mark.skip(reason="node is not installed: the agent CLIs are npm packages")
+    return pytest.mark.skipif(not cli.exists(), reason=f"{cli.name} is not installed: run scripts/agent-clis")
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+def start(state: Path) -> InProcessDaemon:
+    return InProcessDaemon.with_settings(
+        state, http_address="127.0.0.1:0", ctx_per_session=CTX, default_max_tokens=MAX_TOKENS, slots=1
+    )
+
+
+@pytest.fixture
+def door(state: Path) -> Iterator[InProcessDaemon]:
+    d = start(state)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def url(d: InProcessDaemon) -> str:
+    assert d.daemon is not None
+    return f"http://127.0.0.1:{d.daemon.http_port}"
+
+
+def served(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The access log's lines of the HTTP door, in order."""
+    return [
+        r.getMessage() for r in caplog.records if r.name == "kvkeepd.access" and "http " in r.getMessage()
+    ]
+
+
+def quiet_env(home: Path) -> dict[str, str]:
+    """The environment a CLI runs in: its own home, and nothing phoned home."""
+    return {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    cwd.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        args, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=RUN_SECONDS
+    )
+    assert done.returncode == 0, (
+        f"{args[0]} exited {done.returncode}: {done.stdout[-3000:]} {done.stderr[-3000:]}"
+    )
+    return done
+
+
+def codex(d: InProcessDaemon, home: Path) -> dict[str, Any]:
+    """`codex exec --json` on one prompt; its completed turn's usage."""
+    codex_home = home / "codex"
+    codex_home.mkdir(parents=True, exist_ok=True)
+    (codex_home / "config.toml").write_text(
+        'model = "smollm2"\n'
+        'model_provider = "kvkeep"\n'
+        "[model_providers.kvkeep]\n"
+        'name = "kvkeep"\n'
+        f'base_url = "{url(d)}/v1"\n'
+        'wire_api = "responses"\n'
+        'env_key = "KVKEEP_API_KEY"\n'
+        # The Responses door's stream opens with the reply's first token, after the prompt.
+        f"stream_idle_timeout_ms = {RUN_SECONDS * 1000}\n"
+    )
+    env = {**quiet_env(home), "CODEX_HOME": str(codex_home), "KVKEEP_API_KEY": "dummy"}
+    done = run([str(CODEX), "exec", "--json", "--skip-git-repo-check", PROMPT], env, home / "work")
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    answers = [
+        e["item"]["text"]
+        for e in events
+        if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"
+    ]
+    assert answers and answers[-1].strip(), done.stdout[-3000:]
+    turns = [e for e in events if e["type"] == "turn.completed"]
+    assert len(turns) == 1, done.stdout[-3000:]
+    usage: dict[str, Any] = turns[0]["usage"]
+    print("codex:", usage, repr(answers[-1][:200]))
+    return usage
+
+
+def claude(d: InProcessDaemon, home: Path) -> dict[str, Any]:
+    """`claude -p --output-format json` on one prompt, with its Bash tool; its result."""
+    env = {
+        **quiet_env(home),
+        "ANTHROPIC_BASE_URL": url(d),
+        "ANTHROPIC_API_KEY": "dummy",
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_TOKENS),
+    }
+    args = [str(CLAUDE), "-p", PROMPT, "--output-format", "json", "--tools", "Bash"]
+    done = run(args, env, home / "work")
+    result: dict[str, Any] = json.loads(done.stdout)
+    assert result["subtype"] == "success" and not result["is_error"], done.stdout[-3000:]
+    assert str(result["result"]).strip(), done.stdout[-3000:]
+    print("claude:", result["usage"], repr(str(result["result"])[:200]))
+    return result
+
+
+@needs(CODEX)
+@pytest.mark.timeout(2 * RUN_SECONDS)
+def test_codex_exec_completes_a_turn_and_reads_its_prefix_after_a_restart(
+    state: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvkeepd.access")
+    d = start(state)
+    try:
+        first = codex(d, tmp_path / "first")
+    finally:
+        d.stop()
+    lines = served(caplog)
+    assert any("POST /v1/responses" in line for line in lines), lines
+    assert all(line.endswith(" 200") for line in lines), lines
+    assert first["input_tokens"] > 4000, first
+
+    caplog.clear()
+    d = start(state)
+    try:
+        second = codex(d, tmp_path / "second")
+    finally:
+        d.stop()
+    assert all(line.endswith(" 200") for line in served(caplog)), served(caplog)
+    assert second["cached_input_tokens"] > 0, second
+
+
+@needs(CLAUDE)
+@pytest.mark.timeout(2 * RUN_SECONDS)
+def test_claude_code_completes_a_turn_and_reads_its_prefix_after_a_restart(
+    state: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvkeepd.access")
+    d = start(state)
+    try:
+        first = claude(d, tmp_path / "first")
+    finally:
+        d.stop()
+    lines = served(caplog)
+    assert any("POST /v1/messages" in line for line in lines), lines
+    assert all(line.endswith(" 200") for line in lines), lines
+    assert first["usage"]["input_tokens"] + first["usage"]["cache_creation_input_tokens"] > 3000, first
+
+    caplog.clear()
+    d = start(state)
+    try:
+        second = claude(d, tmp_path / "second")
+    finally:
+        d.stop()
+    assert all(line.endswith(" 200") for line in served(caplog)), served(caplog)
+    assert second["usage"]["cache_read_input_tokens"] > 0, second
+
+
+def test_a_system_message_among_the_messages_is_rendered_where_it_stands(door: InProcessDaemon) -> None:
+    user = {"role": "user", "content": [{"type": "text", "text": "Say hello."}]}
+    environment = {
+        "role": "system",
+        "content": [
+            {"type": "text", "text": "The working directory is /srv.", "cache_control": {"type": "ephemeral"}}
+        ],
+    }
+    with httpx.Client(base_url=url(door), headers={"x-api-key": "dummy"}, timeout=120) as http:
+        alone = http.post("/v1/messages/count_tokens", json={"model": "m", "messages": [user]})
+        both = http.post("/v1/messages/count_tokens", json={"model": "m", "messages": [user, environment]})
+        assert alone.status_code == 200 and both.status_code == 200, both.text
+        assert both.json()["input_tokens"] > alone.json()["input_tokens"]
+        reply = http.post(
+            "/v1/messages", json={"model": "m", "max_tokens": 4, "messages": [user, environment]}
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["output_tokens"] >= 1
+        # An assistant's message last is still refused, a system message after it or not.
+        assistant = {"role": "assistant", "content": "Hel"}
+        cut = http.post(
+            "/v1/messages", json={"model": "m", "max_tokens": 4, "messages": [user, assistant, environment]}
+        )
+        assert cut.status_code == 400, cut.text
