@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import itertools
+import signal
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,13 @@ from servers import redis_server, s3_server, start_haproxy, start_redis  # noqa:
 import kvkeep
 
 _counter = itertools.count()
+
+# A test process started in the background by a shell (`scripts/test &`), or a worker that
+# inherited such a start, ignores SIGINT, and so would every daemon and script the tests
+# start, which then cannot be given Ctrl-C: the tests of Ctrl-C would wait forever. Their
+# children get SIGINT's default back from a handler here (exec resets handlers, not ignores).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(wrapper=True)
