@@ -93,12 +93,14 @@ def quiet_env(home: Path) -> dict[str, str]:
     }
 
 
-def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+def run(
+    args: list[str], env: dict[str, str], cwd: Path, *, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     cwd.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(
         args, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=RUN_SECONDS
     )
-    assert done.returncode == 0, (
+    assert done.returncode == 0 or not check, (
         f"{args[0]} exited {done.returncode}: {done.stdout[-3000:]} {done.stderr[-3000:]}"
     )
     return done
@@ -144,10 +146,17 @@ def claude(d: InProcessDaemon, home: Path) -> dict[str, Any]:
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_TOKENS),
     }
     args = [str(CLAUDE), "-p", PROMPT, "--output-format", "json", "--tools", "Bash"]
-    done = run(args, env, home / "work")
+    done = run(args, env, home / "work", check=False)
     result: dict[str, Any] = json.loads(done.stdout)
-    assert result["subtype"] == "success" and not result["is_error"], done.stdout[-3000:]
-    assert str(result["result"]).strip(), done.stdout[-3000:]
+    assert result["subtype"] == "success", done.stdout[-3000:]
+    if result["is_error"]:
+        # The embedded model samples at Claude Code's temperature and may talk past the cap
+        # (every reply then ends "max_tokens", as the door says): the model's limit, not the
+        # door's. Any other error fails.
+        assert result.get("api_error") == "max_output_tokens", done.stdout[-3000:]
+        assert result["usage"]["output_tokens"] >= MAX_TOKENS, done.stdout[-3000:]
+    else:
+        assert done.returncode == 0 and str(result["result"]).strip(), done.stdout[-3000:]
     print("claude:", result["usage"], repr(str(result["result"])[:200]))
     return result
 

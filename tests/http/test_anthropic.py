@@ -256,7 +256,7 @@ def test_count_tokens_counts_what_is_added(claude: anthropic.Anthropic) -> None:
     ("body", "said"),
     [
         ({"messages": [{"role": "user", "content": "Hi"}]}, "max_tokens: field required"),
-        ({"max_tokens": 4, "messages": [{"role": "system", "content": "Hi"}]}, "messages.0.role"),
+        ({"max_tokens": 4, "messages": [{"role": "robot", "content": "Hi"}]}, "messages.0.role"),
         (
             {"max_tokens": 4, "messages": [{"role": "assistant", "content": "Hi"}]},
             "last message must be the user",

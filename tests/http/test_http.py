@@ -335,11 +335,17 @@ def test_usage_counts_the_whole_prompt_on_every_door(oai: openai.OpenAI, grpc_cl
     assert over_responses.output_tokens == over_grpc.generated_tokens
 
 
-def test_the_door_keeps_a_bounded_number_of_sessions(oai: openai.OpenAI, grpc_client: kvkeep.Client) -> None:
-    for i in range(PER_TENANT + 2):
-        chat(oai, [{"role": "user", "content": f"Say {i}."}], max_tokens=1)
-    # The oldest are closed (in the background) beyond the bound.
-    wait_until(lambda: len(grpc_client.list_sessions()) == PER_TENANT, 30, "the keep's bound")
+def test_the_door_keeps_a_bounded_number_of_sessions(start_daemon: Any) -> None:
+    # A daemon of its own: the module's shared one also holds the sessions of stored responses.
+    d = start_daemon(http_address="127.0.0.1:0")
+    with (
+        openai.OpenAI(base_url=base_url(d), api_key="unused", max_retries=0, timeout=120) as oai,
+        kvkeep.Client(d.address, timeout=60) as grpc_client,
+    ):
+        for i in range(PER_TENANT + 2):
+            chat(oai, [{"role": "user", "content": f"Say {i}."}], max_tokens=1)
+        # The oldest are closed (in the background) beyond the bound.
+        wait_until(lambda: len(grpc_client.list_sessions()) == PER_TENANT, 30, "the keep's bound")
 
 
 def raw(d: InProcessDaemon, path: str, body: bytes | str | dict[str, Any], **headers: str) -> httpx.Response:
