@@ -262,17 +262,7 @@ class OpenAiDoor:
         m = self.manager
         on_fail: Callable[[], Awaitable[None]] = _nothing
         if req.session_id is None:
-            found = self.keep.find(tenant, messages)
-            if found is not None:
-                # The whole conversation: if another request moved the session on meanwhile,
-                # the flow keeps what still matches.
-                session_id = found[0].session_id
-                stream = m.converse(session_id, tenant, messages=messages, whole=True, turn=turn)
-            else:
-                session, rest = await self._new_chat_session(tenant, messages, turn, persistent=False)
-                self.keep.add(tenant, session)
-                session_id = session.session_id
-                stream = m.converse(session_id, tenant, messages=rest, whole=False, turn=turn)
+            session_id, stream, _ = await self.keep.converse(tenant, messages, turn)
         elif req.session_id == NEW_SESSION:
             session, rest = await self._new_chat_session(tenant, messages, turn, persistent=req.persistent)
             on_fail = self._closer(session, tenant)

@@ -35,7 +35,6 @@ from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.values.generation import Chunk, Turn
 from kvkeepd.values.messages import Message
-from kvkeepd.values.sampling import SamplingOverrides
 from kvkeepd.values.toolcall import join_deltas
 
 log = logging.getLogger(__name__)
@@ -121,21 +120,7 @@ class MessagesDoor:
         one continues, or in a new one (kept) whose system prompt is the conversation's."""
         if self.manager.template is None:
             raise NoChatTemplate("the model has no chat template: the Messages API needs one")
-        m = self.manager
-        found = self.keep.find(tenant, messages)
-        if found is not None:
-            session_id = found[0].session_id
-            stream = m.converse(session_id, tenant, messages=messages, whole=True, turn=turn)
-        else:
-            system = messages[0].content if messages[0].role == "system" else ""
-            rest = list(messages[1:] if system else messages)
-            await self.keep.make_room(tenant)
-            session = await m.create_session(
-                tenant, system, SamplingOverrides(), (), persistent=False, tools=turn.tools or ()
-            )
-            self.keep.add(tenant, session)
-            session_id = session.session_id
-            stream = m.converse(session_id, tenant, messages=rest, whole=False, turn=turn)
+        session_id, stream, _ = await self.keep.converse(tenant, messages, turn)
         access(request).session = session_id
         return session_id, counted(request, stream)
 
