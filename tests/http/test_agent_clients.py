@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -471,6 +472,10 @@ def post(door: InProcessDaemon, path: str, body: dict[str, Any]) -> httpx.Respon
     return httpx.post(url(door) + path, json=body, timeout=60)
 
 
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kvkeepd.access"]
+
+
 def test_errors_name_the_field_and_the_access_log_its_reason(
     door: InProcessDaemon, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -488,7 +493,11 @@ def test_errors_name_the_field_and_the_access_log_its_reason(
         for path, body, param in cases:
             r = post(door, path, body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvkeepd.access"]
+        # The door writes its access line after the reply has gone, from its own thread.
+        deadline = time.monotonic() + 10
+        while len(access_lines(caplog)) < len(cases) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    lines = access_lines(caplog)
     assert len(lines) >= len(cases)
     assert all(
         line.endswith(" 400 invalid_value") or line.endswith(" 400 context_length_exceeded")
