@@ -27,6 +27,7 @@ RULES = {
         "daemon/kvkeepd/api/http/responses/door.py",
         "daemon/kvkeepd/api/http/waiting.py",
         "daemon/kvkeepd/api/http/anthropic/door.py",
+        "daemon/kvkeepd/api/http/console/routes.py",
     },
     "uvicorn": {"daemon/kvkeepd/api/http/door.py", "daemon/kvkeepd/api/http/guard.py"},
     # Models from the Hugging Face Hub (--model hf:..., kvkeep pull), fetched before the daemon starts.

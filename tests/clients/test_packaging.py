@@ -63,6 +63,14 @@ def test_the_wheel_holds_every_module_and_marker(built: tuple[Path, Path]) -> No
     expected = modules(ROOT / "client" / "kvkeep") | modules(ROOT / "daemon" / "kvkeepd")
     assert expected - names == set()
     assert {"kvkeep/py.typed", "kvkeepd/py.typed", "kvkeep/v1/kvkeep_pb2.pyi"} <= names
+    # The console's page ships as its files are in the tree.
+    console = ROOT / "daemon" / "kvkeepd" / "api" / "http" / "console" / "static"
+    shipped = {f"kvkeepd/api/http/console/static/{f.name}" for f in console.iterdir()}
+    assert {
+        "kvkeepd/api/http/console/static/index.html",
+        "kvkeepd/api/http/console/static/console.js",
+    } <= shipped
+    assert shipped <= names
     assert f"kvkeep-{VERSION}.dist-info/licenses/LICENSE" in names
     # Only the two packages: no tests, scripts or build leftovers.
     assert {n.split("/")[0] for n in names} == {"kvkeep", "kvkeepd", f"kvkeep-{VERSION}.dist-info"}

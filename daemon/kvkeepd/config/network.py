@@ -17,6 +17,8 @@ DEFAULT_PORT = 50051
 # llama-server's port: what OpenAI clients set up for a local llama.cpp server already use.
 DEFAULT_HTTP_PORT = 8080
 
+#: `--console`: the web console served, served without its actions, or not served.
+CONSOLE_MODES = ("on", "read-only", "off")
 #: `--http off`: no HTTP door.
 OFF = "off"
 
@@ -123,6 +125,14 @@ class NetworkSettings:
             "Web origins (comma-separated scheme://host[:port]) whose pages may call the HTTP door, "
             "with CORS; a page of another origin gets 403, one the door serves itself passes; * "
             "lets any.",
+        ),
+    )
+    console: str = field(
+        default="on",
+        metadata=spec(
+            "The web console on the HTTP door's / (console.md): on, read-only (it shows sessions and "
+            "chats, and refuses restore, fork, delete and checkpoint with 403) or off.",
+            choices=CONSOLE_MODES,
         ),
     )
     metrics_address: str = field(

@@ -104,6 +104,7 @@ SECTIONS: tuple[Section, ...] = tuple(
                 "http-connections-per-peer",
                 "allowed-host",
                 "allowed-origin",
+                "console",
                 "response-ttl",
                 "metrics-address",
             ),

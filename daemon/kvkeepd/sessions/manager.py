@@ -43,7 +43,7 @@ from kvkeepd.sessions.tenants import Tenant, Tenants
 from kvkeepd.storage.catalog import CheckpointRow, ListedSession
 from kvkeepd.storage.stores import Stores
 from kvkeepd.values.generation import Chunk, Turn
-from kvkeepd.values.messages import Message, check_messages
+from kvkeepd.values.messages import ChatMessage, Message, check_messages
 from kvkeepd.values.sampling import SamplingOverrides
 from kvkeepd.values.toolcall import Tool, check_tools
 
@@ -300,6 +300,12 @@ class SessionManager:
     async def list_checkpoints(self, session_id: str, tenant: Tenant) -> list[CheckpointRow]:
         """The session's checkpoints, oldest first."""
         return await self._checkpointing.list_checkpoints(session_id, tenant)
+
+    async def checkpoint_messages(self, checkpoint_id: str, tenant: Tenant) -> list[ChatMessage]:
+        """The conversation one of the tenant's checkpoints holds (its manifest's messages)."""
+        store = await self.persistence.find(checkpoint_id, tenant)
+        snap = await asyncio.to_thread(store.snapshot, checkpoint_id)
+        return snap.messages
 
     async def restore(self, session_id: str, checkpoint_id: str, tenant: Tenant) -> tuple[Session, bool]:
         """Put the session back to a checkpoint; True with it if it was evaluated again."""

@@ -43,6 +43,9 @@ class Session:
     system_end: int = 0
     boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None
     head_checkpoint_id: str = ""
+    # The checkpoint or session it was forked from ("": none), while this daemon holds it:
+    # what the console draws its fork under.
+    forked_from: str = ""
     # The fencing token of this daemon's lease on it (persistent sessions; 0: none yet).
     lease: int = 0
     # What a chat turn that does not fit does, and what truncating cost.

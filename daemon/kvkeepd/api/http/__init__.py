@@ -25,6 +25,9 @@ folder per API (`chat/`, `responses/`, `anthropic/`), and at the root what serve
   routes.
 - chat/: OpenAI's chat completions and completions on the HTTP door (`/v1/chat/completions`,
   `/v1/completions`): their request bodies and their replies; app.py routes them.
+- console/: The web console on the HTTP door (`GET /`, `--console on|read-only|off`): a tenant's
+  sessions, each one's tree of checkpoints and forks, its stored responses, a chat pane and the
+  daemon at a glance, in a browser.
 - responses/: OpenAI's Responses API on the HTTP door (`/v1/responses`): its request body, its
   response objects and events, and its routes.
 <!-- end -->

@@ -33,6 +33,7 @@ from kvkeepd.api.http.anthropic.door import MessagesDoor
 from kvkeepd.api.http.browsers import BrowserGuard, BrowserPolicy
 from kvkeepd.api.http.chat.schema import NEW_SESSION, ChatCompletionRequest, CompletionRequest, GenerationBody
 from kvkeepd.api.http.chat.shapes import Reply
+from kvkeepd.api.http.console.routes import OFF, Console
 from kvkeepd.api.http.keep import SessionKeep
 from kvkeepd.api.http.openai import domain_error, error
 from kvkeepd.api.http.responses.door import ResponsesDoor
@@ -74,6 +75,7 @@ class OpenAiDoor:
         aliases: Sequence[str] = (),
         *,
         browsers: BrowserPolicy,
+        console: str = OFF,
     ) -> None:
         self.manager = manager
         self.model_id = model_id
@@ -94,6 +96,9 @@ class OpenAiDoor:
             manager, model_id, self.keep, body_limit, accepting=lambda: self.accepting
         )
         stored = "/v1/responses/{response_id}"
+        # The web console (console/): its page at / and its routes, unless --console off.
+        shown = Console(manager, console, model_id, tenant=self._tenant, body=self._body)
+        pages = shown.routes(self._endpoint) if console != OFF else []
         routes = Starlette(
             routes=[
                 Route(
@@ -116,6 +121,7 @@ class OpenAiDoor:
                 Route("/v1/models/{model_id:path}", self._endpoint(self.model), methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/ready", self.health, methods=["GET"]),
+                *pages,
             ],
             exception_handlers={HTTPException: self._http_error},
         )

@@ -40,6 +40,7 @@ class HttpDoor:
             settings.max_message_bytes,
             names,
             browsers=BrowserPolicy.of(settings),
+            console=settings.console,
         )
         self.port = 0
         self.peers = Peers(settings.http_connections_per_peer, descriptor_share())

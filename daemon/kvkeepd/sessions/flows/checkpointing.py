@@ -143,6 +143,7 @@ class Checkpointing:
         loaded = await self.persistence.load(checkpoint_id, tenant, wholes=self.residency.wholes)
         salt = bytes.fromhex(loaded.snapshot.salt)
         child = await self._child(tenant, salt, loaded.snapshot, loaded.kv, persistent, [])
+        child.forked_from = checkpoint_id
         return child, loaded.reprefill
 
     async def _fork_session(self, source: Session, persistent: bool, tenant: Tenant) -> tuple[Session, bool]:
@@ -154,6 +155,7 @@ class Checkpointing:
             boundary = source.boundary
         child = await self._child(tenant, source.salt, snap, kv, persistent, snapshots)
         child.boundary, child.system_end = boundary, source.system_end
+        child.forked_from = source.session_id
         return child, False
 
     async def _child(
