@@ -2,7 +2,9 @@
 breakpoint keeps the conversation's state up to it, and a new conversation sharing that
 prefix reads it instead of evaluating it, after a restart too, within its tenant only, with
 the same reply as when it is evaluated; usage's three parts say what was read, stored and
-evaluated, and add up to the prompt.
+evaluated, and add up to the prompt. Several breakpoints in one request (up to 4, as
+Anthropic allows; a fifth is refused) are each kept, and a later request reads the longest
+it shares.
 """
 
 from __future__ import annotations
@@ -24,22 +26,30 @@ SYSTEM = " ".join(
 )
 
 
+# Tenants of their own, each to measure one breakpoint alone.
+TENANTS = {**TOKENS, **{f"t{i}": f"t{i}-token-0123456789abcd" for i in range(4)}}
+
+
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
-    write_auth(tmp_path / "auth.toml", TOKENS)
+    write_auth(tmp_path / "auth.toml", TENANTS)
     return tmp_path
 
 
-def start(root: Path) -> InProcessDaemon:
+def start(root: Path, **settings: Any) -> InProcessDaemon:
     return InProcessDaemon.with_settings(
-        root / "state", http_address="127.0.0.1:0", auth_file=root / "auth.toml", block_tokens=BLOCK
+        root / "state",
+        http_address="127.0.0.1:0",
+        auth_file=root / "auth.toml",
+        block_tokens=BLOCK,
+        **settings,
     )
 
 
 def client(d: InProcessDaemon, tenant: str) -> anthropic.Anthropic:
     assert d.daemon is not None
     url = f"http://127.0.0.1:{d.daemon.http_port}"
-    return anthropic.Anthropic(base_url=url, api_key=TOKENS[tenant], max_retries=0, timeout=120)
+    return anthropic.Anthropic(base_url=url, api_key=TENANTS[tenant], max_retries=0, timeout=120)
 
 
 def ask(c: anthropic.Anthropic, question: str, ttl: str | None = None) -> tuple[Any, float]:
@@ -128,5 +138,93 @@ def test_kept_prefixes_expire_after_their_time_to_live(root: Path) -> None:
         d.run(manager.expire_now())
         assert catalog.expired_prefixes(math.inf, 10) == []
         manager.clock = time.time
+    finally:
+        d.stop()
+
+
+LOOKUP = {
+    "name": "lookup",
+    "description": "Look a fruit up in the catalogue.",
+    "input_schema": {"type": "object", "properties": {"fruit": {"type": "string"}}, "required": ["fruit"]},
+}
+NOTE = " ".join(f"Step {i}: I look the fruit up in the catalogue of orchard {i}." for i in range(1, 7))
+FOUND = " ".join(f"Entry {i}: the cherry of orchard {i} is ripe in June." for i in range(1, 12))
+
+
+def marked(question: str, marks: set[str], result: str = FOUND) -> dict[str, Any]:
+    """A conversation with a tool round trip under the long system prompt; `marks` names
+    the blocks marked for caching: "system", "tool", "question", "call", "result"."""
+
+    def mark(name: str) -> dict[str, Any]:
+        return {"cache_control": {"type": "ephemeral"}} if name in marks else {}
+
+    call = {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"fruit": "cherry"}}
+    return {
+        "system": [{"type": "text", "text": SYSTEM, **mark("system")}],
+        "tools": [{**LOOKUP, **mark("tool")}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": question, **mark("question")}]},
+            {"role": "assistant", "content": [{"type": "text", "text": NOTE}, {**call, **mark("call")}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": result, **mark("result")},
+                    {"type": "text", "text": "Which colour is it?"},
+                ],
+            },
+        ],
+    }
+
+
+def send(c: anthropic.Anthropic, body: dict[str, Any]) -> Any:
+    """A reply to `body`, greedy, whose usage's three parts add up to its prompt."""
+    reply = c.messages.create(model="m", max_tokens=8, extra_body={"temperature": 0}, **body)
+    counted = c.messages.count_tokens(model="m", **{k: body[k] for k in ("system", "tools", "messages")})
+    u = reply.usage
+    assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == counted.input_tokens
+    return reply
+
+
+def test_several_breakpoints_each_keep_their_prefix_and_a_later_request_reads_the_one_it_shares(
+    root: Path,
+) -> None:
+    question = "Which fruit is red? " * 20
+    d = start(root, ctx_per_session=2048)
+    try:
+        assert d.daemon is not None
+        catalog = d.daemon.manager.durable.catalog
+        with client(d, "alice") as alice:
+            # Five marks are refused, as Anthropic refuses them.
+            five = marked(question, {"system", "tool", "question", "call", "result"})
+            with pytest.raises(anthropic.BadRequestError, match="A maximum of 4 blocks with cache_control"):
+                send(alice, five)
+            # Four marks: the system prompt (which holds the tools), the question, the call, the
+            # result. Each mark's prefix is kept, whole blocks of it; the longest was stored by
+            # this request and nothing was read.
+            full = send(alice, marked(question, {"system", "question", "call", "result"}))
+            assert full.usage.cache_read_input_tokens == 0
+            stored = full.usage.cache_creation_input_tokens
+        # Each mark's prefix, measured alone by a tenant of its own marking only that block.
+        cuts = []
+        for i, name in enumerate(("system", "question", "call", "result")):
+            with client(d, f"t{i}") as alone:
+                cuts.append(send(alone, marked(question, {name})).usage.cache_creation_input_tokens)
+        assert cuts[-1] == stored and all(n % BLOCK == 0 for n in cuts)
+        assert cuts == sorted(set(cuts)) and cuts[0] >= 4 * BLOCK
+        # Alice's four prefixes and the four tenants' one each.
+        assert len(catalog.expired_prefixes(math.inf, 20)) == 4 + 4
+    finally:
+        d.stop()
+    d = start(root, ctx_per_session=2048)  # a restart: the kept prefixes alone are left
+    try:
+        with client(d, "alice") as alice:
+            # Sharing only the system prompt reads the first mark's prefix, exactly.
+            other = send(alice, marked("Which fruit is yellow?", set()))
+            assert other.usage.cache_read_input_tokens == cuts[0]
+            assert other.usage.cache_creation_input_tokens == 0
+            # Sharing everything up to the call (another result) reads the call's mark's prefix.
+            later = send(alice, marked(question, set(), result="No entry for that fruit."))
+            assert later.usage.cache_read_input_tokens == cuts[2]
+            assert later.usage.cache_creation_input_tokens == 0
     finally:
         d.stop()

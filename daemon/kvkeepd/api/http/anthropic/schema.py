@@ -34,6 +34,8 @@ from kvkeepd.values.toolcall import Tool, ToolCall, ToolChoice
 Recall = Callable[[str, dict[str, Any]], str | None]
 #: A cache breakpoint's time to live in seconds, by its `ttl` (none: 5 minutes).
 TTLS = {"5m": 300.0, "1h": 3600.0}
+#: The cache breakpoints one request may mark, as Anthropic allows.
+MAX_BREAKPOINTS = 4
 # Choices of Anthropic's `tool_choice` and the mode each is here.
 CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
 
@@ -83,6 +85,11 @@ class ToolResultBlock(Body):
     is_error: bool = False
     cache_control: CacheControl | None = None
 
+    def marks(self) -> list[CacheControl]:
+        """Its cache breakpoints: its own and its content blocks'."""
+        inner = [] if isinstance(self.content, str) else [b.cache_control for b in self.content]
+        return [m for m in (self.cache_control, *inner) if m is not None]
+
     def text(self) -> str:
         text = self.content if isinstance(self.content, str) else _joined([_text_of(b) for b in self.content])
         return f"Error: {text}" if self.is_error else text
@@ -98,11 +105,23 @@ class MessageIn(Body):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
-    def cache_control(self) -> CacheControl | None:
-        """The breakpoint of its last marked block (None: none is)."""
+    def marks(self) -> list[tuple[int, CacheControl]]:
+        """Its cache breakpoints, each with how many of its template messages (`messages`)
+        end at or before the marked block: a `tool_result` block's mark (or one on a block
+        of its content) ends after its tool message, any other block's after the whole
+        message."""
         if isinstance(self.content, str):
-            return None
-        return next((b.cache_control for b in reversed(self.content) if b.cache_control is not None), None)
+            return []
+        whole = len(self.messages(lambda _id, _input: ""))
+        out: list[tuple[int, CacheControl]] = []
+        results = 0
+        for block in self.content:
+            if isinstance(block, ToolResultBlock):
+                results += 1
+                out += [(results if self.role == "user" else whole, m) for m in block.marks()]
+            elif block.cache_control is not None:
+                out.append((whole, block.cache_control))
+        return out
 
     def messages(self, recall: Recall) -> list[Message]:
         """This message as the template's: tool results first (Anthropic puts them first
@@ -175,6 +194,11 @@ class ConversationBody(Body):
 
     def conversation(self, recall: Recall) -> list[Message]:
         """The whole conversation as the template's messages, its system prompt first."""
+        if (found := len(self._heads()) + sum(len(m.marks()) for m in self.messages)) > MAX_BREAKPOINTS:
+            raise InvalidRequest(
+                f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {found}.",
+                "cache_control",
+            )
         if self.mcp_servers:
             raise InvalidRequest(
                 "mcp_servers is not supported: the daemon calls no tools itself", "mcp_servers"
@@ -196,20 +220,21 @@ class ConversationBody(Body):
     def breakpoints(self, conversation: list[Message]) -> list[tuple[list[Message], float]]:
         """The prefixes of the conversation (as `conversation` gave it) that the client
         marked for caching, each with its time to live. The template renders whole messages:
-        a mark on the system prompt or on a tool ends after the system message, and a mark on
-        any block of a message ends after that message."""
-        marks: list[tuple[int, CacheControl]] = []
+        a mark on the system prompt or on a tool ends after the system message, a mark on a
+        `tool_result` block after its tool message, and a mark on any other block of a
+        message after that message."""
         n = 1 if conversation and conversation[0].role == "system" else 0
+        marks = [(n, m) for m in self._heads()]
+        for m in self.messages:
+            marks += [(n + end, mark) for end, mark in m.marks()]
+            n += len(m.messages(lambda _id, _input: ""))
+        return [(conversation[:end], mark.seconds()) for end, mark in marks if end]
+
+    def _heads(self) -> list[CacheControl]:
+        """The breakpoints on the system prompt's blocks and on the tools."""
         blocks = [] if isinstance(self.system, str) else self.system or []
         heads = [b.cache_control for b in blocks] + [t.cache_control for t in self.tools or ()]
-        if n:
-            marks += [(n, m) for m in heads if m is not None]
-        for m in self.messages:
-            n += len(m.messages(lambda _id, _input: ""))
-            mark = m.cache_control()
-            if mark is not None and n:
-                marks.append((n, mark))
-        return [(conversation[:end], mark.seconds()) for end, mark in marks]
+        return [m for m in heads if m is not None]
 
 
 class MessagesRequest(ConversationBody):
