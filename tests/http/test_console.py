@@ -7,6 +7,10 @@
   with 403 and changes nothing; `--console off` serves none of it, and `--http off` nothing.
 - The page and its files are served with a Content-Security-Policy, behind the door's
   Host/Origin rules.
+- In a real browser (Debian's Chromium driven by Playwright): the list shows a created session,
+  the tree a checkpoint and a fork, a chat turn streams, a restore from the tree continues as
+  the SDK's restore does, and a reply or label holding markup is shown as text. It writes the
+  screenshots of docs/console.md.
 """
 
 from __future__ import annotations
@@ -228,3 +232,101 @@ def test_the_page_is_served_with_its_policy_behind_the_doors_rules(start_daemon:
     assert send(d, "GET", "/console/api/sessions", origin="https://evil.example").status_code == 403
     own = f"http://127.0.0.1:{d.daemon.http_port}"
     assert send(d, "POST", "/console/api/sessions", {}, origin=own).status_code == 201
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+# Debian's Chromium, headless, reaching nothing but the daemon.
+BROWSER_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "console"
+MARKUP = "<script>window.pwned=1</script>"
+# A reply that is markup: the grammar leaves the model no other.
+MARKUP_REPLY = "<img src=x onerror=window.pwned=2><script>window.pwned=3</script>"
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (scripts/servers installs Debian's)")
+def test_in_a_browser_the_console_lists_draws_streams_and_restores(start_daemon: Any) -> None:
+    from playwright.sync_api import sync_playwright
+
+    d = start_daemon(http_address="127.0.0.1:0")
+    with kvkeep.Client(d.address, timeout=60) as client:
+        session = client.create_session("Be brief.", sampling=GREEDY)
+        session.chat("Name a fruit.", max_tokens=6)
+        mark = session.checkpoint(MARKUP)
+        session.chat("Name a colour.", max_tokens=6)
+        fork = session.fork(mark.checkpoint_id)
+        forced = {
+            "model": MODEL,
+            "session_id": session.session_id,
+            "messages": [{"role": "user", "content": "Write a tag."}],
+            "grammar": f"root ::= {json.dumps(MARKUP_REPLY)}",
+            "max_tokens": 60,
+        }
+        assert send(d, "POST", "/v1/chat/completions", forced).json()["choices"][0]["message"]["content"] == (
+            MARKUP_REPLY
+        )
+        SCREENSHOTS.mkdir(exist_ok=True)
+
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS, headless=True)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("dialog", lambda dialog: dialog.accept())  # the actions' confirmations
+            page.goto(url(d, "/"))
+            # The list shows the session; its tree the checkpoint and the fork.
+            page.locator(f'tr[data-session="{session.session_id}"]').click()
+            page.locator(f'g.node.checkpoint[data-id="{mark.checkpoint_id}"]').wait_for()
+            page.locator(f'g.node.fork[data-id="{fork.session_id}"]').wait_for()
+            page.locator("#conversation .message.assistant").last.wait_for()
+            # A label and a reply holding markup are shown as text, and nothing of them ran.
+            label = page.locator(f'g[data-id="{mark.checkpoint_id}"] text.label').text_content()
+            assert label == MARKUP
+            assert page.locator("#conversation .message.assistant").last.text_content() == (
+                "assistant" + MARKUP_REPLY
+            )
+            assert page.locator("#conversation script, #conversation img").count() == 0
+            assert page.evaluate("window.pwned") is None
+            page.locator("#sessions-pane").screenshot(path=str(SCREENSHOTS / "sessions.png"))
+            page.locator("#tree-pane").screenshot(path=str(SCREENSHOTS / "tree.png"))
+
+            # Restore from the tree, then a chat turn that streams.
+            page.locator(f'g.node.checkpoint[data-id="{mark.checkpoint_id}"]').click()
+            page.locator("#node-actions button", has_text="Restore").click()
+            page.locator("#status", has_text="restored").wait_for()
+            page.evaluate(
+                """() => { window.updates = 0;
+                new MutationObserver(() => window.updates++).observe(document.querySelector('#chat'),
+                  {subtree: true, childList: true, characterData: true}); }"""
+            )
+            page.fill("#max-tokens", "8")
+            page.fill("#message", "Name a colour.")
+            page.click("#send")
+            turn = page.locator("#chat .message.assistant:not(.streaming) .usage")
+            turn.wait_for()
+            shown = page.locator("#chat .message.assistant .content").last.text_content()
+            usage = turn.text_content() or ""
+            assert page.evaluate("window.updates") > 3  # the reply arrived in pieces
+            page.locator("#chat-pane").screenshot(path=str(SCREENSHOTS / "chat.png"))
+            page.locator("#daemon-pane").screenshot(path=str(SCREENSHOTS / "daemon.png"))
+            page.screenshot(path=str(SCREENSHOTS / "console.png"), full_page=True)
+            browser.close()
+
+        # The SDK's restore of the same checkpoint, then the same turn: the same reply, tokens
+        # and cached prefix.
+        after_console = session.info().n_tokens
+        session.restore(mark.checkpoint_id)
+        again = session.chat("Name a colour.", max_tokens=8, sampling=GREEDY)
+        assert shown == again.text and again.text
+        assert session.info().n_tokens == after_console
+        u = again.usage
+        assert usage == f"prompt {u.prompt_tokens} (cached {u.reused_tokens}), generated {u.generated_tokens}"
+        assert 0 < u.reused_tokens <= mark.n_tokens  # the restored state was read, not evaluated
+        fork.close()
+        session.close()
