@@ -101,6 +101,15 @@ class NetworkSettings:
             high=3600,
         ),
     )
+    http_heartbeat: float = field(
+        default=10.0,
+        metadata=spec(
+            "Seconds a streamed HTTP reply may send nothing, its prompt being evaluated say, before it "
+            "sends a heartbeat event, so that a client's idle timeout (Codex CLI's) does not close it.",
+            low=0.05,
+            high=3600,
+        ),
+    )
     http_connections_per_peer: int = field(
         default=256,
         metadata=spec(

@@ -101,6 +101,7 @@ SECTIONS: tuple[Section, ...] = tuple(
                 "tenant-quota",
                 "max-message-bytes",
                 "http-read-timeout",
+                "http-heartbeat",
                 "http-connections-per-peer",
                 "allowed-host",
                 "allowed-origin",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -37,7 +38,7 @@ from kvkeepd.api.http.console.routes import OFF, Console
 from kvkeepd.api.http.keep import SessionKeep
 from kvkeepd.api.http.openai import domain_error, error
 from kvkeepd.api.http.responses.door import ResponsesDoor
-from kvkeepd.api.http.sse import STREAM_HEADERS, sse
+from kvkeepd.api.http.sse import STREAM_HEADERS, beating, sse
 from kvkeepd.api.http.waiting import access, counted, unless_left
 from kvkeepd.engine.backend import build_facts
 from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound, Unavailable
@@ -75,6 +76,7 @@ class OpenAiDoor:
         aliases: Sequence[str] = (),
         *,
         browsers: BrowserPolicy,
+        heartbeat: float,
         console: str = OFF,
     ) -> None:
         self.manager = manager
@@ -83,6 +85,8 @@ class OpenAiDoor:
         #: name any model: one is served.
         self.names = (model_id, *(a for a in aliases if a != model_id))
         self.body_limit = body_limit
+        #: Seconds a stream may say nothing before it sends a heartbeat (sse.beating).
+        self.heartbeat = heartbeat
         # What replies depend on besides the request: the model file, the llama.cpp build and
         # the mode (exact or compact), so that a client can tell when they may change.
         mode = "exact" if manager.model.exact else "compact"
@@ -91,9 +95,11 @@ class OpenAiDoor:
         self.accepting = True
         self.in_flight = 0
         self.created = int(time.time())
-        self.responses = ResponsesDoor(manager, model_id, self.keep, tenant=self._tenant, body=self._body)
+        self.responses = ResponsesDoor(
+            manager, model_id, self.keep, tenant=self._tenant, body=self._body, heartbeat=heartbeat
+        )
         self.messages = MessagesDoor(
-            manager, model_id, self.keep, body_limit, accepting=lambda: self.accepting
+            manager, model_id, self.keep, body_limit, accepting=lambda: self.accepting, heartbeat=heartbeat
         )
         stored = "/v1/responses/{response_id}"
         # The web console (console/): its page at / and its routes, unless --console off.
@@ -261,7 +267,9 @@ class OpenAiDoor:
     async def chat_completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
         req = await self._parse(request, ChatCompletionRequest)
-        turn = req.turn()
+        # A stream opens once the prompt's evaluation begins (its first progress report),
+        # not at its first token.
+        turn = dataclasses.replace(req.turn(), progress=req.stream)
         messages = await bulk.run(req.chat_messages, large=len(req.messages) > bulk.LARGE_MESSAGES)
         if self.manager.template is None:
             raise NoChatTemplate("the model has no chat template; use /v1/completions")
@@ -283,7 +291,9 @@ class OpenAiDoor:
         top = req.top_logprobs or 0
         if req.stream:
             render: Render = lambda c, first: reply.chat_chunk(c, top, first)  # noqa: E731
-            return await self._events(request, stream, render, reply, req.include_usage, on_fail)
+            return await self._events(
+                request, stream, render, reply, req.include_usage, on_fail, progress=req.return_progress
+            )
         chunks = await self._collect(request, stream, on_fail)
         return JSONResponse(reply.chat("".join(c.text for c in chunks), chunks, top))
 
@@ -377,7 +387,11 @@ class OpenAiDoor:
         reply: Reply,
         include_usage: bool,
         on_fail: Callable[[], Awaitable[None]],
+        *,
+        progress: bool = True,
     ) -> Response:
+        """The reply as a stream of chunks; progress reports beyond the first are sent only
+        where the client asked for them (`progress`)."""
         it = aiter(counted(request, stream))
         try:
             first = await unless_left(request, anext(it))
@@ -386,18 +400,28 @@ class OpenAiDoor:
             raise
 
         async def events() -> AsyncGenerator[bytes, None]:
-            chunk, is_first = first, True
+            is_first, last = True, first
             try:
-                while True:
-                    # A chunk of nothing (the tokens of a call's syntax) goes unsent.
-                    if is_first or _says_something(chunk):
-                        yield sse(render(chunk, is_first))
-                        is_first = False
-                    if chunk.finish_reason is not None:
-                        break
-                    chunk = await anext(it)
-                if include_usage and chunk.usage is not None:
-                    yield sse(reply.usage_chunk(chunk.usage))
+                async with contextlib.aclosing(beating(first, it, self.heartbeat)) as beats:
+                    async for chunk in beats:
+                        if chunk is None:
+                            # A heartbeat: a chunk that adds nothing.
+                            yield sse(render(Chunk(text="", token_ids=()), is_first))
+                            is_first = False
+                            continue
+                        if chunk.progress is not None and not progress:
+                            if not is_first:
+                                continue
+                            chunk = dataclasses.replace(chunk, progress=None)  # the opening only
+                        # A chunk of nothing (the tokens of a call's syntax) goes unsent.
+                        if is_first or _says_something(chunk):
+                            yield sse(render(chunk, is_first))
+                            is_first = False
+                        last = chunk
+                        if chunk.finish_reason is not None:
+                            break
+                if include_usage and last.usage is not None:
+                    yield sse(reply.usage_chunk(last.usage))
                 yield sse("[DONE]")
             except Exception as e:
                 if not isinstance(e, KvkeepError) or type(e) is KvkeepError:

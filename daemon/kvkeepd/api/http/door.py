@@ -40,6 +40,7 @@ class HttpDoor:
             settings.max_message_bytes,
             names,
             browsers=BrowserPolicy.of(settings),
+            heartbeat=settings.http_heartbeat,
             console=settings.console,
         )
         self.port = 0

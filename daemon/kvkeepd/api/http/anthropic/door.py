@@ -13,6 +13,7 @@ Anthropic's envelope on these routes (shapes.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -28,7 +29,7 @@ from kvkeepd import bulk
 from kvkeepd.api.http.anthropic.schema import ConversationBody, MessagesRequest
 from kvkeepd.api.http.anthropic.shapes import MessageShape, domain_error, error, event
 from kvkeepd.api.http.keep import SessionKeep
-from kvkeepd.api.http.sse import STREAM_HEADERS
+from kvkeepd.api.http.sse import STREAM_HEADERS, beating
 from kvkeepd.api.http.waiting import access, counted, unless_left
 from kvkeepd.errors import KvkeepError, NoChatTemplate, Unauthenticated, Unavailable
 from kvkeepd.sessions.manager import SessionManager
@@ -52,8 +53,8 @@ class BodyTooLarge(Exception):
 
 class MessagesDoor:
     """The Messages API's handlers over the door's manager and kept sessions; `accepting`
-    says whether the daemon still takes requests. `create` and `count_tokens` are its routes'
-    endpoints."""
+    says whether the daemon still takes requests; a stream that says nothing for `heartbeat`
+    seconds sends a `ping`. `create` and `count_tokens` are its routes' endpoints."""
 
     def __init__(
         self,
@@ -63,12 +64,14 @@ class MessagesDoor:
         body_limit: int,
         *,
         accepting: Callable[[], bool],
+        heartbeat: float,
     ) -> None:
         self.manager = manager
         self.model_id = model_id
         self.keep = keep
         self.body_limit = body_limit
         self.accepting = accepting
+        self.heartbeat = heartbeat
         self._calls: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.create = self._endpoint(self._create)
         self.count_tokens = self._endpoint(self._count_tokens)
@@ -166,21 +169,27 @@ class MessagesDoor:
 
         async def events() -> AsyncGenerator[bytes, None]:
             chunks: list[Chunk] = []
-            chunk = first
+            last = first
             try:
                 for e in shape.opening(first):
                     yield e
-                while True:
-                    if chunk.progress is None:
-                        chunks.append(chunk)
-                        for e in shape.delta(chunk):
-                            yield e
-                    if chunk.finish_reason is not None:
-                        break
-                    chunk = await anext(it)
+                # While the prompt is evaluated, and whenever else nothing is said for a while,
+                # a `ping` (as Anthropic's streams send).
+                async with contextlib.aclosing(beating(first, it, self.heartbeat)) as beats:
+                    async for chunk in beats:
+                        if chunk is None:
+                            yield event({"type": "ping"})
+                            continue
+                        if chunk.progress is None:
+                            chunks.append(chunk)
+                            for e in shape.delta(chunk):
+                                yield e
+                        last = chunk
+                        if chunk.finish_reason is not None:
+                            break
                 self._remember(tenant, chunks)
-                kept = await keep(chunk)
-                for e in shape.closing(chunk, kept):
+                kept = await keep(last)
+                for e in shape.closing(last, kept):
                     yield e
             except Exception as e:
                 if not isinstance(e, KvkeepError) or type(e) is KvkeepError:

@@ -19,6 +19,7 @@ restart.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -33,7 +34,7 @@ from kvkeepd.api.http.keep import SessionKeep
 from kvkeepd.api.http.openai import domain_error
 from kvkeepd.api.http.responses.schema import LOGPROBS, ResponseCreate, ResponseSpec
 from kvkeepd.api.http.responses.shapes import ResponseShape, holder_of, listing, replay
-from kvkeepd.api.http.sse import STREAM_HEADERS
+from kvkeepd.api.http.sse import STREAM_HEADERS, beating
 from kvkeepd.api.http.waiting import access, counted, unless_left
 from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound
 from kvkeepd.sessions.flows.response_list import PAGE as LISTED
@@ -55,8 +56,9 @@ HOUR, DAY = 3600.0, 86400.0
 
 class ResponsesDoor:
     """The Responses API's handlers; `tenant` resolves a request's caller, `body` reads its
-    body within the door's limit; `keep` holds the sessions of conversations sent whole. A
-    request may name any model: one is served."""
+    body within the door's limit; `keep` holds the sessions of conversations sent whole; a
+    stream that says nothing for `heartbeat` seconds sends a heartbeat. A request may name
+    any model: one is served."""
 
     def __init__(
         self,
@@ -66,12 +68,14 @@ class ResponsesDoor:
         *,
         tenant: Callable[[Request], Tenant],
         body: Callable[[Request], Awaitable[bytes]],
+        heartbeat: float,
     ) -> None:
         self.manager = manager
         self.model_id = model_id
         self.keep = keep
         self.tenant = tenant
         self.body = body
+        self.heartbeat = heartbeat
 
     async def create(self, request: Request) -> Response:
         tenant = self.tenant(request)
@@ -178,22 +182,27 @@ class ResponsesDoor:
 
     async def _events(self, request: Request, stream: AsyncIterator[Chunk], shape: ResponseShape) -> Response:
         it = aiter(stream)
-        # The first chunk before the response starts: errors until then get their status.
+        # The first chunk (the prompt's first progress report, as its evaluation begins)
+        # before the response starts: errors until then get their status.
         first = await unless_left(request, anext(it))
 
         async def events() -> AsyncGenerator[bytes, None]:
             chunks: list[Chunk] = []
-            chunk = first
             try:
                 for e in shape.opening():
                     yield e
-                while True:
-                    chunks.append(chunk)
-                    for e in shape.delta(chunk):
-                        yield e
-                    if chunk.finish_reason is not None:
-                        break
-                    chunk = await anext(it)
+                # While the prompt is evaluated, and whenever else nothing is said for a while,
+                # a heartbeat: response.in_progress again.
+                async with contextlib.aclosing(beating(first, it, self.heartbeat)) as beats:
+                    async for chunk in beats:
+                        if chunk is None:
+                            yield shape.heartbeat()
+                        elif chunk.progress is None:
+                            chunks.append(chunk)
+                            for e in shape.delta(chunk):
+                                yield e
+                            if chunk.finish_reason is not None:
+                                break
                 for e in shape.closing(chunks):
                     yield e
             except Exception as e:

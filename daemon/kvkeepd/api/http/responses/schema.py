@@ -136,6 +136,9 @@ class ResponseCreate(ClosedBody):
             tools=tools,
             tool_choice=_choice(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls is not False,
+            # A stream opens once the prompt's evaluation begins (its first progress report),
+            # not at its first token.
+            progress=self.stream is True,
         )
         items = input_items(self.input or [])
         return ResponseSpec(

@@ -190,6 +190,10 @@ class ResponseShape:
         yield self._event("response.created", response=started)
         yield self._event("response.in_progress", response=started)
 
+    def heartbeat(self) -> bytes:
+        """An event that says the response is still in progress (a stream's heartbeat)."""
+        return self._event("response.in_progress", response=self.response(None))
+
     def _open(self, key: int, call: CallDelta | None = None) -> Iterator[bytes]:
         """An output item begins: its message (and its one part), or a call."""
         index = len(self.opened)
