@@ -1,7 +1,8 @@
 """Anthropic's Messages API on the HTTP door, with Anthropic's own client.
 
 What is checked: a message and its stream (the events in Anthropic's order, the same text as
-the whole reply), stop reasons (`end_turn`, `max_tokens`, `stop_sequence`, `tool_use`), tool
+the whole reply), stop reasons (`end_turn`, `max_tokens`, `stop_sequence`, `tool_use`) and
+which of several stop sequences matched, tool
 use (blocks held to their schema, streamed as `input_json_delta`s that the client joins), a
 tool round trip continued in the door's kept session (usage says what was read again and
 what was evaluated), `count_tokens` against a reply's usage, `thinking` accepted, errors in
@@ -250,6 +251,26 @@ def test_count_tokens_counts_what_is_added(claude: anthropic.Anthropic) -> None:
         tools=TOOLS,  # type: ignore[arg-type]
     )
     assert 0 < short.input_tokens < longer.input_tokens and tooled.input_tokens > short.input_tokens + 20
+
+
+def test_stop_sequence_names_which_of_several_matched(claude: anthropic.Anthropic) -> None:
+    count = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    text = create(claude, count, max_tokens=60).content[0].text
+    assert text.index("5") < text.index("7")
+    # The sequence that appears first stops the reply, wherever it is in the list.
+    stops = ["7", "5", "never said"]
+    stopped = create(claude, count, max_tokens=60, stop_sequences=stops)
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "5"
+    assert stopped.content[0].text == text[: text.index("5")]
+    with claude.messages.stream(
+        model=MODEL, messages=count, max_tokens=60, stop_sequences=stops, extra_body={"temperature": 0}
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "stop_sequence" and streamed.stop_sequence == "5"
+    assert streamed.content[0].text == stopped.content[0].text
+    # Another list, another match: the sequence is the one that matched, not the first given.
+    other = create(claude, count, max_tokens=60, stop_sequences=["9", "3."])
+    assert other.stop_sequence == "3." and other.content[0].text == text[: text.index("3.")]
 
 
 @pytest.mark.parametrize(

@@ -236,6 +236,7 @@ class Job:
                 finish_reason=reason,
                 usage=self.usage() if reason else None,
                 tool_calls=tuple(self._pending_calls),
+                stop_sequence=self._stop.matched if reason == "stop" else "",
             )
         )
         self._pending_ids = []

@@ -22,14 +22,15 @@ class Utf8Stream:
 class StopMatcher:
     """Releases text as it streams, holding back any tail that could begin a stop string.
 
-    `feed` returns (text safe to release, matched); once matched, the text up to the stop
-    string has been released and nothing more is.
+    `feed` returns the text safe to release; once a stop string matched (`matched` names
+    it: the one that begins first, the first given of those that begin there), the text up
+    to it has been released and nothing more is.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
-        self.matched = False
+        self.matched = ""
 
     def feed(self, text: str) -> str:
         if self.matched:
@@ -38,13 +39,13 @@ class StopMatcher:
         if not self._stops:
             self._held = ""
             return buf
-        cut = -1
+        cut, matched = -1, ""
         for stop in self._stops:
             at = buf.find(stop)
             if at != -1 and (cut == -1 or at < cut):
-                cut = at
+                cut, matched = at, stop
         if cut != -1:
-            self.matched = True
+            self.matched = matched
             self._held = ""
             return buf[:cut]
         keep = 0

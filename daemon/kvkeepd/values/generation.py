@@ -122,3 +122,5 @@ class Chunk:
     usage: Usage | None = None
     tool_calls: tuple[CallDelta, ...] = ()
     progress: PromptProgress | None = None
+    # The stop string that ended the reply, of those given (finish_reason "stop").
+    stop_sequence: str = ""

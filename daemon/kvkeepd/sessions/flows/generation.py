@@ -461,4 +461,5 @@ def _merge(a: Chunk, b: Chunk) -> Chunk:
         finish_reason=b.finish_reason,
         usage=b.usage,
         tool_calls=a.tool_calls + b.tool_calls,
+        stop_sequence=b.stop_sequence,
     )

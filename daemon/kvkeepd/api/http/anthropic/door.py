@@ -87,7 +87,7 @@ class MessagesDoor:
         )
         marks = req.breakpoints(messages)
         session_id, stream = await self._converse(request, tenant, messages, turn)
-        shape = MessageShape("msg_" + secrets.token_hex(12), req.model or self.model_id, turn.stop)
+        shape = MessageShape("msg_" + secrets.token_hex(12), req.model or self.model_id)
 
         async def keep(last: Chunk) -> int:
             if not marks or last.finish_reason == "cancelled":

@@ -90,13 +90,11 @@ def tool_use(call: ToolCall) -> dict[str, Any]:
 
 
 class MessageShape:
-    """One reply's bodies: its id and model, the stop strings it was given (to name the one
-    that stopped it), and, streamed, where its content blocks are."""
+    """One reply's bodies: its id and model, and, streamed, where its content blocks are."""
 
-    def __init__(self, message_id: str, model: str, stops: Sequence[str]) -> None:
+    def __init__(self, message_id: str, model: str) -> None:
         self.message_id = message_id
         self.model = model
-        self.stops = tuple(stops)
         self._blocks = 0
         self._open: str | None = None  # the streamed block open now: "text", "tool_use" or none
 
@@ -105,9 +103,7 @@ class MessageShape:
 
     def _ending(self, c: Chunk) -> dict[str, Any]:
         reason = STOP_REASONS.get(c.finish_reason or "", "end_turn")
-        # The engine says a stop string matched, not which: with one given, it is that one.
-        sequence = self.stops[0] if reason == "stop_sequence" and len(self.stops) == 1 else None
-        return {"stop_reason": reason, "stop_sequence": sequence}
+        return {"stop_reason": reason, "stop_sequence": c.stop_sequence or None}
 
     def message(self, chunks: Sequence[Chunk], kept: int = 0) -> dict[str, Any]:
         """The whole reply; `kept`: the prompt's tokens newly stored (see `usage`)."""
