@@ -2,11 +2,12 @@
 
 What is checked: a message and its stream (the events in Anthropic's order, the same text as
 the whole reply), stop reasons (`end_turn`, `max_tokens`, `stop_sequence`, `tool_use`) and
-which of several stop sequences matched, tool
-use (blocks held to their schema, streamed as `input_json_delta`s that the client joins), a
-tool round trip continued in the door's kept session (usage says what was read again and
-what was evaluated), `count_tokens` against a reply's usage, `thinking` accepted, errors in
-Anthropic's envelope with its statuses, and tenants named by `x-api-key` or a bearer token.
+which of several stop sequences matched, structured outputs (`output_config.format`) held
+to their schema, tool use (blocks held to their schema, streamed as `input_json_delta`s
+that the client joins), a tool round trip continued in the door's kept session (usage says
+what was read again and what was evaluated), `count_tokens` against a reply's usage,
+`thinking` accepted, errors in Anthropic's envelope with its statuses, and tenants named by
+`x-api-key` or a bearer token.
 """
 
 from __future__ import annotations
@@ -227,6 +228,53 @@ def test_a_tool_round_trip_continues_the_kept_session(claude: anthropic.Anthropi
     # An error result is accepted as one.
     messages[-1]["content"][0] |= {"is_error": True}
     assert create(claude, messages, tools=TOOLS[:1], system=SYSTEM, max_tokens=4).content
+
+
+CITY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 24},
+        "country": {"type": "string", "minLength": 1, "maxLength": 24},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "country", "capital"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_hold_the_reply_to_its_json_schema(claude: anthropic.Anthropic) -> None:
+    question: Any = [{"role": "user", "content": "What is the largest city of Japan?"}]
+    output: Any = {"format": {"type": "json_schema", "schema": CITY_SCHEMA}}
+    # Unconstrained, the model answers in words.
+    free = create(claude, question, max_tokens=40).content[0].text
+    with pytest.raises(ValueError):
+        json.loads(free)
+    # With output_config, the reply's text is JSON its schema allows, streamed or not.
+    reply = create(claude, question, max_tokens=80, output_config=output)
+    assert reply.stop_reason == "end_turn" and [b.type for b in reply.content] == ["text"]
+    jsonschema.validate(json.loads(reply.content[0].text), CITY_SCHEMA)
+    with claude.messages.stream(
+        model=MODEL, messages=question, max_tokens=80, output_config=output, extra_body={"temperature": 0}
+    ) as stream:
+        assert stream.get_final_message().content[0].text == reply.content[0].text  # type: ignore[union-attr]
+    # With tools: a call is held to its tool's schema, an answer to the output's.
+    ask = [*few_shot(), {"role": "user", "content": "What is the weather in Paris?"}]
+    both = create(claude, ask, tools=TOOLS[:1], max_tokens=80, output_config=output)
+    for block in both.content:
+        if block.type == "tool_use":
+            valid(block)
+        else:
+            jsonschema.validate(json.loads(block.text), CITY_SCHEMA)
+    assert both.stop_reason in ("tool_use", "end_turn")
+    # A schema that cannot be compiled is refused, streamed or not.
+    wrong: Any = {"format": {"type": "json_schema", "schema": {"type": "strang"}}}
+    with pytest.raises(anthropic.BadRequestError, match="strang"):
+        create(claude, question, max_tokens=8, output_config=wrong)
+    with (
+        pytest.raises(anthropic.BadRequestError, match="strang"),
+        claude.messages.stream(model=MODEL, messages=question, max_tokens=8, output_config=wrong) as refused,
+    ):
+        list(refused)
 
 
 def test_thinking_is_accepted_and_no_thinking_block_comes_out(claude: anthropic.Anthropic) -> None:

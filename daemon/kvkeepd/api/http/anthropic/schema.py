@@ -8,9 +8,10 @@ result's text begins with "Error: ", since templates have no field for it), an a
 text and `tool_use` blocks one assistant message with its calls, a system message among the
 others (Claude Code sends its environment so) a system message where it stands. `thinking` blocks and the
 `thinking` option are accepted and dropped: the served model has no separate reasoning to
-show or to hide. Images and documents are refused: the model has no vision. What would
-change the reply and cannot be honoured (an assistant's message last, to be continued;
-server tools; MCP servers) is refused with a 400 that names it.
+show or to hide. `output_config.format` (structured outputs) holds the reply's text to its
+JSON schema, as the OpenAI doors' `response_format` does. Images and documents are refused:
+the model has no vision. What would change the reply and cannot be honoured (an assistant's
+message last, to be continued; server tools; MCP servers) is refused with a 400 that names it.
 """
 
 from __future__ import annotations
@@ -237,6 +238,19 @@ class ConversationBody(Body):
         return [m for m in heads if m is not None]
 
 
+class OutputFormat(Body):
+    """Structured outputs: the reply's text is JSON that `schema` allows."""
+
+    type: Literal["json_schema"]
+    json_schema: Annotated[dict[str, Any], Field(alias="schema")]
+
+
+class OutputConfig(Body):
+    format: OutputFormat | None = None
+    # How much effort the model puts in: the served model has one way of answering.
+    effort: str | None = None
+
+
 class MessagesRequest(ConversationBody):
     max_tokens: Annotated[int, Field(ge=1)]
     stream: bool = False
@@ -247,6 +261,7 @@ class MessagesRequest(ConversationBody):
     # Anthropic's end-user id and service tier change nothing in a reply.
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    output_config: OutputConfig | None = None
 
     def turn(self) -> Turn:
         """The turn, its sampling values and stop strings checked now: before a session is
@@ -257,6 +272,7 @@ class MessagesRequest(ConversationBody):
             max_tokens=self.max_tokens,
             sampling=SamplingOverrides.of(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k),
             stop=list(self.stop_sequences or ()),
+            json_schema=self._schema_text(),
             tools=self.chat_tools(),
             tool_choice=choice.choice() if choice is not None else None,
             parallel_tool_calls=choice is None or not choice.disable_parallel_tool_use,
@@ -265,6 +281,12 @@ class MessagesRequest(ConversationBody):
         turn.sampling.apply(SamplingParams())
         check_stop(turn.stop)
         return turn
+
+    def _schema_text(self) -> str:
+        """The JSON schema `output_config.format` holds the reply's text to ("": none); a
+        schema that cannot be compiled is refused when the turn's grammar is."""
+        fmt = self.output_config.format if self.output_config is not None else None
+        return json.dumps(fmt.json_schema) if fmt is not None else ""
 
 
 def _text_of(block: TextBlock | MediaBlock) -> str:
