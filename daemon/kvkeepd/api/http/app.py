@@ -39,7 +39,7 @@ from kvkeepd.api.http.keep import SessionKeep
 from kvkeepd.api.http.openai import domain_error, error
 from kvkeepd.api.http.responses.door import ResponsesDoor
 from kvkeepd.api.http.sse import STREAM_HEADERS, beating, sse
-from kvkeepd.api.http.waiting import access, counted, unless_left
+from kvkeepd.api.http.waiting import access, client_closed, counted, unless_left
 from kvkeepd.engine.backend import build_facts
 from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound, Unavailable
 from kvkeepd.request_limits import MAX_CONCURRENT_RPCS
@@ -197,7 +197,7 @@ class OpenAiDoor:
                 access(request).reason = code
                 return JSONResponse(error("invalid_request_error", message, code, param), 400)
             except ClientDisconnect:
-                return Response(status_code=400)  # nobody reads it
+                return client_closed(request)
             except BodyTooLarge:
                 message = f"the request body is larger than the limit of {self.body_limit} bytes"
                 return JSONResponse(error("request_too_large", message), 413)

@@ -7,7 +7,9 @@ tenant: the next request whose messages begin with a kept session's continues th
 prefix cache can attach blocks to from the kept ones (a closed ephemeral session leaves
 nothing in the cache). A client that names its conversation (the Responses API's
 `prompt_cache_key`) is answered only in sessions kept under that key: two conversations of one
-tenant with the same beginning do not take each other's session. Nobody else is given their
+tenant with the same beginning do not take each other's session. A session whose last turn
+was left before its reply ended (its client hung up) is matched by the messages it held
+before that turn, so the client's retry or next turn continues it. Nobody else is given their
 ids, so the door owns them: it closes the oldest beyond `PER_TENANT`, and the sweeper's idle
 expiry closes the rest.
 """
@@ -42,6 +44,11 @@ class SessionKeep:
         self._kept: dict[str, OrderedDict[str, Session]] = {}
         # The key each kept session was made under ("": none), by its id.
         self._keys: dict[str, str] = {}
+        # Kept sessions whose last turn ended before its reply did (its client hung up, e.g.
+        # an idle timeout during a long prompt): the messages they held before it, by id.
+        # They are matched by those alone, so that the client's retry, or its next turn,
+        # continues them (the flow keeps the left turn's tokens that still match).
+        self._answered: dict[str, int] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
     def _live(self, tenant: Tenant) -> OrderedDict[str, Session]:
@@ -53,6 +60,7 @@ class SessionKeep:
     def _forget(self, kept: OrderedDict[str, Session], session_id: str) -> None:
         kept.pop(session_id, None)
         self._keys.pop(session_id, None)
+        self._answered.pop(session_id, None)
 
     def find(self, tenant: Tenant, messages: Sequence[Message], key: str = "") -> tuple[Session, int] | None:
         """The idle session kept under `key` whose messages are the longest proper prefix of
@@ -61,12 +69,12 @@ class SessionKeep:
         kept = self._live(tenant)
         best: tuple[Session, int] | None = None
         for s in kept.values():
-            n = len(s.messages)
+            n = self._answered.get(s.session_id, len(s.messages))
             if s.busy or not 0 < n < len(messages) or (best is not None and n <= best[1]):
                 continue
             if self._keys.get(s.session_id, "") != key:
                 continue
-            if all(m.message() == w for m, w in zip(s.messages, messages, strict=False)):
+            if all(m.message() == w for m, w in zip(s.messages[:n], messages, strict=False)):
                 best = (s, n)
         if best is not None:
             kept.move_to_end(best[0].session_id)
@@ -119,7 +127,7 @@ class SessionKeep:
             # flow keeps what still matches.
             session_id = found[0].session_id
             stream = m.converse(session_id, tenant, messages=messages, whole=True, turn=turn)
-            return session_id, stream, True
+            return session_id, self._watched(session_id, found[1], stream), True
         system = messages[0].content if messages and messages[0].role == "system" else ""
         rest = list(messages[1:] if system else messages)
         if not rest:
@@ -136,7 +144,18 @@ class SessionKeep:
         )
         self.add(tenant, session, key)
         stream = m.converse(session.session_id, tenant, messages=rest, whole=False, turn=turn)
-        return session.session_id, stream, False
+        return session.session_id, self._watched(session.session_id, len(session.messages), stream), False
+
+    async def _watched(
+        self, session_id: str, answered: int, stream: AsyncIterator[Chunk]
+    ) -> AsyncIterator[Chunk]:
+        """The reply; until it ends, the session is matched by the `answered` messages it
+        held before it."""
+        self._answered[session_id] = answered
+        async for chunk in stream:
+            if chunk.finish_reason not in (None, "cancelled"):
+                self._answered.pop(session_id, None)
+            yield chunk
 
     def _close(self, tenant: Tenant, session: Session) -> None:
         self._forget(self._kept[tenant.name], session.session_id)

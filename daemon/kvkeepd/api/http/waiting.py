@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TypeVar
 
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 from starlette.types import Receive
 
 from kvkeepd.api.access import Access
@@ -41,6 +42,13 @@ async def left(receive: Receive) -> None:
     """Return once the client has gone (its request's body already read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def client_closed(request: Request) -> Response:
+    """The answer to a client that hung up before its reply (ClientDisconnect): nobody reads
+    it, the access log does, as nginx's 499 "client closed request"."""
+    access(request).reason = "client_closed_request"
+    return Response(status_code=499)
 
 
 def access(request: Request) -> Access:

@@ -30,7 +30,7 @@ from kvkeepd.api.http.anthropic.schema import ConversationBody, MessagesRequest
 from kvkeepd.api.http.anthropic.shapes import MessageShape, domain_error, error, event
 from kvkeepd.api.http.keep import SessionKeep
 from kvkeepd.api.http.sse import STREAM_HEADERS, beating
-from kvkeepd.api.http.waiting import access, counted, unless_left
+from kvkeepd.api.http.waiting import access, client_closed, counted, unless_left
 from kvkeepd.errors import KvkeepError, NoChatTemplate, Unauthenticated, Unavailable
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.tenants import Tenant
@@ -219,7 +219,7 @@ class MessagesDoor:
             except ValidationError as e:
                 return JSONResponse(error("invalid_request_error", _describe(e)), 400)
             except ClientDisconnect:
-                return Response(status_code=400)  # nobody reads it
+                return client_closed(request)
             except BodyTooLarge:
                 message = f"the request body is larger than the limit of {self.body_limit} bytes"
                 return JSONResponse(error("request_too_large", message), 413)
