@@ -226,5 +226,10 @@ def test_several_breakpoints_each_keep_their_prefix_and_a_later_request_reads_th
             later = send(alice, marked(question, set(), result="No entry for that fruit."))
             assert later.usage.cache_read_input_tokens == cuts[2]
             assert later.usage.cache_creation_input_tokens == 0
+            prompt = stored + full.usage.input_tokens
+            print(
+                f"\nbreakpoints kept at {cuts} of {prompt} prompt tokens; "
+                f"after a restart read {cuts[0]} and {cuts[2]}"
+            )
     finally:
         d.stop()
