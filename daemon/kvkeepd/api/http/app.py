@@ -276,7 +276,8 @@ class OpenAiDoor:
         m = self.manager
         on_fail: Callable[[], Awaitable[None]] = _nothing
         if req.session_id is None:
-            session_id, stream, _ = await self.keep.converse(tenant, messages, turn)
+            key = req.prompt_cache_key or ""
+            session_id, stream, _ = await self.keep.converse(tenant, messages, turn, key=key)
         elif req.session_id == NEW_SESSION:
             session, rest = await self._new_chat_session(tenant, messages, turn, persistent=req.persistent)
             on_fail = self._closer(session, tenant)

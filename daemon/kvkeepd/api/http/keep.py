@@ -5,13 +5,13 @@ request in one of its own ephemeral sessions and keeps the most recent ones open
 tenant: the next request whose messages begin with a kept session's continues that session
 (only the new messages are evaluated), and any other one starts a new session that the
 prefix cache can attach blocks to from the kept ones (a closed ephemeral session leaves
-nothing in the cache). A client that names its conversation (the Responses API's
-`prompt_cache_key`) is answered only in sessions kept under that key: two conversations of one
-tenant with the same beginning do not take each other's session. A session whose last turn
-was left before its reply ended (its client hung up) is matched by the messages it held
-before that turn, so the client's retry or next turn continues it. Nobody else is given their
-ids, so the door owns them: it closes the oldest beyond `PER_TENANT`, and the sweeper's idle
-expiry closes the rest.
+nothing in the cache). A client that names its conversation (`prompt_cache_key`, on
+chat completions and the Responses API) is answered only in sessions kept under that key:
+two conversations of one tenant with the same beginning do not take each other's session.
+A session whose last turn was left before its reply ended (its client hung up) is matched
+by the messages it held before that turn, so the client's retry or next turn continues it.
+Nobody else is given their ids, so the door owns them: it closes the oldest beyond
+`PER_TENANT`, and the sweeper's idle expiry closes the rest.
 """
 
 from __future__ import annotations

@@ -235,6 +235,8 @@ class ChatCompletionRequest(GenerationBody):
     audio: Any = None
     verbosity: str | None = None
     web_search_options: Any = None
+    # A conversation sent whole is continued only in the session the door keeps under it.
+    prompt_cache_key: str | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
