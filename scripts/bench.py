@@ -29,6 +29,10 @@ compared with, and reported as a ratio: this machine is shared and noisy.
     scripts/bench chain [--steps 1000]
                                the RAM a chain of stored responses holds against --ram-cache
                                (the daemon's metrics every 100 steps; bench_chain.py)
+    scripts/bench fairness [--peer LLAMA_SERVER]
+                               while an 8,000-token prompt is evaluated: another session's
+                               first token, a running stream's token gaps, the long prompt's
+                               own time, against each alone (bench_fairness.py)
     scripts/bench peer LLAMA_SERVER
                                turns, restores, a restart, streaming and concurrency
                                against llama-server on the same model (bench_peer.py)
@@ -1367,6 +1371,7 @@ def main() -> None:
     import bench_agent
     import bench_agent_cli
     import bench_chain
+    import bench_fairness
     import bench_peer  # imports this module's helpers as `bench`
     import bench_tools
 
@@ -1413,6 +1418,7 @@ def main() -> None:
     bench_agent.add_parser(sub)
     bench_agent_cli.add_parser(sub)
     bench_chain.add_parser(sub)
+    bench_fairness.add_parser(sub)
     t = sub.add_parser("turns")
     t.add_argument("--tokens", type=int, default=1900)
     t.add_argument("--turns", type=int, default=60)
@@ -1441,6 +1447,7 @@ def main() -> None:
         "agent": bench_agent.run,
         "agent-cli": bench_agent_cli.run,
         "chain": bench_chain.run,
+        "fairness": bench_fairness.run,
         "turns": bench_turns,
         "store": bench_store,
         "shared-turns": bench_shared_turns,
