@@ -7,10 +7,12 @@
   with 403 and changes nothing; `--console off` serves none of it, and `--http off` nothing.
 - The page and its files are served with a Content-Security-Policy, behind the door's
   Host/Origin rules.
+- A fork at a message ("branch here") holds the conversation through it and continues as a
+  fresh session given those messages does, token for token; its source is unchanged.
 - In a real browser (Debian's Chromium driven by Playwright): the list shows a created session,
   the tree a checkpoint and a fork, a chat turn streams, a restore from the tree continues as
-  the SDK's restore does, and a reply or label holding markup is shown as text. It writes the
-  screenshots of docs/console.md.
+  the SDK's restore does, "branch here" on the turn's message forks through it, and a reply or
+  label holding markup is shown as text. It writes the screenshots of docs/console.md.
 """
 
 from __future__ import annotations
@@ -172,6 +174,63 @@ def test_the_acting_routes_act_as_the_sdk_does(door: InProcessDaemon) -> None:
         assert {s.session_id for s in alice.list_sessions()} & {session.session_id} == set()
 
 
+def test_a_fork_at_a_message_continues_as_a_fresh_session_given_its_messages(door: InProcessDaemon) -> None:
+    with sdk(door, TOKENS["alice"]) as alice:
+        session = alice.create_session("Be brief.", sampling=GREEDY)
+        first = session.chat("Name a fruit.", max_tokens=24).text
+        session.chat("Name a colour.", max_tokens=24)
+        mark = session.checkpoint("two turns")
+        before = session.info()
+        n_listed = len(alice.list_sessions())
+
+        # Through the first reply (message 2), from the session and from its checkpoint.
+        forks = []
+        for source in ({"session_id": session.session_id}, {"checkpoint_id": mark.checkpoint_id}):
+            made = send(door, "POST", "/console/api/forks", source | {"through_message": 2}, **ALICE)
+            assert made.status_code == 201, made.text
+            assert made.json()["forked_from"] == next(iter(source.values()))
+            forks.append(alice.session(made.json()["session_id"]))
+        held = [(m.role, m.content) for m in forks[0].info().messages]
+        assert held == [("system", "Be brief."), ("user", "Name a fruit."), ("assistant", first)]
+        assert [(m.role, m.content) for m in forks[1].info().messages] == held
+        after = session.info()  # the source is unchanged
+        assert (after.n_tokens, after.messages) == (before.n_tokens, before.messages)
+
+        # Each fork's next turn is a fresh session's given the same messages, token for token.
+        fresh = alice.create_session("Be brief.", sampling=GREEDY)
+        given = [kvkeep.Message("user", "Name a fruit."), kvkeep.Message("assistant", first)]
+        expected = fresh.chat([*given, kvkeep.Message("user", "Name an animal.")], max_tokens=16)
+        for fork in forks:
+            reply = fork.chat("Name an animal.", max_tokens=16)
+            assert (reply.text, reply.usage.prompt_tokens, reply.usage.generated_tokens) == (
+                expected.text,
+                expected.usage.prompt_tokens,
+                expected.usage.generated_tokens,
+            )
+            assert reply.text and fork.info().n_tokens == fresh.info().n_tokens
+
+        # Through the system prompt alone: a fresh session with it, before its first turn.
+        at_system = {"session_id": session.session_id, "through_message": 0}
+        bare = send(door, "POST", "/console/api/forks", at_system, **ALICE)
+        assert bare.status_code == 201 and bare.json()["n_messages"] == 1
+        assert bare.json()["n_tokens"] == alice.create_session("Be brief.").info().n_tokens
+
+        # A message the source does not have is a 400 that leaves no fork behind.
+        n_listed += 5  # the two forks, this one and the two fresh sessions
+        for through in (5, -1, "2"):
+            bad = send(
+                door,
+                "POST",
+                "/console/api/forks",
+                {"session_id": session.session_id, "through_message": through},
+                **ALICE,
+            )
+            assert bad.status_code == 400 and "through_message" in bad.json()["error"]["message"], bad.text
+        assert len(alice.list_sessions()) == n_listed
+        for info in alice.list_sessions():
+            alice.session(info.session_id).close()
+
+
 def test_read_only_refuses_every_action_and_off_serves_nothing(
     door: InProcessDaemon, start_daemon: Any
 ) -> None:
@@ -288,8 +347,8 @@ def test_in_a_browser_the_console_lists_draws_streams_and_restores(start_daemon:
             # A label and a reply holding markup are shown as text, and nothing of them ran.
             label = page.locator(f'g[data-id="{mark.checkpoint_id}"] text.label').text_content()
             assert label == MARKUP
-            assert page.locator("#conversation .message.assistant").last.text_content() == (
-                "assistant" + MARKUP_REPLY
+            assert page.locator("#conversation .message.assistant .content").last.text_content() == (
+                MARKUP_REPLY
             )
             assert page.locator("#conversation script, #conversation img").count() == 0
             assert page.evaluate("window.pwned") is None
@@ -313,9 +372,19 @@ def test_in_a_browser_the_console_lists_draws_streams_and_restores(start_daemon:
             shown = page.locator("#chat .message.assistant .content").last.text_content()
             usage = turn.text_content() or ""
             assert page.evaluate("window.updates") > 3  # the reply arrived in pieces
+            page.locator("#chat .message.user .branch").last.wait_for()
             page.locator("#chat-pane").screenshot(path=str(SCREENSHOTS / "chat.png"))
             page.locator("#daemon-pane").screenshot(path=str(SCREENSHOTS / "daemon.png"))
             page.screenshot(path=str(SCREENSHOTS / "console.png"), full_page=True)
+
+            # "branch here" at the turn's message: a fork holding the conversation through it.
+            held = session.info().messages
+            listed = {s.session_id for s in client.list_sessions()}
+            page.locator("#chat .message.user .branch").last.click()
+            page.locator("#status", has_text="forked").wait_for()
+            (branch_id,) = {s.session_id for s in client.list_sessions()} - listed
+            page.locator(f'g.node.origin[data-id="{session.session_id}"]').wait_for()
+            assert client.session(branch_id).info().messages == held[:-1]
             browser.close()
 
         # The SDK's restore of the same checkpoint, then the same turn: the same reply, tokens

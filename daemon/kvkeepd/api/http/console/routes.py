@@ -3,16 +3,17 @@ JSON routes under `/console/api/` that the page (or any client with a token) cal
 
 Reading routes answer under the API's auth, each for the caller's tenant alone (another
 tenant's session or checkpoint is 404, as on every route). Acting routes (create, checkpoint,
-restore, fork, close, delete) each make one SessionManager call; with `--console read-only`
-they answer 403 before anything else. The page and its files are the same for everyone and
-carry no data: they are served without a token, with a Content-Security-Policy that lets the
-page run its own scripts alone.
+restore, fork, close, delete) each make one SessionManager call, but a fork at a message
+("branch here"): a fork, then a rewind of the fork to that message's end. With
+`--console read-only` they answer 403 before anything else. The page and its files are the
+same for everyone and carry no data: they are served without a token, with a
+Content-Security-Policy that lets the page run its own scripts alone.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from importlib import resources
 from typing import Any
 
@@ -24,9 +25,11 @@ from kvkeepd import __version__
 from kvkeepd.api.http.body import Body
 from kvkeepd.api.http.console import shapes
 from kvkeepd.api.http.openai import error
+from kvkeepd.errors import InvalidRequest
 from kvkeepd.sessions.flows.responses import RESPONSE_ID_PREFIX, checkpoint_of
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.tenants import Tenant
+from kvkeepd.values.messages import ChatMessage
 from kvkeepd.values.sampling import SamplingOverrides
 
 #: `--console` values.
@@ -76,6 +79,8 @@ class ForkBody(Body):
     session_id: str = ""
     checkpoint_id: str = ""
     persistent: bool = False
+    # Set: the fork holds its source's conversation through this message (0: the first).
+    through_message: int | None = None
 
 
 class Console:
@@ -254,7 +259,21 @@ class Console:
         session, reprefilled = await self.manager.fork(
             body.session_id, checkpoint_id, body.persistent, tenant
         )
+        if body.through_message is not None:
+            await self._cut(session.session_id, tenant, body.through_message)
         return await self._session(session.session_id, tenant, 201, {"reprefilled": reprefilled})
+
+    async def _cut(self, fork_id: str, tenant: Tenant, through: int) -> None:
+        """Rewind a new fork to the end of its message `through`; a message it cannot end
+        at closes the fork (nobody has learnt its id) and is a 400."""
+        view = await self.manager.view(await self.manager.find(fork_id, tenant))
+        try:
+            n_tokens = branch_point(view.session.messages, through, view.n_tokens)
+            if n_tokens < view.n_tokens:
+                await self.manager.rewind(fork_id, tenant, n_tokens)
+        except BaseException:
+            await self.manager.close_session(fork_id, tenant)
+            raise
 
     async def close(self, request: Request) -> Response:
         tenant = self.tenant(request)
@@ -273,6 +292,25 @@ class Console:
     ) -> Response:
         view = await self.manager.view(await self.manager.find(session_id, tenant))
         return JSONResponse(shapes.session_row(view, self.manager.settings) | (extra or {}), status)
+
+
+def branch_point(messages: Sequence[ChatMessage], through: int, n_tokens: int) -> int:
+    """The length of a history of `n_tokens` that holds `messages[: through + 1]` and
+    nothing after them: where the next message's tokens begin. Messages added in one turn
+    share where they begin, so only the last of them is a place to end."""
+    if not 0 <= through < len(messages):
+        raise InvalidRequest(
+            f"through_message must be in [0, {len(messages) - 1}], got {through}", "through_message"
+        )
+    if through == len(messages) - 1:
+        return n_tokens
+    end = messages[through + 1].start
+    if end <= messages[through].start:
+        raise InvalidRequest(
+            f"messages {through} and {through + 1} were added in one turn: a fork ends after the turn's last",
+            "through_message",
+        )
+    return end
 
 
 def _checkpoint_id(request: Request) -> str:

@@ -1,5 +1,6 @@
 // The console's page: the session list (polled), the selected session's tree and the
-// conversation up to a node, the actions on nodes, a chat pane and the daemon at a glance.
+// conversation up to a node, the actions on nodes, a chat pane whose messages each fork a
+// session through them ("branch here"), and the daemon at a glance.
 // Plain ES modules over the daemon's JSON routes; see the package's docstring for why.
 
 import * as api from "./api.js";
@@ -151,21 +152,30 @@ async function pick(node) {
     node.kind === "now"
       ? state.tree.session.messages
       : (await attempt("conversation", () => api.get(`/console/api/checkpoints/${node.id}/messages`)))?.data;
-  renderConversation($("#conversation"), messages ?? []);
+  const source = node.kind === "now" ? { session_id: node.id } : { checkpoint_id: node.id };
+  renderConversation($("#conversation"), messages ?? [], source);
 }
 
-function renderConversation(list, messages) {
-  list.replaceChildren(...messages.map(messageItem));
+function renderConversation(list, messages, source) {
+  list.replaceChildren(...messages.map((m, i) => messageItem(m, { ...source, through_message: i })));
 }
 
-function messageItem(m) {
+// A message, with "branch here" where `branch` says what to fork and through which message.
+function messageItem(m, branch) {
   const item = el("li", { class: `message ${m.role}` }, el("span", { class: "role" }, m.role));
+  if (branch) item.append(branchButton(branch));
   item.append(el("span", { class: "content" }, m.content));
   for (const call of m.tool_calls ?? []) {
     item.append(el("code", { class: "call" }, `${call.name}(${call.arguments})`));
   }
   if (m.tool_call_id) item.append(el("span", { class: "result-of" }, `result of ${m.tool_call_id}`));
   return item;
+}
+
+function branchButton(branch) {
+  const b = button("branch here", () => fork(branch), "Fork a new session holding the conversation up to this message?");
+  b.classList.add("branch");
+  return b;
 }
 
 // ---- actions ---------------------------------------------------------------------------------
@@ -240,11 +250,14 @@ async function sendMessage(event) {
   const text = $("#message").value;
   if (!state.session || !text.trim()) return;
   const log = $("#chat");
-  log.append(messageItem({ role: "user", content: text }));
+  const sessionId = state.session;
+  const asked = messageItem({ role: "user", content: text });
+  log.append(asked);
   const reply = el("span", { class: "content" });
   const calls = el("span", { class: "calls" });
   const usage = el("span", { class: "usage" });
-  log.append(el("li", { class: "message assistant streaming" }, el("span", { class: "role" }, "assistant"), reply, calls, usage));
+  const answer = el("li", { class: "message assistant streaming" }, el("span", { class: "role" }, "assistant"), reply, calls, usage);
+  log.append(answer);
   const bar = $("#prompt-progress");
   const body = {
     model: "kvkeep",
@@ -281,10 +294,16 @@ async function sendMessage(event) {
     }),
   );
   bar.hidden = true;
-  log.lastElementChild.classList.remove("streaming");
+  answer.classList.remove("streaming");
   $("#send").disabled = false;
   await refreshTree();
   await refreshSessions();
+  // The turn's message and reply are the session's last two: each may start a branch.
+  const held = state.tree?.session.session_id === sessionId ? state.tree.session.messages : [];
+  if (held.at(-1)?.role === "assistant" && held.at(-2)?.content === text) {
+    asked.firstChild.after(branchButton({ session_id: sessionId, through_message: held.length - 2 }));
+    answer.firstChild.after(branchButton({ session_id: sessionId, through_message: held.length - 1 }));
+  }
 }
 
 // ---- the daemon ------------------------------------------------------------------------------
