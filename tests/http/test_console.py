@@ -7,6 +7,7 @@
   with 403 and changes nothing; `--console off` serves none of it, and `--http off` nothing.
 - The page and its files are served with a Content-Security-Policy, behind the door's
   Host/Origin rules.
+- A persistent fork stays under its parent in the tree after a restart.
 - A fork at a message ("branch here") holds the conversation through it and continues as a
   fresh session given those messages does, token for token; its source is unchanged.
 - In a real browser (Debian's Chromium driven by Playwright): the list shows a created session,
@@ -229,6 +230,35 @@ def test_a_fork_at_a_message_continues_as_a_fresh_session_given_its_messages(doo
         assert len(alice.list_sessions()) == n_listed
         for info in alice.list_sessions():
             alice.session(info.session_id).close()
+
+
+def test_persistent_forks_stay_under_their_parents_after_a_restart(tmp_path: Path) -> None:
+    def start() -> InProcessDaemon:
+        return InProcessDaemon.with_settings(tmp_path, http_address="127.0.0.1:0")
+
+    d = start()
+    try:
+        with kvkeep.Client(d.address, timeout=60) as client:
+            parent = client.create_session("Be brief.", sampling=GREEDY, persistent=True)
+            parent.chat("Name a fruit.", max_tokens=6)
+            mark = parent.checkpoint("one turn")
+            from_mark = parent.fork(mark.checkpoint_id, persistent=True)
+            from_mark.chat("Name a colour.", max_tokens=4)  # its heads after the fork keep it too
+            from_now = parent.fork(persistent=True)
+    finally:
+        d.stop()
+    d = start()
+    try:
+        tree = send(d, "GET", f"/console/api/sessions/{parent.session_id}").json()
+        assert {f["session_id"]: f["forked_from"] for f in tree["forks"]} == {
+            from_mark.session_id: mark.checkpoint_id,
+            from_now.session_id: parent.session_id,
+        }
+        rows = {r["session_id"]: r for r in send(d, "GET", "/console/api/sessions").json()["data"]}
+        assert rows[parent.session_id]["forked_from"] == ""
+        assert rows[from_mark.session_id]["n_messages"] == 5
+    finally:
+        d.stop()
 
 
 def test_read_only_refuses_every_action_and_off_serves_nothing(

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import random
+import re
 import struct
 import time
 import tracemalloc
@@ -262,6 +263,7 @@ def snapshots(draw: st.DrawFn) -> Snapshot:
         context_policy=draw(st.sampled_from(["error", "truncate"])),
         truncations=draw(st.integers(0, 1 << 40)),
         dropped_tokens=draw(st.integers(0, 1 << 40)),
+        forked_from=draw(st.sampled_from(["", "s_", "c_"]).map(lambda p: p and p + "0a" * 12)),
     )
 
 
@@ -299,6 +301,7 @@ def check_snapshot(s: Snapshot) -> None:
     assert type(s.system_end) is int and 0 <= s.system_end <= len(s.tokens)
     assert s.context_policy in ("error", "truncate")
     assert all(type(n) is int and n >= 0 for n in (s.truncations, s.dropped_tokens))
+    assert s.forked_from == "" or re.fullmatch(r"[sc]_[0-9a-f]{24}", s.forked_from)
     for m in s.messages:
         assert m.role in ("system", "user", "assistant")
         assert type(m.content) is str and type(m.start) is int
@@ -624,6 +627,7 @@ RICH = Snapshot(
     context_policy="truncate",
     truncations=3,
     dropped_tokens=120,
+    forked_from="c_" + "0123456789ab" * 2,
 )
 
 

@@ -43,8 +43,8 @@ class Session:
     system_end: int = 0
     boundary: tuple[int, tuple[kvstate.Section, ...]] | None = None
     head_checkpoint_id: str = ""
-    # The checkpoint or session it was forked from ("": none), while this daemon holds it:
-    # what the console draws its fork under.
+    # The checkpoint or session it was forked from ("": none): what the console draws its
+    # fork under. A persistent session's heads keep it (Persistence.save_head).
     forked_from: str = ""
     # The fencing token of this daemon's lease on it (persistent sessions; 0: none yet).
     lease: int = 0
@@ -83,6 +83,7 @@ class Session:
             snap.saved_at,
             tenant=snap.tenant,
             salt=bytes.fromhex(snap.salt),
+            forked_from=snap.forked_from,
         )
 
     @property

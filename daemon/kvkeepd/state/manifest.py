@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,8 @@ from kvkeepd.values.sampling import SAMPLING_FIELDS, Logits, SamplingParams
 from kvkeepd.values.toolcall import Tool
 
 MAGIC = b"KVKPMAN1"
+# A session's or a checkpoint's id.
+_FORKED_FROM = re.compile(r"^[sc]_[0-9a-f]{24}$")
 FORMAT = 1
 MAC_BYTES = 32
 MAX_TOKENS = 1 << 20
@@ -86,6 +89,8 @@ class Snapshot:
     context_policy: ContextPolicy = "error"
     truncations: int = 0
     dropped_tokens: int = 0
+    # A persistent session's head: the session or checkpoint it was forked from ("": none).
+    forked_from: str = ""
     format: int = FORMAT
 
     def piece_keys(self) -> list[str]:
@@ -121,6 +126,7 @@ def encode(s: Snapshot, key: bytes) -> bytes:
         "truncations": s.truncations,
         "dropped_tokens": s.dropped_tokens,
         "constraint": None if s.constraint is None else _constraint_value(s.constraint),
+        "forked_from": s.forked_from,
     }
     head = json.dumps(meta, separators=(",", ":")).encode()
     tokens = np.asarray(s.tokens, dtype="<i4").tobytes()
@@ -265,6 +271,9 @@ def _snapshot(
     if not 1 <= block_tokens <= 4096:
         raise CorruptCheckpoint("the checkpoint's block size is out of range")
     constraint = _constraint(meta.get("constraint"), tokens.size)
+    forked_from = meta.get("forked_from", "")  # absent in manifests older than it
+    if not isinstance(forked_from, str) or (forked_from and not _FORKED_FROM.match(forked_from)):
+        raise CorruptCheckpoint("the checkpoint's fork source is malformed")
     system_end, policy, truncations, dropped = _context(meta, tokens.size)
     if "system_end" not in meta and messages and messages[0].role == "system" and messages[0].start == 0:
         # Older manifests: the system prompt is what precedes the next message.
@@ -297,6 +306,7 @@ def _snapshot(
         context_policy=policy,
         truncations=truncations,
         dropped_tokens=dropped,
+        forked_from=forked_from,
     )
 
 

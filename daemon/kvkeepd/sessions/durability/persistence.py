@@ -63,6 +63,7 @@ class Persistence:
         if not session.lease:  # a new session: nobody else can hold it
             session.lease = await self.leases.take(session.session_id)
         snap = session.snapshot("", self.settings.block_tokens)
+        snap.forked_from = session.forked_from  # a head's alone: checkpoints are not forks
         try:
             row, stored = await store_write(
                 self.durable.save,
@@ -90,6 +91,7 @@ class Persistence:
         as its manifest would record it, without KV or logits, and the head it follows).
         Returns once it is; StoreWriteFailed or Busy if it cannot be."""
         snap = session.snapshot("", self.settings.block_tokens)
+        snap.forked_from = session.forked_from
         snap.logits = None
         snap.n_kv = 0
         snap.fingerprint = self.durable.fingerprint

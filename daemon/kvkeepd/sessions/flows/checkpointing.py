@@ -142,8 +142,7 @@ class Checkpointing:
         self.host.check_quota(tenant)
         loaded = await self.persistence.load(checkpoint_id, tenant, wholes=self.residency.wholes)
         salt = bytes.fromhex(loaded.snapshot.salt)
-        child = await self._child(tenant, salt, loaded.snapshot, loaded.kv, persistent, [])
-        child.forked_from = checkpoint_id
+        child = await self._child(tenant, salt, loaded.snapshot, loaded.kv, persistent, [], checkpoint_id)
         return child, loaded.reprefill
 
     async def _fork_session(self, source: Session, persistent: bool, tenant: Tenant) -> tuple[Session, bool]:
@@ -153,9 +152,8 @@ class Checkpointing:
             snap = source.snapshot("", self.settings.block_tokens)
             snapshots = list(source.snapshots)
             boundary = source.boundary
-        child = await self._child(tenant, source.salt, snap, kv, persistent, snapshots)
+        child = await self._child(tenant, source.salt, snap, kv, persistent, snapshots, source.session_id)
         child.boundary, child.system_end = boundary, source.system_end
-        child.forked_from = source.session_id
         return child, False
 
     async def _child(
@@ -166,7 +164,10 @@ class Checkpointing:
         kv: kvstate.SeqKv | None,
         persistent: bool,
         snapshots: list[kvstate.RecurrentCells],
+        forked_from: str,
     ) -> Session:
+        """A new session of `snap` with state `kv`, forked from `forked_from` (its first
+        head says so)."""
         now = self.host.clock()
         child = Session(
             "s_" + secrets.token_hex(12),
@@ -177,6 +178,7 @@ class Checkpointing:
             now,
             tenant=tenant.name,
             salt=salt,
+            forked_from=forked_from,
         )
         if persistent:
             await self.persistence.check_disk()
