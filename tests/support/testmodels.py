@@ -38,9 +38,12 @@ __all__ = [
     "NAMES",
     "VERSION",
     "TokenizerEntry",
+    "cached",
     "gemma3_270m",
     "path",
+    "tokenizer_entries",
     "variant",
+    "write_gguf",
 ]
 
 #: Bumped whenever what the generator writes changes: cached files of other versions are ignored.
@@ -97,7 +100,7 @@ def _source_model() -> Path:
 
 
 @functools.cache
-def _tokenizer() -> tuple[_Kv, ...]:
+def tokenizer_entries() -> tuple[_Kv, ...]:
     """Every ``tokenizer.*`` entry of the default model (vocabulary, merges, special token
     ids, add_bos/eos flags, chat template)."""
     reader = gguf.GGUFReader(_source_model())
@@ -324,17 +327,30 @@ def _write(name: str, dst: Path, tokenizer: Sequence[_Kv] | None = None) -> None
     """Generate model ``name`` (with ``tokenizer``'s entries, default: the default model's)
     and write it to ``dst``."""
     arch, build = _BUILDERS[name]
-    tokenizer = _tokenizer() if tokenizer is None else tokenizer
+    tokenizer = tokenizer_entries() if tokenizer is None else tokenizer
     m = _Model(arch, np.random.default_rng(_SEED ^ zlib.crc32(name.encode())), _n_vocab(tokenizer))
     build(m)
+    write_gguf(dst, arch, f"kvkeep test model {name} v{VERSION}", m.hparams, m.tensors, tokenizer)
+
+
+def write_gguf(
+    dst: Path,
+    arch: str,
+    title: str,
+    hparams: dict[str, int | float | list[int]],
+    tensors: Sequence[tuple[str, Array, gguf.GGMLQuantizationType | None]],
+    tokenizer: Sequence[_Kv],
+) -> None:
+    """Write a GGUF file: ``hparams`` under ``{arch}.``, the tokenizer's entries, and the
+    tensors (numpy arrays, stored as their dtype unless a raw type is given)."""
     w = gguf.GGUFWriter(dst, arch)
-    w.add_name(f"kvkeep test model {name} v{VERSION}")
+    w.add_name(title)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    for key, value in m.hparams.items():
+    for key, value in hparams.items():
         _add_hparam(w, f"{arch}.{key}", value)
     for kv in tokenizer:
         w.add_key_value(kv.key, kv.value, kv.vtype, sub_type=kv.sub_type)
-    for tensor_name, array, raw_dtype in m.tensors:
+    for tensor_name, array, raw_dtype in tensors:
         w.add_tensor(tensor_name, array, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -397,7 +413,7 @@ def path(name: str, cache_dir: Path | None = None) -> Path:
     """
     if name not in NAMES:
         raise ValueError(f"unknown test model {name!r}; known: {', '.join(NAMES)}")
-    return _cached(f"{name}-v{VERSION}.gguf", lambda tmp: _write(name, tmp), cache_dir)
+    return cached(f"{name}-v{VERSION}.gguf", lambda tmp: _write(name, tmp), cache_dir)
 
 
 def variant(
@@ -407,8 +423,10 @@ def variant(
     token texts and kinds...), cached under ``tag``, which must change whenever the edit does."""
     if name not in NAMES:
         raise ValueError(f"unknown test model {name!r}; known: {', '.join(NAMES)}")
-    return _cached(
-        f"{name}-{tag}-v{VERSION}.gguf", lambda tmp: _write(name, tmp, edit(list(_tokenizer()))), cache_dir
+    return cached(
+        f"{name}-{tag}-v{VERSION}.gguf",
+        lambda tmp: _write(name, tmp, edit(list(tokenizer_entries()))),
+        cache_dir,
     )
 
 
@@ -416,7 +434,7 @@ def variant(
 TokenizerEntry = _Kv
 
 
-def _cached(file_name: str, write: Callable[[Path], None], cache_dir: Path | None) -> Path:
+def cached(file_name: str, write: Callable[[Path], None], cache_dir: Path | None) -> Path:
     """The cached file, written once by ``write`` (to a temporary file renamed into place)."""
     directory = cache_dir if cache_dir is not None else _default_cache_dir()
     target = directory / file_name

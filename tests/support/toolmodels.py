@@ -19,6 +19,7 @@ Their weights are random: what they write is noise, except where a grammar holds
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -149,9 +150,16 @@ _SPECS: dict[str, tuple[str, dict[int, tuple[str, int]]]] = {
 }
 
 
-def path(fmt: str) -> Path:
-    """The GGUF of the tiny model whose template speaks format `fmt` (built once, cached)."""
+#: An edit of a tokenizer's entries.
+TokenizerEdit = Callable[[list[testmodels.TokenizerEntry]], list[testmodels.TokenizerEntry]]
+
+
+def retokenizer(fmt: str, more: Mapping[int, tuple[str, int]] | None = None) -> tuple[TokenizerEdit, str]:
+    """The edit of the default model's tokenizer entries that gives format `fmt`'s template and
+    token names (and the `more` token ids renamed: text and kind), and a tag that changes
+    whenever the edit does."""
     template, renames = _SPECS[fmt]
+    renames = {**renames, **(more or {})}
 
     def edit(entries: list[testmodels.TokenizerEntry]) -> list[testmodels.TokenizerEntry]:
         out = []
@@ -170,4 +178,10 @@ def path(fmt: str) -> Path:
         return out
 
     tag = hashlib.sha256(repr((template, sorted(renames.items()))).encode()).hexdigest()[:12]
+    return edit, tag
+
+
+def path(fmt: str) -> Path:
+    """The GGUF of the tiny model whose template speaks format `fmt` (built once, cached)."""
+    edit, tag = retokenizer(fmt)
     return testmodels.variant("qwen3", f"tools-{fmt}-{tag}", edit)
