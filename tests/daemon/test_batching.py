@@ -1,8 +1,9 @@
-"""Continuous batching: one llama_decode carries every active session's next tokens, and a
-long prompt goes in small chunks while other sessions are decoding.
+"""Continuous batching: one llama_decode carries every active session's next tokens; a
+prompt goes in chunks of at most --prefill-chunk tokens a step, the shortest prompts first,
+so that a long prompt never holds a stream or a short request for long.
 
 The tests watch the real llama_decode calls through a pass-through wrapper: llama.cpp still
-does all the work; the wrapper only records how many tokens each batch held.
+does all the work; the wrapper only records how many tokens of each sequence a batch held.
 """
 
 from __future__ import annotations
@@ -16,22 +17,33 @@ from daemons import GREEDY, InProcessDaemon, wait_until
 
 import kvkeep
 import kvkeepd.engine.context as context_module
-from kvkeepd.engine.steps import BUSY_PREFILL_CHUNK
+from kvkeepd.config.settings import Settings
+
+CHUNK = Settings.__dataclass_fields__["prefill_chunk"].default
 
 STORY = "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps. "
 
 
 @pytest.fixture
-def batch_sizes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    sizes: list[int] = []
+def batches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[int, int]]]:
+    """Each llama_decode's batch: tokens per sequence (slot)."""
+    seen: list[dict[int, int]] = []
     real = context_module.llama.llama_decode
 
     def recording(ctx: Any, batch: Any) -> int:
-        sizes.append(int(batch.n_tokens))
+        counts: dict[int, int] = {}
+        for k in range(int(batch.n_tokens)):
+            seq = int(batch.seq_id[k][0])
+            counts[seq] = counts.get(seq, 0) + 1
+        seen.append(counts)
         return int(real(ctx, batch))
 
     monkeypatch.setattr(context_module.llama, "llama_decode", recording)
-    yield sizes
+    yield seen
+
+
+def sizes(batches: list[dict[int, int]]) -> list[int]:
+    return [sum(b.values()) for b in batches]
 
 
 def _stream_in_background(session: kvkeep.Session, n: int) -> tuple[threading.Thread, threading.Event]:
@@ -47,7 +59,7 @@ def _stream_in_background(session: kvkeep.Session, n: int) -> tuple[threading.Th
 
 
 def test_concurrent_sessions_share_each_decode(
-    start_daemon: Callable[..., InProcessDaemon], batch_sizes: list[int]
+    start_daemon: Callable[..., InProcessDaemon], batches: list[dict[int, int]]
 ) -> None:
     d = start_daemon(slots=4, ctx_per_session=512)
     with kvkeep.Client(d.address) as client:
@@ -56,32 +68,63 @@ def test_concurrent_sessions_share_each_decode(
         for thread, _ in runs:
             thread.join(120)
     # While all four stream, a step decodes one token of each: batches of exactly 4.
-    assert batch_sizes.count(4) >= 20
+    assert sizes(batches).count(4) >= 20
 
 
 def test_a_long_prompt_is_prefilled_in_small_chunks_while_others_decode(
-    start_daemon: Callable[..., InProcessDaemon], batch_sizes: list[int]
+    start_daemon: Callable[..., InProcessDaemon], batches: list[dict[int, int]]
 ) -> None:
     d = start_daemon(slots=2, ctx_per_session=1024, batch_size=512)
     with kvkeep.Client(d.address) as client:
         streaming, other = client.create_session(), client.create_session()
         thread, started = _stream_in_background(streaming, 300)
         wait_until(started.is_set, 60, "the first streamed token")
-        before = len(batch_sizes)
+        before = len(batches)
         done = other.complete(STORY * 40, max_tokens=1, sampling=GREEDY)
-        during = batch_sizes[before:]
+        during = sizes(batches[before:])
         thread.join(120)
     assert done.usage is not None and done.usage.prompt_tokens > 600
-    # Every step carried the streaming session's token plus at most one 64-token chunk.
-    assert max(during) <= 1 + BUSY_PREFILL_CHUNK
+    # Every step carried the streaming session's token plus at most one chunk of the prompt.
+    assert max(during) <= 1 + CHUNK
     assert sum(during) >= done.usage.prompt_tokens
 
 
-def test_a_lone_prompt_is_prefilled_in_full_batches(
-    start_daemon: Callable[..., InProcessDaemon], batch_sizes: list[int]
+@pytest.mark.parametrize("chunk", [CHUNK, 512])
+def test_a_lone_prompt_is_evaluated_in_chunks_of_prefill_chunk(
+    start_daemon: Callable[..., InProcessDaemon], batches: list[dict[int, int]], chunk: int
 ) -> None:
-    d = start_daemon(slots=2, ctx_per_session=1024, batch_size=512)
+    d = start_daemon(slots=2, ctx_per_session=1024, batch_size=512, prefill_chunk=chunk)
     with kvkeep.Client(d.address) as client:
-        before = len(batch_sizes)
+        before = len(batches)
         client.create_session().complete(STORY * 40, max_tokens=1, sampling=GREEDY)
-    assert max(batch_sizes[before:]) == 512
+    assert max(sizes(batches[before:])) == chunk
+
+
+def test_a_short_prompt_goes_ahead_of_a_long_one_in_the_same_step(
+    start_daemon: Callable[..., InProcessDaemon], batches: list[dict[int, int]]
+) -> None:
+    """A request arriving while a long prompt is evaluated has its whole prompt in the next
+    step, the long prompt taking what is left of the step's chunk, and answers while the
+    long prompt is still being evaluated."""
+    d = start_daemon(slots=2, ctx_per_session=4096, batch_size=512)
+    with kvkeep.Client(d.address) as client:
+        long, short = client.create_session(), client.create_session()
+        steps = len(batches)  # the start-up probe's batches before
+        done: list[kvkeep.Completion] = []
+        thread = threading.Thread(
+            target=lambda: done.append(long.complete(STORY * 150, max_tokens=1, sampling=GREEDY))
+        )
+        thread.start()
+        wait_until(lambda: len(batches) >= steps + 3, 120, "the long prompt's first steps")
+        (long_slot,) = batches[steps]
+        answer = short.complete(STORY * 5, max_tokens=2, sampling=GREEDY)
+        assert not done, "the short request waited for the long prompt"
+        thread.join(300)
+    assert answer.usage is not None and CHUNK // 2 < answer.usage.prompt_tokens < CHUNK
+    short_steps = [b for b in batches[steps:] if set(b) - {long_slot}]
+    first = short_steps[0]
+    (short_slot,) = set(first) - {long_slot}
+    # Its whole prompt in one step (an even share would have been half the chunk), beside the
+    # rest of the chunk for the long prompt.
+    assert first == {short_slot: answer.usage.prompt_tokens, long_slot: CHUNK - answer.usage.prompt_tokens}
+    assert all(sum(b.values()) <= CHUNK + 1 for b in batches[steps:])

@@ -72,7 +72,8 @@ def check_opening(events: list[tuple[float, dict[str, Any]]], is_beat: Any, api:
     first_token = next(t for t, e in events[1:] if not is_beat(e))
     beats = [t for t, e in events[1:] if t < first_token]
     print(
-        f"{api}: first event at {events[0][0]:.3f} s, first token at {first_token:.3f} s, {len(beats)} heartbeats"
+        f"{api}: first event at {events[0][0]:.3f} s, first token at {first_token:.3f} s, "
+        f"{len(beats)} heartbeats"
     )
     assert events[0][0] < first_token / 2, (api, events[0][0], first_token)
     # One every HEARTBEAT seconds of the wait, give or take what a busy machine delays.

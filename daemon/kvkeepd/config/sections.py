@@ -37,6 +37,7 @@ SECTIONS: tuple[Section, ...] = tuple(
                 "gpu-layers",
                 "gpu-kv-budget",
                 "batch-size",
+                "prefill-chunk",
                 "kv-type",
                 "kv-unified",
                 "flash-attn",

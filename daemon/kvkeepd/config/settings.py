@@ -153,6 +153,15 @@ class Settings(NetworkSettings):
         default=512,
         metadata=spec("Most tokens evaluated in one engine step (at least --slots).", low=32, high=8192),
     )
+    prefill_chunk: int = field(
+        default=128,
+        metadata=spec(
+            "Most prompt tokens one engine step evaluates (at most --batch-size): how long others "
+            "wait for their next token while a long prompt is evaluated. Raise it on a GPU.",
+            low=16,
+            high=8192,
+        ),
+    )
     threads: int = field(
         default_factory=_cpu_count,
         metadata=spec("CPU threads for evaluation.", low=1, high=512, shown="CPU count"),

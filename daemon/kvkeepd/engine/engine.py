@@ -369,7 +369,8 @@ class Engine:
             assert job.state.logits is not None
             self._sample(job, job.state.logits)
         jobs = list(self._active)
-        counts = steps.plan([j.state.pending for j in jobs], self.config.batch_size)
+        cfg = self.config
+        counts = steps.plan([j.state.pending for j in jobs], cfg.batch_size, cfg.prefill_chunk)
         items: list[BatchItem] = []
         taken: list[tuple[Job, int, bool]] = []  # job, tokens taken, wants logits
         for job, count in zip(jobs, counts, strict=True):

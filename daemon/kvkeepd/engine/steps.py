@@ -1,41 +1,37 @@
 """Step planning: which tokens of which generations go into the next batch.
 
 Continuous batching: every active generation contributes its pending tokens to one batch.
-A decoding session (one pending token: the last sampled one) always gets its token in;
-sessions with prompt left share the rest of the batch. While anything else is decoding,
-prompt chunks stay small, so that other streams keep moving (a 512-token chunk stalls
-them about a second on two cores).
+A decoding session (one pending token: the last sampled one) always gets its token in.
+Prompts share at most `prefill_chunk` tokens a step, whether or not anything else runs: a
+step is what everyone else waits for — a stream for its next token, a new request for its
+prompt to begin — and on a CPU a step's time grows with its prompt tokens (about 8 ms each
+on two cores for the default model at 2,000 tokens of context), while a chunk of 128 costs
+no more per token than one of 512 (`scripts/bench fairness` measures both). The prompts with
+the fewest tokens left go first, so that a short request is not stuck behind a long one:
+it is answered within a step or two, and the long prompt takes what the step has left.
+
+Chunking changes no token's logits in exact mode: each session's cells are a stream of their
+own, attention reads only its own stream, and the start-up probe checks that a token's
+logits do not depend on the chunk it was evaluated in, alone or beside another sequence
+(design/exactness.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-# Tokens of a prompt chunk while other sessions decode or other prompts share the batch.
-BUSY_PREFILL_CHUNK = 64
 
-
-def plan(pending: Sequence[int], batch_size: int) -> list[int]:
+def plan(pending: Sequence[int], batch_size: int, prefill_chunk: int) -> list[int]:
     """How many tokens each generation puts into the batch, given its pending count.
 
     Generations with nothing pending (their next token is sampled from stored logits) get 0.
     """
-    decoding = sum(1 for p in pending if p == 1)
-    prefilling = sum(1 for p in pending if p > 1)
-    if not prefilling:
-        return [1 if p == 1 else 0 for p in pending]
-    budget = batch_size - decoding
-    share = max(budget // prefilling, 1)
-    chunk = min(share, BUSY_PREFILL_CHUNK) if (decoding or prefilling > 1) else share
-    out = []
-    used = decoding
-    for p in pending:
-        if p == 1:
-            out.append(1)
-        elif p > 1:
-            take = max(0, min(p, chunk, batch_size - used))
-            out.append(take)
-            used += take
-        else:
-            out.append(0)
+    out = [1 if p == 1 else 0 for p in pending]
+    budget = min(batch_size - sum(out), prefill_chunk)
+    prompts = sorted((i for i, p in enumerate(pending) if p > 1), key=lambda i: pending[i])
+    for i in prompts:
+        if budget <= 0:
+            break
+        out[i] = min(pending[i], budget)
+        budget -= out[i]
     return out

@@ -18,7 +18,8 @@ folder per API (`chat/`, `responses/`, `anthropic/`), and at the root what serve
   API write them.
 - openai.py: What OpenAI's APIs on the HTTP door write alike: the error envelope and each
   error's status, and the engine's finish reasons as OpenAI names them.
-- sse.py: Server-sent events, as every API of the HTTP door streams them.
+- sse.py: Server-sent events, as every API of the HTTP door streams them, and the heartbeats
+  that keep a stream alive while it has nothing to say.
 - waiting.py: A handler's work as the door waits for it: watching its client (one that leaves
   stops the work), and noting what it cost in the request's access line.
 - anthropic/: Anthropic's Messages API on the HTTP door (`/v1/messages`), beside the OpenAI
