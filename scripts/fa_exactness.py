@@ -2,15 +2,17 @@
 prompt was batched, and how fast is prompt evaluation?
 
     .venv/bin/python scripts/fa_exactness.py exact LLAMA_SERVER [--batch-invariant] [--fa on|off]
-    .venv/bin/python scripts/fa_exactness.py speed --build NAME=LLAMA_SERVER ...
+    .venv/bin/python scripts/fa_exactness.py speed --build NAME:LLAMA_SERVER:FA:INVARIANT ...
 
 `exact` evaluates a prompt of random token ids whole (nothing cached), then as a cached prefix
 plus a suffix of 1, 7, 63, 64, 65 and 500 tokens (llama-server's prompt cache: the prefix is
-sent first, then the whole prompt), on slot 0 of a server with two slots and per-slot KV
-(`--no-kv-unified`, as kvkeep's exact mode), alone and while slot 1 generates; each
+sent first, then the whole prompt), on slot 1 of a server with two slots and per-slot KV
+(`--no-kv-unified`, as kvkeep's exact mode), alone and while slot 0 generates; each
 evaluation's top next-token log-probabilities (before sampling) must equal the whole
-prompt's, bit for bit. `--batch-invariant` sets GGML_CPU_FA_BATCH_INVARIANT=1 (the patch in
-patches/llama.cpp). Exits 1 when any differ.
+prompt's, bit for bit. Slot 0's token comes first in llama-server's batch, so llama.cpp puts
+it in one ubatch with one of slot 1's prompt tokens at a time (split_equal over two streams):
+the prompt is then evaluated a token at a time beside another sequence's. `--batch-invariant`
+sets GGML_CPU_FA_BATCH_INVARIANT=1 (the patch in patches/llama.cpp). Exits 1 when any differ.
 
 `speed` evaluates a prompt of about 1k, 4k and 8k tokens with nothing cached on each given
 server configuration in turn, repeated, and prints the medians of tokens/s and tokens per CPU
@@ -115,8 +117,10 @@ def top_logprobs(answer: dict[str, Any]) -> list[tuple[int, float]]:
     return [(int(t["id"]), float(t["logprob"])) for t in first["top_logprobs"]]
 
 
-def evaluate(server: Server, tokens: list[int], *, cached: bool) -> tuple[int, list[tuple[int, float]]]:
-    """(prompt tokens evaluated, top next-token log-probabilities) of one request on slot 0."""
+def evaluate(
+    server: Server, tokens: list[int], *, cached: bool, slot: int = 1
+) -> tuple[int, list[tuple[int, float]]]:
+    """(prompt tokens evaluated, top next-token log-probabilities) of one request on `slot`."""
     answer = server.complete(
         {
             "prompt": tokens,
@@ -125,7 +129,7 @@ def evaluate(server: Server, tokens: list[int], *, cached: bool) -> tuple[int, l
             "post_sampling_probs": False,
             "temperature": 0.0,
             "cache_prompt": cached,
-            "id_slot": 0,
+            "id_slot": slot,
         }
     )
     return int(answer["timings"]["prompt_n"]), top_logprobs(answer)
@@ -133,7 +137,7 @@ def evaluate(server: Server, tokens: list[int], *, cached: bool) -> tuple[int, l
 
 @contextmanager
 def busy_slot(server: Server) -> Iterator[None]:
-    """Slot 1 generates, streamed, until the block ends: its tokens share slot 0's batches."""
+    """Slot 0 generates, streamed, until the block ends: its tokens share slot 1's ubatches."""
     stop = threading.Event()
 
     def generate() -> None:
@@ -141,7 +145,7 @@ def busy_slot(server: Server) -> Iterator[None]:
         while not stop.is_set():
             conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3600)
             prompt = [rng.randrange(FIRST_ID, LAST_ID) for _ in range(16)]
-            body = {"prompt": prompt, "n_predict": 256, "ignore_eos": True, "stream": True, "id_slot": 1}
+            body = {"prompt": prompt, "n_predict": 256, "ignore_eos": True, "stream": True, "id_slot": 0}
             conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
             response = conn.getresponse()
             while not stop.is_set() and response.readline():
@@ -150,7 +154,7 @@ def busy_slot(server: Server) -> Iterator[None]:
 
     thread = threading.Thread(target=generate, daemon=True)
     thread.start()
-    time.sleep(1.0)  # let slot 1 start decoding
+    time.sleep(1.0)  # let slot 0 start decoding
     try:
         yield
     finally:
@@ -187,7 +191,7 @@ def run_exact(args: argparse.Namespace) -> None:
                         rows = exactness(server, length, seed=length)
                 else:
                     rows = exactness(server, length, seed=length)
-                where = "slot 1 generating" if beside else "alone"
+                where = "slot 0 generating" if beside else "alone"
                 for how, n, same, logprob in rows:
                     failed |= not same
                     verdict = "same" if same else "DIFFERS"
@@ -218,7 +222,7 @@ def run_speed(args: argparse.Namespace) -> None:
                     binary, fa=fa, batch_invariant=invariant, threads=args.threads, ctx=length + 256, slots=1
                 ) as server:
                     started, cpu_before = time.perf_counter(), cpu_seconds(server.proc.pid)
-                    n, _ = evaluate(server, prompt, cached=False)
+                    n, _ = evaluate(server, prompt, cached=False, slot=0)
                     rate[name].append(n / (time.perf_counter() - started))
                     per_cpu[name].append(n / (cpu_seconds(server.proc.pid) - cpu_before))
                     buffer[name] = server.compute_buffer_mib()
@@ -236,7 +240,7 @@ def run_speed(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    exact = sub.add_parser("exact", help="whole vs cached prefix + suffix, alone and beside slot 1")
+    exact = sub.add_parser("exact", help="whole vs cached prefix + suffix, alone and beside slot 0")
     exact.add_argument("binary", type=Path, help="llama-server")
     exact.add_argument("--fa", default="on", choices=("on", "off", "auto"))
     exact.add_argument("--batch-invariant", action="store_true", help="GGML_CPU_FA_BATCH_INVARIANT=1")
