@@ -87,7 +87,7 @@ def llama_server(
     log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
     cmd = [str(binary), "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-t", str(threads), "-tb", str(threads), "-c", str(ctx * slots), "-np", str(slots)]
-    cmd += ["-fa", fa, "--no-kv-unified", "--no-webui"]
+    cmd += ["-fa", fa, "--no-kv-unified", "--no-webui", "-lv", "4"]  # -lv 4: the buffer sizes
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
