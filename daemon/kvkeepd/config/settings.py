@@ -154,10 +154,10 @@ class Settings(NetworkSettings):
         metadata=spec("Most tokens evaluated in one engine step (at least --slots).", low=32, high=8192),
     )
     prefill_chunk: int = field(
-        default=128,
+        default=256,
         metadata=spec(
-            "Most prompt tokens one engine step evaluates (at most --batch-size): how long others "
-            "wait for their next token while a long prompt is evaluated. Raise it on a GPU.",
+            "Most prompt tokens one engine step evaluates while other sessions run (a prompt alone "
+            "takes --batch-size): how long they wait for their next token. Raise it on a GPU.",
             low=16,
             high=8192,
         ),

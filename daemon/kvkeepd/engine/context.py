@@ -59,8 +59,8 @@ class ContextConfig:
     probe_cache: Path | None = None
     # Bytes of KV the context may take (--gpu-kv-budget; 0: one stream per slot, no docks).
     kv_budget: int = 0
-    # Most prompt tokens one step evaluates (steps.plan); at most batch_size.
-    prefill_chunk: int = 128
+    # Most prompt tokens one step evaluates beside other work (steps.plan); at most batch_size.
+    prefill_chunk: int = 256
 
     @classmethod
     def of(cls, settings: Settings) -> ContextConfig:

@@ -1,14 +1,16 @@
 """Step planning: which tokens of which generations go into the next batch.
 
 Continuous batching: every active generation contributes its pending tokens to one batch.
-A decoding session (one pending token: the last sampled one) always gets its token in.
-Prompts share at most `prefill_chunk` tokens a step, whether or not anything else runs: a
-step is what everyone else waits for — a stream for its next token, a new request for its
-prompt to begin — and on a CPU a step's time grows with its prompt tokens (about 8 ms each
-on two cores for the default model at 2,000 tokens of context), while a chunk of 128 costs
-no more per token than one of 512 (`scripts/bench fairness` measures both). The prompts with
-the fewest tokens left go first, so that a short request is not stuck behind a long one:
-it is answered within a step or two, and the long prompt takes what the step has left.
+A decoding session (one pending token: the last sampled one) always gets its token in. A
+prompt evaluated alone takes whole batches: that is its fastest. While anything else runs,
+prompts share at most `prefill_chunk` tokens a step, the prompts with the fewest tokens
+left first: a step is what everyone else waits for (a stream for its next token, a new
+request for its prompt to begin), and a step's time grows with its prompt tokens, about
+12 ms each for the default model at 2,000 tokens of context on two cores. A short request
+arriving beside a long prompt is answered within a step or two; the long prompt takes what
+the step has left. Smaller chunks cost more per token where threads wait on each other
+(twice the CPU time at 128 than at 512 on a loaded two-core machine, the same with one
+thread): `scripts/bench fairness` measures the three figures this trades.
 
 Chunking changes no token's logits in exact mode: each session's cells are a stream of their
 own, attention reads only its own stream, and the start-up probe checks that a token's
@@ -27,7 +29,8 @@ def plan(pending: Sequence[int], batch_size: int, prefill_chunk: int) -> list[in
     Generations with nothing pending (their next token is sampled from stored logits) get 0.
     """
     out = [1 if p == 1 else 0 for p in pending]
-    budget = min(batch_size - sum(out), prefill_chunk)
+    alone = sum(1 for p in pending if p) == 1
+    budget = batch_size - sum(out) if alone else min(batch_size - sum(out), prefill_chunk)
     prompts = sorted((i for i, p in enumerate(pending) if p > 1), key=lambda i: pending[i])
     for i in prompts:
         if budget <= 0:
