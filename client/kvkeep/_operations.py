@@ -224,8 +224,9 @@ def generate(
     constraint open: calling generate again with an empty prompt continues within it.
 
     ``on_progress`` is called with a PromptProgress as the daemon evaluates the prompt: once
-    as it begins, then after each step's chunk of its tokens (``--prefill-chunk``), all before the
-    first chunk. A long prompt on a CPU takes seconds to tens of seconds.
+    as it begins, then after each step's chunk of its tokens (``--batch-size`` alone,
+    ``--prefill-chunk`` beside other work), all before the first chunk. A long prompt on a
+    CPU takes seconds to tens of seconds.
     """
     request = generate_request(
         session_id,
