@@ -16,8 +16,8 @@ sets GGML_CPU_FA_BATCH_INVARIANT=1 (the patch in patches/llama.cpp). Exits 1 whe
 
 `speed` evaluates a prompt of about 1k, 4k and 8k tokens with nothing cached on each given
 server configuration in turn, repeated, and prints the medians of tokens/s and tokens per CPU
-second of the server process, the compute buffer llama-server logs, and the median time of a
-decode step (a token generated) at that context.
+second of the server process, the compute buffer llama-server logs, and the median time and
+CPU time of a decode step (a token generated) at that context.
 """
 
 from __future__ import annotations
@@ -217,6 +217,7 @@ def run_speed(args: argparse.Namespace) -> None:
         per_cpu: dict[str, list[float]] = {name: [] for name, *_ in builds}
         buffer: dict[str, float] = {}
         decode_ms: dict[str, list[float]] = {name: [] for name, *_ in builds}
+        decode_cpu_ms: dict[str, list[float]] = {name: [] for name, *_ in builds}
         for round_ in range(args.repeat):  # in turns, so that the machine's load falls on all alike
             prompt = [random.Random(round_).randrange(FIRST_ID, LAST_ID) for _ in range(length)]
             for name, binary, fa, invariant in builds:
@@ -228,7 +229,9 @@ def run_speed(args: argparse.Namespace) -> None:
                     rate[name].append(n / (time.perf_counter() - started))
                     per_cpu[name].append(n / (cpu_seconds(server.proc.pid) - cpu_before))
                     buffer[name] = server.compute_buffer_mib()
-                    # Then a decode step at that context: 8 tokens generated after the cached prompt.
+                    # Then a decode step at that context: 9 tokens generated after the cached prompt,
+                    # one evaluation each (the prompt's last token again, then 8 decode steps).
+                    cpu_before = cpu_seconds(server.proc.pid)
                     timings = server.complete(
                         {
                             "prompt": prompt,
@@ -239,6 +242,8 @@ def run_speed(args: argparse.Namespace) -> None:
                         }
                     )["timings"]
                     decode_ms[name].append(timings["predicted_ms"] / timings["predicted_n"])
+                    cpu = cpu_seconds(server.proc.pid) - cpu_before
+                    decode_cpu_ms[name].append(1000 * cpu / timings["predicted_n"])
                 print(f"# {length} round {round_} {name}: {rate[name][-1]:.1f} tokens/s", file=sys.stderr)
         base = statistics.median(rate[builds[0][0]])
         for name, *_ in builds:
@@ -246,6 +251,7 @@ def run_speed(args: argparse.Namespace) -> None:
             print(
                 f"| {length} | {name} | {r:.1f} | {base / r:.2f}x | {c:.1f} | {buffer[name]:.1f} MiB |"
                 f" {statistics.median(decode_ms[name]):.0f} ms |"
+                f" {statistics.median(decode_cpu_ms[name]):.0f} ms |"
                 f" {' '.join(f'{x:.1f}' for x in rate[name])} |"
             )
         sys.stdout.flush()
