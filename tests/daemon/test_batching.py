@@ -105,8 +105,8 @@ def test_a_short_prompt_goes_ahead_of_a_long_one_in_the_same_step(
     start_daemon: Callable[..., InProcessDaemon], batches: list[dict[int, int]]
 ) -> None:
     """A request arriving while a long prompt is evaluated has its whole prompt in the next
-    step, the long prompt taking what is left of the step's chunk, and answers while the
-    long prompt is still being evaluated."""
+    step, without any of the long prompt's, and answers while the long prompt is still being
+    evaluated."""
     d = start_daemon(slots=2, ctx_per_session=4096, batch_size=512)
     with kvkeep.Client(d.address) as client:
         long, short = client.create_session(), client.create_session()
@@ -125,7 +125,6 @@ def test_a_short_prompt_goes_ahead_of_a_long_one_in_the_same_step(
     short_steps = [b for b in batches[steps:] if set(b) - {long_slot}]
     first = short_steps[0]
     (short_slot,) = set(first) - {long_slot}
-    # Its whole prompt in one step (an even share would have been half the chunk), beside the
-    # rest of the chunk for the long prompt.
-    assert first == {short_slot: answer.usage.prompt_tokens, long_slot: CHUNK - answer.usage.prompt_tokens}
+    # Its whole prompt in one step of its own (an even share would have been half the chunk).
+    assert first == {short_slot: answer.usage.prompt_tokens}
     assert all(sum(b.values()) <= CHUNK + 1 for b in batches[steps:] if len(b) > 1)
