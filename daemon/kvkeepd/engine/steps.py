@@ -9,9 +9,10 @@ request for its prompt to begin), and a step's time grows with its prompt tokens
 12 ms each for the default model at 2,000 tokens of context on two cores, more as the
 context grows. Prompts that end within the step go in whole, alone with the decoding
 tokens; only when none does, the shortest takes the chunk. A short request arriving beside
-a long prompt is answered after the step under way and one short step of its own. Smaller chunks cost more per token where threads wait on each other
-(twice the CPU time at 128 than at 512 on a loaded two-core machine, the same with one
-thread): `scripts/bench fairness` measures the three figures this trades.
+a long prompt is answered after the step under way and one short step of its own. Smaller
+chunks cost more per token where threads wait on each other (twice the CPU time at 128
+than at 512 on a loaded two-core machine, the same with one thread): `scripts/bench
+fairness` measures the three figures this trades.
 
 Chunking changes no token's logits in exact mode: each session's cells are a stream of their
 own, attention reads only its own stream, and the start-up probe checks that a token's
