@@ -59,7 +59,7 @@ class ContextConfig:
     probe_cache: Path | None = None
     # Bytes of KV the context may take (--gpu-kv-budget; 0: one stream per slot, no docks).
     kv_budget: int = 0
-    # Most prompt tokens one step evaluates beside other work (steps.plan); at most batch_size.
+    # Most prompt tokens one step evaluates beside other work (steps.plan caps it at batch_size).
     prefill_chunk: int = 256
 
     @classmethod
@@ -73,7 +73,7 @@ class ContextConfig:
             slots=settings.slots,
             ctx_per_session=settings.ctx_per_session,
             batch_size=settings.batch_size,
-            prefill_chunk=min(settings.prefill_chunk, settings.batch_size),
+            prefill_chunk=settings.prefill_chunk,
             threads=settings.threads,
             gpu_layers=settings.gpu_layers,
             kv_type=settings.kv_type,
