@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 from bench import STORY, table
-from bench_agent_cli import Server
+from bench_agent_cli import Server, p95
 
 from kvkeepd.config.settings import default_model_path
 
@@ -81,11 +81,6 @@ def first_token(url: str, n: int) -> float:
 def long_prompt(n_tokens: int, tokens_per_story: float, nonce: int) -> str:
     """About n_tokens of prompt, its first words unique so that no cache holds it."""
     return f"Document {nonce}. " + STORY * max(1, round(n_tokens / tokens_per_story))
-
-
-def p95(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
 @dataclass
