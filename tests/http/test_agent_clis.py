@@ -31,6 +31,7 @@ import httpx
 import openai
 import pytest
 import scriptedmodels
+from accesslog import await_lines
 from checkpoint_helpers import own_daemon
 from daemons import InProcessDaemon
 
@@ -81,11 +82,14 @@ def url(d: InProcessDaemon) -> str:
     return f"http://127.0.0.1:{d.daemon.http_port}"
 
 
-def served(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """The access log's lines of the HTTP door, in order."""
-    return [
-        r.getMessage() for r in caplog.records if r.name == "kvkeepd.access" and "http " in r.getMessage()
-    ]
+def served(caplog: pytest.LogCaptureFixture, route: str = "", at_least: int = 0) -> list[str]:
+    """The access log's lines of the HTTP door, in order, once `at_least` of them name `route`
+    (the door writes a line after its reply has gone, so a client can be done before it)."""
+
+    def door(lines: list[str]) -> list[str]:
+        return [line for line in lines if "http " in line]
+
+    return door(await_lines(caplog, lambda ls: len([x for x in door(ls) if route in x]) >= at_least))
 
 
 def quiet_env(home: Path) -> dict[str, str]:
@@ -367,7 +371,7 @@ def test_codex_exec_runs_the_command_the_model_calls(
     # The model answers only once a tool's result is in its context (with tools offered, as
     # Codex offers them every request): the second request carried the call's output.
     assert [item["text"] for item in completed(events, "agent_message")] == [scriptedmodels.ANSWER], events
-    lines = served(caplog)
+    lines = served(caplog, "POST /v1/responses", 2)
     assert len([line for line in lines if "POST /v1/responses" in line]) == 2, lines
     assert all(line.endswith(" 200") for line in lines), lines
     (turn,) = [e for e in events if e["type"] == "turn.completed"]
@@ -403,7 +407,7 @@ def test_claude_code_runs_the_command_the_model_calls(
     end = events[-1]
     assert end["type"] == "result" and not end["is_error"], end
     assert end["result"] == scriptedmodels.ANSWER, end
-    lines = served(caplog)
+    lines = served(caplog, "POST /v1/messages", 2)
     assert len([line for line in lines if "POST /v1/messages" in line]) >= 2, lines
     assert all(line.endswith(" 200") for line in lines), lines
     print("claude:", use["input"], repr(result["content"]), end["usage"])

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from accesslog import access_lines, await_lines
 from daemons import InProcessDaemon, model_path, wait_until
 
 MODEL = model_path().stem
@@ -65,10 +65,7 @@ def hang_up(door: InProcessDaemon, path: str, body: dict[str, Any], caplog: pyte
                 r.read()
         else:
             httpx.post(url(door, path), json=body, headers={"x-api-key": "any"}, timeout=0.5)
-    deadline = time.monotonic() + 60
-    while len(access_lines(caplog)) == before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    lines = access_lines(caplog)[before:]
+    lines = await_lines(caplog, lambda ls: len(ls) > before, timeout=60)[before:]
     assert len(lines) == 1, lines
     return lines[0]
 
@@ -80,10 +77,6 @@ def settled(door: InProcessDaemon) -> None:
     m = door.daemon.manager
     tenant = m.resolve_tenant(None)
     wait_until(lambda: not any(s.busy for s in m.owned(tenant)), 120, "the left turn's step to end")
-
-
-def access_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "kvkeepd.access"]
 
 
 def chat(messages: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
