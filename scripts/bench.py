@@ -33,6 +33,11 @@ compared with, and reported as a ratio: this machine is shared and noisy.
                                while an 8,000-token prompt is evaluated: another session's
                                first token, a running stream's token gaps, the long prompt's
                                own time, against each alone (bench_fairness.py)
+    scripts/bench scale [--peer LLAMA_SERVER] [--shape 1b]
+                               checkpoints (full, delta), restores from RAM and disk,
+                               a restart, bytes, 32 sessions on 4 slots and peak RSS at
+                               1k-8k tokens, against re-prefill, llama-server and the
+                               machine's copy/read bound (bench_scale.py)
     scripts/bench peer LLAMA_SERVER
                                turns, restores, a restart, streaming and concurrency
                                against llama-server on the same model (bench_peer.py)
@@ -47,8 +52,8 @@ compared with, and reported as a ratio: this machine is shared and noisy.
 
 --charts DIR (before the benchmark's name) also draws PNG charts into DIR (matplotlib, in
 kvkeep[dev]): checkpoint.png (restore vs re-prefill by context length; checkpoint runs
-three shorter lengths too), sessions.png (tokens/s by concurrent sessions) and
-turns.png (the swap turns' latencies).
+three shorter lengths too), sessions.png (tokens/s by concurrent sessions),
+turns.png (the swap turns' latencies) and scale-MODEL.png (costs by context length).
 """
 
 from __future__ import annotations
@@ -1373,6 +1378,7 @@ def main() -> None:
     import bench_chain
     import bench_fairness
     import bench_peer  # imports this module's helpers as `bench`
+    import bench_scale
     import bench_tools
 
     parser = argparse.ArgumentParser(
@@ -1419,6 +1425,7 @@ def main() -> None:
     bench_agent_cli.add_parser(sub)
     bench_chain.add_parser(sub)
     bench_fairness.add_parser(sub)
+    bench_scale.add_parser(sub)
     t = sub.add_parser("turns")
     t.add_argument("--tokens", type=int, default=1900)
     t.add_argument("--turns", type=int, default=60)
@@ -1448,6 +1455,7 @@ def main() -> None:
         "agent-cli": bench_agent_cli.run,
         "chain": bench_chain.run,
         "fairness": bench_fairness.run,
+        "scale": bench_scale.run,
         "turns": bench_turns,
         "store": bench_store,
         "shared-turns": bench_shared_turns,
