@@ -33,6 +33,10 @@ compared with, and reported as a ratio: this machine is shared and noisy.
                                while an 8,000-token prompt is evaluated: another session's
                                first token, a running stream's token gaps, the long prompt's
                                own time, against each alone (bench_fairness.py)
+    scripts/bench exact-speed [--peer LLAMA_SERVER]
+                               exact mode on batch-invariant flash attention against exact
+                               mode without it and llama-server's default: prompts at 1k-8k,
+                               one-token turns, compute buffers (bench_exact_speed.py)
     scripts/bench scale [--peer LLAMA_SERVER] [--shape 1b]
                                checkpoints (full, delta), restores from RAM and disk,
                                a restart, bytes, 32 sessions on 4 slots and peak RSS at
@@ -1376,6 +1380,7 @@ def main() -> None:
     import bench_agent
     import bench_agent_cli
     import bench_chain
+    import bench_exact_speed
     import bench_fairness
     import bench_peer  # imports this module's helpers as `bench`
     import bench_scale
@@ -1425,6 +1430,7 @@ def main() -> None:
     bench_agent_cli.add_parser(sub)
     bench_chain.add_parser(sub)
     bench_fairness.add_parser(sub)
+    bench_exact_speed.add_parser(sub)
     bench_scale.add_parser(sub)
     t = sub.add_parser("turns")
     t.add_argument("--tokens", type=int, default=1900)
@@ -1455,6 +1461,7 @@ def main() -> None:
         "agent-cli": bench_agent_cli.run,
         "chain": bench_chain.run,
         "fairness": bench_fairness.run,
+        "exact-speed": bench_exact_speed.run,
         "scale": bench_scale.run,
         "turns": bench_turns,
         "store": bench_store,

@@ -6,7 +6,10 @@ For each of flash attention off (the exact mode's settings) and on (compact), on
 - exactness, bit for bit: the start-up probe (one token against chunks of 1 to 128, beside
   another sequence), a sequence evaluated in another slot, a state restored from host memory
   into another slot, and a session docked and undocked into another slot, each against the
-  same tokens evaluated once in one slot;
+  same tokens evaluated once in one slot; and the same tokens evaluated whole against a
+  cached prefix and a suffix of 1, 7, 63, 64, 65 or 500 tokens, alone or beside another
+  slot's token (with flash attention on, this answers whether exact mode can keep it on the
+  device: `--exact-attention auto` falls back where it cannot);
 - re-prefill of N tokens; a restore of their state from host memory (GB/s, and the copy into
   llama.cpp alone); resume + first token against re-prefill; a switch to a docked session
   (dock the one in the slot, undock the other, one token) less a plain one-token step; 16
@@ -207,6 +210,46 @@ def checks(e: Engine, n: int) -> dict[str, str]:
     e.move(e.streams.dock_id(0), 9)
     out["dock round trip"] = _same(step(e, 9, nxt, n), reference)
     ctx.clear(9)
+    out.update(suffixes(e, len(tokens) - 1))
+    return out
+
+
+SUFFIXES = (1, 7, 63, 64, 65, 500)
+
+
+def suffixes(e: Engine, n: int) -> dict[str, str]:
+    """The sequence evaluated whole (in chunks of the batch size), against a cached prefix and
+    a suffix of 1 to 500 tokens evaluated alone or beside another slot's token: each suffix
+    token's logits. Whether exact mode can keep flash attention on this device is this check
+    with flash attention on (the kernels chosen by the number of queries must agree)."""
+    n = max(n, max(SUFFIXES) + 1)
+    tokens = _tokens(e, n, 3)
+    ctx = e.ctx
+    batch = e.config.batch_size
+    reference: dict[int, np.ndarray] = {}
+    tail = set(range(n - max(SUFFIXES), n))
+    for at in range(0, n, batch):
+        part = range(at, min(at + batch, n))
+        rows = ctx.decode([BatchItem(0, tokens[p], p, p in tail) for p in part])
+        reference.update(zip([p for p in part if p in tail], rows, strict=True))
+    out = {}
+    beside = 0
+    for length in SUFFIXES:
+        for other in (False, True):
+            assert ctx.remove_from(0, n - length)
+            items = [BatchItem(0, tokens[p], p, True) for p in range(n - length, n)]
+            if other:
+                items.append(BatchItem(1, tokens[beside], beside, False))
+                beside += 1
+            rows = ctx.decode(items)
+            worst = max(
+                float(np.max(np.abs(r - reference[p])))
+                for p, r in zip(range(n - length, n), rows, strict=True)
+            )
+            key = f"suffix of {length}{' beside another' if other else ''}"
+            out[key] = "same" if worst == 0 else f"differs by up to {worst:.3g}"
+    ctx.clear(0)
+    ctx.clear(1)
     return out
 
 

@@ -299,6 +299,11 @@ class Info:
     """Host states reach the device through pinned (page-locked) memory."""
     mode_note: str = ""
     """Why the mode is not exact: the start-up probe's finding, or the settings; empty when exact."""
+    flash_attention: bool = False
+    """Flash attention is on: compact mode's, or exact mode's batch-invariant kernels."""
+    attention_note: str = ""
+    """Why exact mode evaluates without flash attention where it was to try it (the start-up
+    probe found its kernels depend on the batch here); empty otherwise."""
     tool_format: str = ""
     """How the model writes tool calls: ``"hermes"``, ``"llama3"``, ``"mistral"`` or
     ``"generic"`` (its template renders no tools: the daemon writes them into the system

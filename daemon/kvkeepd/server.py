@@ -23,7 +23,7 @@ from kvkeepd.api.listen import bind, check_free
 from kvkeepd.api.metrics import serve_metrics
 from kvkeepd.api.service import KvKeepService
 from kvkeepd.config.settings import ConfigError, Settings
-from kvkeepd.engine.context import ContextConfig
+from kvkeepd.engine.context import ContextConfig, ModelInfo
 from kvkeepd.engine.engine import Engine
 from kvkeepd.heap import keep_freed_memory
 from kvkeepd.model.fingerprints import fingerprint
@@ -78,6 +78,15 @@ def template_source(settings: Settings) -> str | None:
         return settings.chat_template_file.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError("chat-template-file", f"cannot read {settings.chat_template_file}: {e}") from None
+
+
+def _mode(info: ModelInfo) -> str:
+    """The engine's mode for the serving line: exact or compact, and exact mode's attention."""
+    if not info.exact:
+        return "compact"
+    if info.flash_attention:
+        return "exact (batch-invariant flash attention)"
+    return "exact (attention without flash" + (": see the warning above)" if info.flash_note else ")")
 
 
 def http_door(settings: Settings, manager: SessionManager, names: Sequence[str]) -> HttpDoor:
@@ -195,7 +204,7 @@ class Daemon:
             fp[:12],
             settings.slots,
             info.n_ctx_seq,
-            "exact" if info.exact else "compact",
+            _mode(info),
             info.memory,
             info.layout_note,
         )

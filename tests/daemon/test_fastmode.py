@@ -1,9 +1,9 @@
 """Fast mode (`--flash-attn`): flash attention with f16 K/V, reported as `compact`.
 
 - `--flash-attn` is a setting like any other, and leaves exact mode;
-- the start-up probe finds that flash attention's logits depend on the batch's shape (in
-  exact mode the same probe finds nothing: the shared daemon says `exact`), on the default
-  model;
+- llama.cpp's own flash attention gives logits that depend on the batch's shape, and the
+  start-up probe finds it: tests/daemon/test_exact_flash.py, in a process of its own (the
+  tests' processes run flash attention's batch-invariant kernels, exact mode's);
 - a checkpoint restores the KV it was made from: restored in place, forked, or restored
   after a restart, a session continues exactly as the live one did (each running alone, so
   that the batches have the same shapes);
@@ -30,12 +30,11 @@ from checkpoint_helpers import (
     long_text,
     restore_raw,
 )
-from daemons import DaemonProcess, InProcessDaemon, model_path
+from daemons import DaemonProcess, InProcessDaemon
 
 import kvkeep
 from kvkeepd.config import resolution
-from kvkeepd.engine.context import ContextConfig, LlamaContext
-from kvkeepd.engine.probes import PROBE_BESIDE, PROBE_SINGLES, batch_dependence, probe_plan
+from kvkeepd.engine.probes import PROBE_BESIDE, PROBE_SINGLES, probe_plan
 
 #: Over 256 tokens: the KV view of a sequence grows to 512 cells there, where flash
 #: attention's single-query kernel changes.
@@ -80,28 +79,6 @@ def test_the_probe_plan_reaches_every_kernel_choice(n: int, batch: int) -> None:
     assert plan[0] == 1 and any(c < 8 for c in chunks) and any(8 <= c < 64 for c in chunks)
     if batch >= 64:
         assert any(c >= 64 for c in chunks)
-
-
-def test_the_probe_finds_that_flash_attention_depends_on_the_batch() -> None:
-    """In exact mode the same probe runs at every start and finds nothing: the shared daemon
-    says `exact` (test_fast_mode_is_compact_with_f16_kv)."""
-    cfg = ContextConfig(
-        model_path=model_path(),
-        slots=2,
-        ctx_per_session=512,
-        batch_size=512,
-        threads=1,
-        gpu_layers=0,
-        kv_type="f16",
-        kv_unified=False,
-        flash_attn=True,
-    )
-    ctx = LlamaContext(cfg)
-    try:
-        found = batch_dependence(ctx)
-    finally:
-        ctx.close()
-    assert found is not None and "away from those of one chunk of 260" in found
 
 
 def test_fast_mode_is_compact_with_f16_kv(fast_client: kvkeep.Client, client: kvkeep.Client) -> None:

@@ -32,6 +32,14 @@ from kvkeepd.server import SERVICE_NAME, Daemon
 
 T = TypeVar("T")
 
+#: Exact mode's batch-invariant flash attention (patches/llama.cpp/), on for the whole test
+#: process: ggml reads the switch once, at the first flash attention it computes, and the
+#: in-process daemons of a run share that reading. A daemon sets it itself (one per process);
+#: here it is set before any, so that a compact-mode daemon that happens to run first cannot
+#: leave it unread and exact mode's probe find llama.cpp's own kernels. Tests of those run
+#: in a process without it (tests/daemon/test_exact_flash.py).
+os.environ["GGML_CPU_FA_BATCH_INVARIANT"] = "1"
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

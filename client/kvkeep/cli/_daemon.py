@@ -36,6 +36,9 @@ def _readable(i: Info, address: str) -> list[tuple[str, object]]:
             f" ({i.device}, {format_size(i.device_memory_free)} free of {format_size(i.device_memory_total)})"
         )
     mode = i.mode + (f": {i.mode_note}" if i.mode_note else "")
+    if i.mode == "exact":
+        mode += ", flash attention (batch-invariant)" if i.flash_attention else ", attention without flash"
+        mode += f": {i.attention_note}" if i.attention_note else ""
     return [
         ("daemon", f"kvkeep {i.version} at {address}"),
         (

@@ -697,6 +697,8 @@ class GetInfoResponse(_message.Message):
     KV_STREAM_BYTES_FIELD_NUMBER: _builtins.int
     PINNED_TRANSFERS_FIELD_NUMBER: _builtins.int
     MODE_NOTE_FIELD_NUMBER: _builtins.int
+    FLASH_ATTENTION_FIELD_NUMBER: _builtins.int
+    ATTENTION_NOTE_FIELD_NUMBER: _builtins.int
     TOOL_FORMAT_FIELD_NUMBER: _builtins.int
     HTTP_ADDRESS_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
@@ -759,6 +761,12 @@ class GetInfoResponse(_message.Message):
     """Why the mode is not exact: what the start-up probe found, or that the settings ask for
     the compact mode ("" when exact). Exact mode is never assumed: the probe decides.
     """
+    flash_attention: _builtins.bool
+    """Flash attention is on: compact mode's, or exact mode's batch-invariant kernels."""
+    attention_note: _builtins.str
+    """Why exact mode evaluates without flash attention where it was to try it: the start-up
+    probe found its kernels depend on the batch on this build and machine ("" otherwise).
+    """
     tool_format: _builtins.str
     """How the model writes tool calls: "hermes", "llama3", "mistral", or "generic" (the chat
     template renders no tools: the daemon writes them into the system prompt); "" without
@@ -813,6 +821,8 @@ class GetInfoResponse(_message.Message):
         kv_stream_bytes: _builtins.int = ...,
         pinned_transfers: _builtins.bool = ...,
         mode_note: _builtins.str = ...,
+        flash_attention: _builtins.bool = ...,
+        attention_note: _builtins.str = ...,
         tool_format: _builtins.str = ...,
         http_address: _builtins.str = ...,
         metrics_address: _builtins.str = ...,
@@ -820,7 +830,7 @@ class GetInfoResponse(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "backend", b"backend", "block_tokens", b"block_tokens", "checkpoints_carry_state", b"checkpoints_carry_state", "ctx_per_session", b"ctx_per_session", "device", b"device", "device_memory_free", b"device_memory_free", "device_memory_total", b"device_memory_total", "docks", b"docks", "gpu_layers", b"gpu_layers", "has_chat_template", b"has_chat_template", "http_address", b"http_address", "kv_stream_bytes", b"kv_stream_bytes", "kv_type", b"kv_type", "max_prompt_tokens", b"max_prompt_tokens", "memory_type", b"memory_type", "metrics_address", b"metrics_address", "mode", b"mode", "mode_note", b"mode_note", "model_description", b"model_description", "model_fingerprint", b"model_fingerprint", "model_path", b"model_path", "n_ctx_train", b"n_ctx_train", "n_vocab", b"n_vocab", "pinned_transfers", b"pinned_transfers", "response_ttl_seconds", b"response_ttl_seconds", "sessions", b"sessions", "sessions_cold", b"sessions_cold", "sessions_docked", b"sessions_docked", "sessions_hot", b"sessions_hot", "sessions_warm", b"sessions_warm", "slots", b"slots", "slots_in_use", b"slots_in_use", "state_note", b"state_note", "swap_in_seconds_total", b"swap_in_seconds_total", "swap_ins", b"swap_ins", "tokens_evaluated", b"tokens_evaluated", "tokens_generated", b"tokens_generated", "tokens_reused", b"tokens_reused", "tool_format", b"tool_format", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_note", b"attention_note", "backend", b"backend", "block_tokens", b"block_tokens", "checkpoints_carry_state", b"checkpoints_carry_state", "ctx_per_session", b"ctx_per_session", "device", b"device", "device_memory_free", b"device_memory_free", "device_memory_total", b"device_memory_total", "docks", b"docks", "flash_attention", b"flash_attention", "gpu_layers", b"gpu_layers", "has_chat_template", b"has_chat_template", "http_address", b"http_address", "kv_stream_bytes", b"kv_stream_bytes", "kv_type", b"kv_type", "max_prompt_tokens", b"max_prompt_tokens", "memory_type", b"memory_type", "metrics_address", b"metrics_address", "mode", b"mode", "mode_note", b"mode_note", "model_description", b"model_description", "model_fingerprint", b"model_fingerprint", "model_path", b"model_path", "n_ctx_train", b"n_ctx_train", "n_vocab", b"n_vocab", "pinned_transfers", b"pinned_transfers", "response_ttl_seconds", b"response_ttl_seconds", "sessions", b"sessions", "sessions_cold", b"sessions_cold", "sessions_docked", b"sessions_docked", "sessions_hot", b"sessions_hot", "sessions_warm", b"sessions_warm", "slots", b"slots", "slots_in_use", b"slots_in_use", "state_note", b"state_note", "swap_in_seconds_total", b"swap_in_seconds_total", "swap_ins", b"swap_ins", "tokens_evaluated", b"tokens_evaluated", "tokens_generated", b"tokens_generated", "tokens_reused", b"tokens_reused", "tool_format", b"tool_format", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -223,6 +223,8 @@ class KvKeepService:
             checkpoints_carry_state=m.model.layout is not None,
             state_note=m.model.layout_note,
             mode_note=m.model.exact_note,
+            flash_attention=m.model.flash_attention,
+            attention_note=m.model.flash_note,
             response_ttl_seconds=m.settings.response_ttl,
             gpu_layers=m.settings.gpu_layers,
             docks=m.engine.streams.docks,

@@ -41,6 +41,7 @@ SECTIONS: tuple[Section, ...] = tuple(
                 "kv-type",
                 "kv-unified",
                 "flash-attn",
+                "exact-attention",
                 "probe-cache",
                 "tool-format",
             ),

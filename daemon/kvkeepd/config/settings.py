@@ -203,6 +203,16 @@ class Settings(NetworkSettings):
             "were batched; restores of stored KV stay exact). Always on with q8_0/q4_0 K/V."
         ),
     )
+    exact_attention: str = field(
+        default="auto",
+        metadata=spec(
+            "Exact mode's attention. 'auto': flash attention with batch-invariant kernels (llama.cpp "
+            "as scripts/setup builds it, patches/llama.cpp/), taken only where the start-up probe finds "
+            "it exact, else attention without flash, said in one line; 'plain': without flash "
+            "attention (slower prompts at long contexts).",
+            choices=("auto", "plain"),
+        ),
+    )
     probe_cache: str = field(
         default_factory=lambda: str(user_cache_dir() / "probes.json"),
         metadata=spec(

@@ -14,8 +14,9 @@ probes, the engine's steps, jobs, sampling and grammars.
   llama.cpp's kernels.
 - sampling.py: Token sampling that is identical whether a session runs fresh or resumed.
 - startup.py: The engine's start, on its thread: the model loaded and its context made, the
-  start-up exactness probe run (probes.py), and the memory the first restores would otherwise
-  fault in mapped.
+  start-up exactness probe run (probes.py) — on exact mode's batch-invariant flash attention
+  first and, where it finds a dependence, on attention without flash — and the memory the first
+  restores would otherwise fault in mapped.
 - steps.py: Step planning: which tokens of which generations go into the next batch.
 - streams.py: Streams: how many KV streams the context has, and what each is for.
 - structured_output.py: Structured output: a GBNF grammar or a JSON schema, applied as a mask on

@@ -1,14 +1,15 @@
 """LlamaContext: the llama.cpp model and context, and the only module that imports llama_cpp.
 
 Every method runs on the engine thread. By default the context runs one KV stream per slot
-(`kv_unified=false`), flash attention off and f16 K/V: the "exact" mode, in which a
-sequence's logits do not depend on what else shares the batch, on prefill chunking, or on
-which slot holds it (the start-up probe checks it). Flash attention (`--flash-attn`, and
-always with quantized K/V) or one shared KV buffer is the "compact" mode: faster or smaller,
-with logits that depend on the batch's shape. `swa_full` keeps every position of a
-sliding-window cache in its own cell (nothing is overwritten), which is what makes the cell
-layout of an uninterrupted run and of an import the same (see state/cells.py). The context
-has a KV stream per slot, and with a KV budget docks beside them (see streams.py).
+(`kv_unified=false`), f16 K/V and flash attention only with batch-invariant kernels (or none):
+the "exact" mode, in which a sequence's logits do not depend on what else shares the batch,
+on prefill chunking, or on which slot holds it (the start-up probe checks it). llama.cpp's
+own flash attention (`--flash-attn`, and always with quantized K/V) or one shared KV buffer
+is the "compact" mode: faster or smaller, with logits that depend on the batch's shape.
+`swa_full` keeps every position of a sliding-window cache in its own cell (nothing is
+overwritten), which is what makes the cell layout of an uninterrupted run and of an import
+the same (see state/cells.py). The context has a KV stream per slot, and with a KV budget
+docks beside them (see streams.py).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class ContextConfig:
     kv_type: str
     kv_unified: bool
     flash_attn: bool = False
+    # Exact mode takes flash attention with batch-invariant kernels (see exact_flash below).
+    exact_flash: bool = False
     # Where the exactness probe's results are kept (probes.py); None: probe at every start.
     probe_cache: Path | None = None
     # Bytes of KV the context may take (--gpu-kv-budget; 0: one stream per slot, no docks).
@@ -79,18 +82,27 @@ class ContextConfig:
             kv_type=settings.kv_type,
             kv_unified=settings.kv_unified,
             flash_attn=settings.flash_attn,
+            exact_flash=settings.exact_attention == "auto",
             probe_cache=probes,
             kv_budget=settings.gpu_kv_budget,
         )
 
     @property
     def flash_attention(self) -> bool:
-        """Flash attention is on: asked for, or needed by quantized K/V."""
-        return self.flash_attn or self.kv_type != "f16"
+        """Flash attention is on: asked for, needed by quantized K/V, or exact mode's own."""
+        return self.flash_attn or self.kv_type != "f16" or self.batch_invariant_flash
+
+    @property
+    def batch_invariant_flash(self) -> bool:
+        """Exact mode on flash attention whose kernels do not depend on the batch's shape:
+        GGML_CPU_FA_BATCH_INVARIANT, which patches/llama.cpp/ adds to llama.cpp's CPU kernel
+        (a build without it ignores the switch, and the start-up probe finds the dependence)."""
+        return self.exact and self.exact_flash
 
     @property
     def exact(self) -> bool:
-        """f16 K/V, a stream per slot, flash attention off: the bit-exact mode."""
+        """f16 K/V, a stream per slot, no flash attention but the batch-invariant kind: the
+        bit-exact mode."""
         return self.kv_type == "f16" and not self.kv_unified and not self.flash_attn
 
 
@@ -123,6 +135,10 @@ class ModelInfo:
     max_token_bytes: int = 1
     # Why the mode is not exact: the start-up probe's finding, or the settings ("": exact).
     exact_note: str = ""
+    # Flash attention is on: compact mode's, or exact mode's batch-invariant kind.
+    flash_attention: bool = False
+    # Why exact mode evaluates without flash attention where it was to try it ("" otherwise).
+    flash_note: str = ""
 
 
 class ModelLoadError(OSError):
@@ -139,6 +155,16 @@ class BatchItem:
     logits: bool
 
 
+def kernel_environment(cfg: ContextConfig) -> None:
+    """Set the ggml switches exact mode needs before any graph runs: ggml reads each once,
+    at the first kernel that asks (see LlamaContext.__init__)."""
+    if cfg.exact:
+        os.environ["GGML_CPU_TILED_MM"] = "0"
+    if cfg.batch_invariant_flash:
+        # An operator's own value stands (0: llama.cpp's kernels; the probe then decides).
+        os.environ.setdefault("GGML_CPU_FA_BATCH_INVARIANT", "1")
+
+
 class LlamaContext:
     """A loaded model and its multi-sequence context."""
 
@@ -146,9 +172,7 @@ class LlamaContext:
         self.cfg = cfg
         self._halt = halt
         backend.route_llama_log()
-        if cfg.exact:
-            # Read once by ggml at its first tiled matmul (see below): set before any.
-            os.environ["GGML_CPU_TILED_MM"] = "0"
+        kernel_environment(cfg)
         llama.llama_backend_init()
         self.devices = backend.devices()
         backend.check_offload(cfg.gpu_layers, self.devices)
@@ -192,7 +216,8 @@ class LlamaContext:
         cparams.kv_unified = cfg.kv_unified
         cparams.swa_full = True
         # Flash attention makes logits depend on the batch's shape (its kernels differ for one
-        # query, for 64 and more, and for one sequence or several); quantized K/V requires it.
+        # query, for 64 and more, and for one sequence or several) unless its batch-invariant
+        # kernels are switched on (kernel_environment); quantized K/V requires it.
         enabled, disabled = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED, llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cparams.flash_attn_type = enabled if cfg.flash_attention else disabled
         cparams.type_k = KV_TYPE_IDS[cfg.kv_type]
@@ -258,6 +283,7 @@ class LlamaContext:
             layout_note=note,
             # What the settings ask for; the engine's start-up probe decides (probes.exact).
             exact=self.cfg.exact,
+            flash_attention=self.cfg.flash_attention,
             max_token_bytes=max(1, *(len(self.piece(t, True)) for t in range(self.n_vocab))),
         )
 

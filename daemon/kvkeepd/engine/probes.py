@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvkeepd.engine import backend
-from kvkeepd.engine.context import BatchItem, LlamaContext
+from kvkeepd.engine.context import BatchItem, ContextConfig, LlamaContext
 from kvkeepd.files import write_private
 from kvkeepd.values.sampling import Logits
 
@@ -67,6 +67,21 @@ def finding(ctx: LlamaContext, build: dict[str, Any]) -> str | None:
     key = machine_key(dataclasses.replace(ctx.cfg, probe_cache=None), PLAN, build)
     layout = _layout(ctx.cfg)
     return cached(ctx.cfg.probe_cache, key, lambda: batch_dependence(ctx), lambda f: _could_find(layout, f))
+
+
+def kept(cfg: ContextConfig, build: dict[str, Any]) -> tuple[bool, str | None]:
+    """Whether the probe cache holds a valid result for a context of `cfg` (made with the
+    environment kernel_environment sets) without making one, and that result."""
+    if cfg.probe_cache is None:
+        return False, None
+    key = machine_key(dataclasses.replace(cfg, probe_cache=None), PLAN, build)
+    entry = _read(cfg.probe_cache).get(key)
+    if entry is None or _malformed(entry):
+        return False, None
+    found: str | None = entry["found"]
+    if found is not None and not _could_find(_layout(cfg), found):
+        return False, None
+    return True, found
 
 
 def probe_plan(n: int, batch: int) -> list[int]:

@@ -1,7 +1,8 @@
 """The engine's start, on its thread: the model loaded and its context made, the start-up
-exactness probe run (probes.py), and the memory the first restores would otherwise fault in
-mapped. A start given up from another thread (a Halt set) stops at the load's next progress
-report or the probe's next graph node."""
+exactness probe run (probes.py) — on exact mode's batch-invariant flash attention first and,
+where it finds a dependence, on attention without flash — and the memory the first restores
+would otherwise fault in mapped. A start given up from another thread (a Halt set) stops at
+the load's next progress report or the probe's next graph node."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import numpy as np
 
 from kvkeepd.engine import backend, probes
-from kvkeepd.engine.context import ContextConfig, LlamaContext, ModelInfo
+from kvkeepd.engine.context import ContextConfig, LlamaContext, ModelInfo, kernel_environment
 from kvkeepd.state import pieces
 
 log = logging.getLogger(__name__)
@@ -28,13 +29,22 @@ def open_context(
     """The context, what the model is (exact as the probe found), and the buffer where states
     are assembled for it. Whatever fails closes what was made."""
     started = time.monotonic()
+    config, flash_note = _known_attention(config)
     ctx = LlamaContext(config, halt)
     try:
         log.info("model loaded in %.1f s", time.monotonic() - started)
+        note: str | None = None
+        if config.batch_invariant_flash:
+            note = probes.finding(ctx, backend.build_facts())
+            if note is not None:  # attention without flash, probed in its turn
+                ctx.close()
+                config, flash_note = _without_flash(config, note)
+                ctx = LlamaContext(config, halt)
+        if not config.batch_invariant_flash:
+            note = probes.exact(ctx)
         info = ctx.info()
-        note = probes.exact(ctx)
         halt.release()
-        info = dataclasses.replace(info, exact=note is None, exact_note=note or "")
+        info = dataclasses.replace(info, exact=note is None, exact_note=note or "", flash_note=flash_note)
         scratch = backend.Scratch(gpu=bool(backend.gpus(ctx.devices)))
         # NOTE: the KV buffers are written once now (all slots): a slot's first load after a
         # start otherwise faulted in its pages, 20-30 ms of a 1,900-token restore.
@@ -51,3 +61,20 @@ def open_context(
         ctx.close()
         raise
     return ctx, info, scratch
+
+
+def _known_attention(config: ContextConfig) -> tuple[ContextConfig, str]:
+    """The config to open: exact mode's batch-invariant flash attention is not tried again
+    where the probe cache already holds that it is not exact here."""
+    if not config.batch_invariant_flash:
+        return config, ""
+    kernel_environment(config)  # the probe's key holds ggml's environment
+    known, found = probes.kept(config, backend.build_facts())
+    return _without_flash(config, found) if known and found is not None else (config, "")
+
+
+def _without_flash(config: ContextConfig, found: str) -> tuple[ContextConfig, str]:
+    """Exact mode without flash attention, and why (said once, in one line)."""
+    note = f"flash attention is not batch-invariant on this llama.cpp build and machine ({found})"
+    log.warning("exact mode evaluates without flash attention: %s", note)
+    return dataclasses.replace(config, exact_flash=False), note

@@ -162,6 +162,7 @@ class Console:
             "n_ctx_train": m.model.n_ctx_train,
             "ctx_per_session": m.model.n_ctx_seq,
             "mode": "exact" if m.model.exact else "compact",
+            "flash_attention": m.model.flash_attention,
             "kv_type": m.settings.kv_type,
             "has_chat_template": m.template is not None,
             "version": __version__,

@@ -320,7 +320,7 @@ async function refreshInfo() {
   const q = info.tenant.quota;
   const facts = [
     ["model", `${m.id} (${m.architecture}, ${m.description})`],
-    ["mode", `${m.mode}, KV ${m.kv_type}, context ${m.ctx_per_session} per session`],
+    ["mode", `${m.mode}${m.flash_attention ? ", flash attention" : ""}, KV ${m.kv_type}, context ${m.ctx_per_session} per session`],
     ["slots", `${info.slots_in_use} of ${info.slots} in use`],
     ["RAM", `${bytes(b.ram_used_bytes)} of ${bytes(b.ram_bytes)}`],
     ["disk", `${bytes(b.disk_used_bytes)} of ${b.disk_bytes ? bytes(b.disk_bytes) : "no budget"}`],
