@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     turns = [int(x) for x in args.turns.split(",")]
     model = args.model or default_model_path()
-    context = max(lengths + [t + TURN for t in turns]) + 256
+    context = -(-(max(lengths + [t + TURN for t in turns]) + 64) // 256) * 256
     threads = str(args.threads)
     work = Path(tempfile.mkdtemp(prefix="kvkeep-exact-speed-"))
 
@@ -165,7 +165,15 @@ def run(args: argparse.Namespace) -> None:
                     flash = info.json().get("model", {}).get("flash_attention")
                     print(f"  {name}: flash attention {flash}", file=sys.stderr, flush=True)
             results[name] = measure(s, is_peer, lengths, turns, args.repeat)
-        results[name]["buffer"] = compute_buffer(work / f"{name.replace(' ', '-')}.log")
+        log = work / f"{name.replace(' ', '-')}.log"
+        if is_peer:  # llama-server logs its buffers at -lv 4 only, which also logs every step
+
+            def verbose(port: int, c: Callable[[int], list[str]] = cmd) -> list[str]:
+                return [*c(port), "-lv", "4"]
+
+            with server(f"{name.replace(' ', '-')}-buffers", verbose, work) as s:
+                log = work / f"{s.name}.log"
+        results[name]["buffer"] = compute_buffer(log)
     base = results.get("llama-server default")
     header = ("server", *(f"prompt {n}" for n in lengths), *(f"turn at {n}" for n in turns), "compute buffer")
     rows: list[tuple[str, ...]] = [header]

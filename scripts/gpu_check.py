@@ -1,6 +1,8 @@
 """scripts/gpu-check's checks and measurements, run on kvkeep's engine directly, and its report.
 
-For each of flash attention off (the exact mode's settings) and on (compact), one engine of
+For each of exact mode without flash attention, llama.cpp's flash attention (compact), and
+exact mode's batch-invariant flash attention (where the probe finds it exact; else the run
+says why and is exact mode without it: `attention_note`), one engine of
 16 slots, two docks and the scratch, on a model with random weights (scripts/gpu_model.py):
 
 - exactness, bit for bit: the start-up probe (one token against chunks of 1 to 128, beside
@@ -80,8 +82,11 @@ def main() -> int:
     shape = gpu_model.SHAPES[args.shape]
     heads = shape["n_embd"] // shape["n_head"]
     row = streams.row_bytes(streams.ModelShape(shape["n_layer"], shape["n_head_kv"], heads, heads), "f16")
-    for flash in (False, True):
-        run = measure(model, row, flash, args)
+    # Exact mode's flash attention before compact mode's: ggml reads its CPU switch once per
+    # process (on the CPU the compact run then has the batch-invariant kernels too; a GPU's
+    # own kernels do not read it).
+    for flash, exact_flash in ((False, False), (False, True), (True, False)):
+        run = measure(model, row, flash, exact_flash, args)
         report["runs"].append(run)
         print(json.dumps(run), flush=True)
     report["machine"] = {"platform": platform.platform(), "python": platform.python_version()}
@@ -99,14 +104,16 @@ def broken(report: dict[str, Any]) -> list[str]:
     a dock) is the same bytes in any mode; the rest only where the probe found exact mode."""
     always = ("restored into another slot", "dock round trip")
     return [
-        f"flash attention {run['flash_attn']}: {check}"
+        f"{run['attention']}: {check}"
         for run in report["runs"]
         for check, found in run["checks"].items()
         if found != "same" and (run["exact"] or check in always)
     ]
 
 
-def measure(model: Path, row: int, flash: bool, args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    model: Path, row: int, flash: bool, exact_flash: bool, args: argparse.Namespace
+) -> dict[str, Any]:
     n = args.tokens
     ctx = -(-(n + 256) // 256) * 256
     cfg = ContextConfig(
@@ -119,6 +126,7 @@ def measure(model: Path, row: int, flash: bool, args: argparse.Namespace) -> dic
         kv_type="f16",
         kv_unified=False,
         flash_attn=flash,
+        exact_flash=exact_flash,
         kv_budget=(SLOTS + DOCKS + 1) * ctx * row,
     )
     engine = Engine(cfg)
@@ -128,6 +136,8 @@ def measure(model: Path, row: int, flash: bool, args: argparse.Namespace) -> dic
     try:
         run: dict[str, Any] = {
             "flash_attn": flash,
+            "attention": _attention(flash, info.flash_attention),
+            "attention_note": info.flash_note,
             "load_seconds": round(loaded, 2),
             "exact": info.exact,
             "mode_note": info.exact_note,
@@ -146,6 +156,12 @@ def measure(model: Path, row: int, flash: bool, args: argparse.Namespace) -> dic
         engine.stop()
     run["met"] = {k: _met(k, run[k]) for k in TARGETS if k in run}
     return run
+
+
+def _attention(compact: bool, flash: bool) -> str:
+    if compact:
+        return "flash attention on (compact mode)"
+    return "exact mode, batch-invariant flash attention" if flash else "exact mode, flash attention off"
 
 
 def _on(engine: Engine) -> Callable[[Callable[[Engine], T]], T]:
@@ -227,25 +243,26 @@ def suffixes(e: Engine, n: int) -> dict[str, str]:
     ctx = e.ctx
     batch = e.config.batch_size
     reference: dict[int, np.ndarray] = {}
-    tail = set(range(n - max(SUFFIXES), n))
+    # Compared: each suffix's first, 63rd, 64th, 65th and last token (a batch gives at most
+    # LlamaContext.outputs_max rows of logits).
+    marks = {n - length + k for length in SUFFIXES for k in (0, 62, 63, 64)}
+    marks = {p for p in marks if p < n} | {n - 1}
     for at in range(0, n, batch):
         part = range(at, min(at + batch, n))
-        rows = ctx.decode([BatchItem(0, tokens[p], p, p in tail) for p in part])
-        reference.update(zip([p for p in part if p in tail], rows, strict=True))
+        rows = ctx.decode([BatchItem(0, tokens[p], p, p in marks) for p in part])
+        reference.update(zip([p for p in part if p in marks], rows, strict=True))
     out = {}
     beside = 0
     for length in SUFFIXES:
         for other in (False, True):
             assert ctx.remove_from(0, n - length)
-            items = [BatchItem(0, tokens[p], p, True) for p in range(n - length, n)]
+            items = [BatchItem(0, tokens[p], p, p in marks) for p in range(n - length, n)]
             if other:
                 items.append(BatchItem(1, tokens[beside], beside, False))
                 beside += 1
             rows = ctx.decode(items)
-            worst = max(
-                float(np.max(np.abs(r - reference[p])))
-                for p, r in zip(range(n - length, n), rows, strict=True)
-            )
+            kept = [p for p in range(n - length, n) if p in marks]
+            worst = max(float(np.max(np.abs(r - reference[p]))) for p, r in zip(kept, rows, strict=True))
             key = f"suffix of {length}{' beside another' if other else ''}"
             out[key] = "same" if worst == 0 else f"differs by up to {worst:.3g}"
     ctx.clear(0)
@@ -361,7 +378,7 @@ def markdown(report: dict[str, Any]) -> str:
         devices = ", ".join(f"{d['name']} ({d['description']})" for d in run["devices"])
         mode = "exact" if run["exact"] else f"compact: {run['mode_note']}"
         lines += [
-            f"## flash attention {'on' if run['flash_attn'] else 'off'}",
+            f"## {run['attention']}" + (f" ({run['attention_note']})" if run["attention_note"] else ""),
             "",
             f"Devices: {devices}. Mode: {mode}. Pinned transfers: {run['pinned_transfers']}.",
             "",

@@ -3,28 +3,24 @@ and comes before the model loads where it can."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 from daemons import PROBE_CACHE, model_path
 
-# prctl(PR_CAPBSET_DROP): a capability the processes this one execs will not have.
-_PR_CAPBSET_DROP = 24
-_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 1, 2
 
-
-def _start(*args: str, **popen: object) -> tuple[int, list[str], float]:
-    """`python -m kvkeepd` with `args` after the usual test settings: (exit status, stderr's
-    lines, seconds it ran)."""
+def _start(*args: str, prefix: Sequence[str] = (), **popen: object) -> tuple[int, list[str], float]:
+    """`python -m kvkeepd` with `args` after the usual test settings, run by `prefix`: (exit
+    status, stderr's lines, seconds it ran)."""
     command = [
+        *prefix,
         sys.executable,
         "-m",
         "kvkeepd",
@@ -99,23 +95,26 @@ def test_a_state_dir_that_is_a_file_names_the_flag(tmp_path: Path) -> None:
     ]
 
 
-def _without_file_access_override() -> None:
-    """In the child: root, too, is held to files' modes (as every other user is)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH):
-        libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)  # fails, harmlessly, where it was not held
+def _without_file_access_override() -> list[str]:
+    """The command prefix under which root, too, is held to files' modes (as every other user
+    is): setpriv drops the capabilities that override them before it executes the daemon. Not
+    a preexec_fn: that runs Python in a child forked from this process's threads (gRPC's),
+    which can deadlock or abort it."""
+    if os.geteuid() != 0:
+        return []
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
 
 
 def test_an_unwritable_or_unreadable_state_dir_names_the_flag(tmp_path: Path) -> None:
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
-    status, lines, _ = _start("--state-dir", str(locked / "state"), preexec_fn=_without_file_access_override)
+    status, lines, _ = _start("--state-dir", str(locked / "state"), prefix=_without_file_access_override())
     assert status == 1
     assert lines == [
         f"error: cannot use the state directory {locked / 'state'}: permission denied; choose another "
         "with --state-dir"
     ]
-    status, lines, _ = _start("--state-dir", str(locked), preexec_fn=_without_file_access_override)
+    status, lines, _ = _start("--state-dir", str(locked), prefix=_without_file_access_override())
     assert status == 1
     assert lines == [
         f"error: cannot use the state directory {locked} ({locked / 'lock'}): permission denied; choose "

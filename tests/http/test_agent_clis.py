@@ -35,6 +35,8 @@ from accesslog import await_lines
 from checkpoint_helpers import own_daemon
 from daemons import InProcessDaemon
 
+import kvkeep
+
 BIN = Path(__file__).resolve().parents[2] / ".agent-clis" / "node_modules" / ".bin"
 CODEX = BIN / "codex"
 CLAUDE = BIN / "claude"
@@ -117,8 +119,9 @@ def run(
     return done
 
 
-def codex_events(door: str, home: Path, prompt: str) -> list[dict[str, Any]]:
-    """The events of `codex exec --json` on one prompt, with a model provider at `door`."""
+def codex_events(door: str, home: Path, prompt: str, *, check: bool = True) -> list[dict[str, Any]]:
+    """The events of `codex exec --json` on one prompt, with a model provider at `door`
+    (`check`: that it exits 0)."""
     codex_home = home / "codex"
     codex_home.mkdir(parents=True, exist_ok=True)
     (codex_home / "config.toml").write_text(
@@ -133,7 +136,9 @@ def codex_events(door: str, home: Path, prompt: str) -> list[dict[str, Any]]:
         f"stream_idle_timeout_ms = {RUN_SECONDS * 1000}\n"
     )
     env = {**quiet_env(home), "CODEX_HOME": str(codex_home), "KVKEEP_API_KEY": "dummy"}
-    done = run([str(CODEX), "exec", "--json", "--skip-git-repo-check", prompt], env, home / "work")
+    done = run(
+        [str(CODEX), "exec", "--json", "--skip-git-repo-check", prompt], env, home / "work", check=check
+    )
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
@@ -143,13 +148,26 @@ def completed(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 def codex(d: InProcessDaemon, home: Path) -> dict[str, Any]:
-    """`codex exec --json` on one prompt; its completed turn's usage."""
-    events = codex_events(url(d), home, PROMPT)
+    """`codex exec --json` on one prompt: its turn's usage, as the daemon counted it (Codex
+    reports none for a turn it failed)."""
+    with kvkeep.Client(d.address) as client:
+        before = client.info()
+    events = codex_events(url(d), home, PROMPT, check=False)
     answers = [item["text"] for item in completed(events, "agent_message")]
     assert answers and answers[-1].strip(), events[-5:]
-    turns = [e for e in events if e["type"] == "turn.completed"]
-    assert len(turns) == 1, events[-5:]
-    usage: dict[str, Any] = turns[0]["usage"]
+    (end,) = [e for e in events if e["type"] in ("turn.completed", "turn.failed")]
+    if end["type"] == "turn.failed":
+        # Codex sends no temperature: the embedded model samples at the default one and may
+        # talk past the daemon's cap, and Codex fails a turn whose reply was cut short. Any
+        # other failure fails.
+        assert "reason: max_output_tokens" in end["error"]["message"], events[-5:]
+    with kvkeep.Client(d.address) as client:
+        after = client.info()
+    usage = {
+        "input_tokens": after.tokens_evaluated - before.tokens_evaluated,
+        "cached_input_tokens": after.tokens_reused - before.tokens_reused,
+        "codex": end.get("usage"),
+    }
     print("codex:", usage, repr(answers[-1][:200]))
     return usage
 

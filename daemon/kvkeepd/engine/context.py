@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 KV_TYPE_IDS = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0, "q4_0": llama.GGML_TYPE_Q4_0}
 _PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the recurrent part of a hybrid's state
+# Rows of logits one batch may ask for, at least (see LlamaContext.__init__).
+MIN_OUTPUTS = 64
 # Sliding-window caches whose window is not "the last n_swa positions" (chunked attention).
 _OTHER_WINDOWS = {"llama4"}
 
@@ -211,6 +213,12 @@ class LlamaContext:
         cparams.n_batch = cfg.batch_size
         cparams.n_ubatch = cfg.batch_size
         cparams.n_seq_max = self.streams.total
+        # llama.cpp reserves its compute buffer for this many rows of logits per batch (n_batch
+        # by default: 84 MiB more than this for SmolLM2's 49k vocabulary, 240 MiB for a 128k
+        # one) and aborts on a batch that asks more (decode refuses it first). The engine asks
+        # one row per sequence in a step, the start-up probe a dozen.
+        self.outputs_max = max(self.streams.total, MIN_OUTPUTS)
+        cparams.n_outputs_max = self.outputs_max
         cparams.n_threads = cfg.threads
         cparams.n_threads_batch = cfg.threads
         cparams.kv_unified = cfg.kv_unified
@@ -409,7 +417,11 @@ class LlamaContext:
     # ---- evaluation -------------------------------------------------------------------------
 
     def decode(self, items: Sequence[BatchItem]) -> list[Logits]:
-        """Evaluate one batch; the logits rows of the items that asked for them, in order."""
+        """Evaluate one batch; the logits rows of the items that asked for them (at most
+        `outputs_max`), in order."""
+        n_out = sum(1 for item in items if item.logits)
+        if n_out > self.outputs_max:
+            raise KvkeepError(f"a batch asked for {n_out} rows of logits, more than {self.outputs_max}")
         batch = self._batch
         for k, item in enumerate(items):
             batch.token[k] = item.token
@@ -424,7 +436,6 @@ class LlamaContext:
         if rc != 0:
             raise KvkeepError(f"llama_decode failed with {rc} for a batch of {len(items)} tokens")
         self._pending.clear()  # a decode makes the pending copies first
-        n_out = sum(1 for item in items if item.logits)
         if not n_out:
             return []
         # The rows asked for lie together, in batch order: one call for all of them. Each
