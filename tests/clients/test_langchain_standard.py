@@ -82,6 +82,12 @@ class TestChatKvkeepStandard(ChatModelIntegrationTests):
     def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
         super().test_structured_output_optional_param(model)
 
+    @pytest.mark.xfail(
+        reason=SMALL + "JSON mode holds it to JSON only, and its joke leaves out the punchline", strict=True
+    )
+    def test_json_mode(self, model: BaseChatModel) -> None:
+        super().test_json_mode(model)
+
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     @pytest.mark.xfail(
         reason=SMALL + "with tool_choice auto it answers in text, not calling get_weather", strict=True

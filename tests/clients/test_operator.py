@@ -87,7 +87,8 @@ def test_info_reads_as_lines_about_one_thing_each_and_json_has_every_field(daemo
     ]
     assert fields["daemon"].endswith(f" at {daemon_address}")
     assert fields["mode"] == "exact"
-    assert fields["engine"].startswith("4 slots x 1024 tokens, KV f16")
+    engine = "4 slots x 1024 tokens, KV f16, flash attention (batch-invariant), on "
+    assert fields["engine"].startswith(engine)
     assert fields["HTTP (OpenAI)"] == "off"  # the tests' shared daemon has no HTTP door
     as_json = json.loads(CliRunner().invoke(main, ["info", "--json", "--address", daemon_address]).stdout)
     assert as_json["slots"] == 4 and as_json["http_address"] == "" and "tokens_generated" in as_json

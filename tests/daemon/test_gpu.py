@@ -159,10 +159,17 @@ def test_the_gpu_check_runs_its_steps_on_the_cpu_build(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu-check.json").read_text())
-    assert report["broken"] == [] and [r["flash_attn"] for r in report["runs"]] == [False, True]
-    exact, compact = report["runs"]
-    assert exact["exact"] and set(exact["checks"].values()) == {"same"}
-    assert len(exact["checks"]) == 6
+    assert report["broken"] == []
+    plain, flash, compact = report["runs"]
+    assert [r["attention"] for r in report["runs"]] == [
+        "exact mode, flash attention off",
+        "exact mode, batch-invariant flash attention",
+        "flash attention on (compact mode)",
+    ]
+    for exact in (plain, flash):
+        assert exact["exact"] and set(exact["checks"].values()) == {"same"}
+        # 6 ways to the same state, and 6 suffixes after a cached prefix, alone and beside another
+        assert len(exact["checks"]) == 18
     assert compact["mode_note"] == "the settings ask for the compact mode" and "probe" in compact
     for run in report["runs"]:
         assert run["streams"] == {"slots": 16, "docks": 2, "stream_bytes": run["streams"]["stream_bytes"]}

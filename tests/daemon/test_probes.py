@@ -128,7 +128,9 @@ def test_a_daemon_started_again_reuses_its_probe_whatever_its_state_dir(
 
 # The settings of the daemons below, and a finding the probe could report for them (its
 # second chunk, of 36 tokens, ends at position 36).
-SETTINGS: dict[str, Any] = {"slots": 2, "ctx_per_session": 512}
+# Exact mode without flash attention: one probe, one key (exact mode's flash attention, probed
+# first where it is asked for, is tests/daemon/test_exact_flash.py's).
+SETTINGS: dict[str, Any] = {"slots": 2, "ctx_per_session": 512, "exact_attention": "plain"}
 REAL_FINDING = (
     "position 36 evaluated in a chunk of 36 (after chunks of [1]) has logits up to 0.685 away "
     "from those of one chunk of 260"

@@ -36,9 +36,10 @@ def _readable(i: Info, address: str) -> list[tuple[str, object]]:
             f" ({i.device}, {format_size(i.device_memory_free)} free of {format_size(i.device_memory_total)})"
         )
     mode = i.mode + (f": {i.mode_note}" if i.mode_note else "")
-    if i.mode == "exact":
-        mode += ", flash attention (batch-invariant)" if i.flash_attention else ", attention without flash"
-        mode += f": {i.attention_note}" if i.attention_note else ""
+    attention = "flash attention" if i.flash_attention else "attention without flash"
+    if i.mode == "exact" and i.flash_attention:
+        attention += " (batch-invariant)"
+    attention += f" ({i.attention_note})" if i.attention_note else ""
     return [
         ("daemon", f"kvkeep {i.version} at {address}"),
         (
@@ -51,7 +52,7 @@ def _readable(i: Info, address: str) -> list[tuple[str, object]]:
         ),
         ("chat template", template),
         ("mode", mode),
-        ("engine", f"{i.slots} slots x {i.ctx_per_session} tokens, KV {i.kv_type}, on {device}"),
+        ("engine", f"{i.slots} slots x {i.ctx_per_session} tokens, KV {i.kv_type}, {attention}, on {device}"),
         ("HTTP (OpenAI)", f"http://{i.http_address}/v1" if i.http_address else "off"),
         ("metrics", f"http://{i.metrics_address}/metrics" if i.metrics_address else "off"),
         (

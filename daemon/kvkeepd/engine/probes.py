@@ -75,7 +75,7 @@ def kept(cfg: ContextConfig, build: dict[str, Any]) -> tuple[bool, str | None]:
     if cfg.probe_cache is None:
         return False, None
     key = machine_key(dataclasses.replace(cfg, probe_cache=None), PLAN, build)
-    entry = _read(cfg.probe_cache).get(key)
+    entry = _read(cfg.probe_cache, quiet=True).get(key)  # what is wrong is said when probing
     if entry is None or _malformed(entry):
         return False, None
     found: str | None = entry["found"]
@@ -273,21 +273,23 @@ def _timed(probe: Callable[[], str | None], kept: str) -> str | None:
     return found
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _read(path: Path, *, quiet: bool = False) -> dict[str, Any]:
     """The file's entries by key ({} if there is none); a file that cannot be read, is not
-    JSON or not an object is ignored with a warning (the probe runs again)."""
+    JSON or not an object is ignored with a warning (none if `quiet`; the probe runs again)."""
     try:
         loaded = json.loads(path.read_text())
     except (FileNotFoundError, NotADirectoryError):
         return {}
     except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON (cut short)
         why = (e.strerror or str(e)) if isinstance(e, OSError) else f"not JSON: {e}"
-        log.warning("exactness probe: ignoring the results kept in %s (%s); probing again", path, why)
+        if not quiet:
+            log.warning("exactness probe: ignoring the results kept in %s (%s); probing again", path, why)
         return {}
     if not isinstance(loaded, dict):
-        log.warning(
-            "exactness probe: ignoring the results kept in %s (not a JSON object); probing again", path
-        )
+        if not quiet:
+            log.warning(
+                "exactness probe: ignoring the results kept in %s (not a JSON object); probing again", path
+            )
         return {}
     return {str(k): v for k, v in loaded.items()}
 
