@@ -49,8 +49,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--peer", type=Path, help="llama-server of the same llama.cpp (scripts/build-llama-server)"
     )
-    p.add_argument("--lengths", default="1024,4096,8192", help="prompt lengths in tokens, comma-separated")
-    p.add_argument("--turns", default="2048,8192", help="held prompt lengths of the one-token turns")
+    p.add_argument("--lengths", default="1024,4096,8000", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--turns", default="2048,8000", help="held prompt lengths of the one-token turns")
     p.add_argument("--repeat", type=int, default=1, help="uncached prompts per length (the median)")
     p.add_argument("--model", type=Path, default=None, help="a GGUF file (default: SmolLM2-135M)")
 
