@@ -65,8 +65,20 @@ def session_salt(tenant: Tenant, cache_salt: bytes) -> bytes:
     if not cache_salt:
         return tenant.salt
     if not MIN_SALT <= len(cache_salt) <= MAX_SALT:
-        raise InvalidRequest(f"cache_salt must have {MIN_SALT} to {MAX_SALT} bytes, got {len(cache_salt)}")
+        raise InvalidRequest(
+            f"cache_salt must have {MIN_SALT} to {MAX_SALT} bytes, got {len(cache_salt)}", "cache_salt"
+        )
     return hashlib.blake2b(b"kvkeep-salt\0" + cache_salt, digest_size=32).digest()
+
+
+def check_salt(tenant: Tenant, cache_salt: bytes, salt: bytes) -> None:
+    """Refuse a request that gives a `cache_salt` other than the one a session's blocks are
+    keyed with (`salt`): a session keeps the salt it was made with (none given: any)."""
+    if cache_salt and session_salt(tenant, cache_salt) != salt:
+        raise InvalidRequest(
+            "cache_salt differs from the session's: a session keeps the cache salt it was made with",
+            "cache_salt",
+        )
 
 
 class Tenants:

@@ -4,8 +4,8 @@ folder per API (`chat/`, `responses/`, `anthropic/`), and at the root what serve
 <!-- generated: modules -->
 - app.py: The OpenAI-compatible HTTP door: /v1/chat/completions, /v1/completions, /v1/models and
   /v1/responses (responses/).
-- body.py: Request bodies' common ground: the base of their typed models, and the roles of
-  OpenAI's messages.
+- body.py: Request bodies' common ground: the base of their typed models, the roles of OpenAI's
+  messages, and the cache salt a request may give.
 - body_limits.py: Request bodies refused by their size (413) before they are read whole or
   parsed: each path's limit is what its largest valid request can need, within
   `--max-message-bytes`.

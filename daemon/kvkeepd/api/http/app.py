@@ -45,7 +45,7 @@ from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound
 from kvkeepd.request_limits import MAX_CONCURRENT_RPCS
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.session import Session
-from kvkeepd.sessions.tenants import Tenant
+from kvkeepd.sessions.tenants import Tenant, check_salt
 from kvkeepd.values.generation import Chunk, Turn
 from kvkeepd.values.messages import Message
 from kvkeepd.values.sampling import SamplingOverrides
@@ -274,16 +274,20 @@ class OpenAiDoor:
         if self.manager.template is None:
             raise NoChatTemplate("the model has no chat template; use /v1/completions")
         m = self.manager
+        salt = req.salt()
         on_fail: Callable[[], Awaitable[None]] = _nothing
         if req.session_id is None:
             key = req.prompt_cache_key or ""
-            session_id, stream, _ = await self.keep.converse(tenant, messages, turn, key=key)
+            session_id, stream, _ = await self.keep.converse(tenant, messages, turn, key=key, cache_salt=salt)
         elif req.session_id == NEW_SESSION:
-            session, rest = await self._new_chat_session(tenant, messages, turn, persistent=req.persistent)
+            session, rest = await self._new_chat_session(
+                tenant, messages, turn, persistent=req.persistent, cache_salt=salt
+            )
             on_fail = self._closer(session, tenant)
             session_id = req.session_id = session.session_id
             stream = m.converse(session_id, tenant, messages=rest, whole=False, turn=turn)
         else:
+            await self._check_salt(tenant, req.session_id, salt)
             self.keep.release(tenant, req.session_id)
             session_id = req.session_id
             stream = m.converse(session_id, tenant, messages=messages, whole=False, turn=turn)
@@ -299,19 +303,33 @@ class OpenAiDoor:
         return JSONResponse(reply.chat("".join(c.text for c in chunks), chunks, top))
 
     async def _new_chat_session(
-        self, tenant: Tenant, messages: Sequence[Message], turn: Turn, *, persistent: bool
+        self, tenant: Tenant, messages: Sequence[Message], turn: Turn, *, persistent: bool, cache_salt: bytes
     ) -> tuple[Session, list[Message]]:
         """A new session whose system prompt is the conversation's leading system message
-        (rendered with the turn's tools), and the messages that follow it."""
+        (rendered with the turn's tools), made with `cache_salt`, and the messages that
+        follow it."""
         system = messages[0].content if messages[0].role == "system" else ""
         rest = list(messages[1:] if system else messages)
         if not rest:
             raise InvalidRequest("the conversation has no message after its system prompt")
         await self.keep.make_room(tenant)
         session = await self.manager.create_session(
-            tenant, system, SamplingOverrides(), (), persistent=persistent, tools=turn.tools or ()
+            tenant,
+            system,
+            SamplingOverrides(),
+            (),
+            persistent=persistent,
+            cache_salt=cache_salt,
+            tools=turn.tools or (),
         )
         return session, rest
+
+    async def _check_salt(self, tenant: Tenant, session_id: str, cache_salt: bytes) -> None:
+        """Refuse a request continuing the tenant's session under another cache salt than the
+        session's own (given none, it continues under the session's)."""
+        if cache_salt:
+            session = await self.manager.find(session_id, tenant)
+            check_salt(tenant, cache_salt, session.salt)
 
     # ---- legacy completions ------------------------------------------------------------------
 
@@ -320,13 +338,14 @@ class OpenAiDoor:
         req = await self._parse(request, CompletionRequest)
         turn = req.turn()
         prompt, token_ids = req.prompt_parts()
+        salt = req.salt()
         on_fail: Callable[[], Awaitable[None]] = _nothing
         if req.session_id is None or req.session_id == NEW_SESSION:
             if not prompt and not token_ids:
                 raise InvalidRequest("the prompt is empty")
             await self.keep.make_room(tenant)
             session = await self.manager.create_session(
-                tenant, "", SamplingOverrides(), (), persistent=req.persistent
+                tenant, "", SamplingOverrides(), (), persistent=req.persistent, cache_salt=salt
             )
             if req.session_id is None:
                 self.keep.add(tenant, session)  # a source for the prefix cache
@@ -335,6 +354,7 @@ class OpenAiDoor:
                 req.session_id = session.session_id
             session_id = session.session_id
         else:
+            await self._check_salt(tenant, req.session_id, salt)
             self.keep.release(tenant, req.session_id)
             session_id = req.session_id
         access(request).session = session_id

@@ -1,9 +1,12 @@
-"""Request bodies' common ground: the base of their typed models, and the roles of OpenAI's
-messages."""
+"""Request bodies' common ground: the base of their typed models, the roles of OpenAI's
+messages, and the cache salt a request may give."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
+
+from kvkeepd.errors import InvalidRequest
+from kvkeepd.sessions.tenants import MAX_SALT, MIN_SALT
 
 # Roles of OpenAI's messages and the template role each becomes (a Responses input message
 # has no tool role: a tool's result is an item of its own there).
@@ -23,3 +26,18 @@ class ClosedBody(Body):
     them ("unknown parameter")."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def salt_bytes(cache_salt: str | None) -> bytes:
+    """A body's `cache_salt` (an extension, vLLM's name: prompts computed under one salt are
+    reused by requests giving the same, of any tenant, and by no other) as the bytes a
+    session's salt is made from; b"" for none. A salt of the wrong length is refused here,
+    before a session is made for it."""
+    if cache_salt is None:
+        return b""
+    salt = cache_salt.encode("utf-8", "surrogatepass")
+    if not MIN_SALT <= len(salt) <= MAX_SALT:
+        raise InvalidRequest(
+            f"cache_salt must have {MIN_SALT} to {MAX_SALT} bytes (UTF-8), got {len(salt)}", "cache_salt"
+        )
+    return salt

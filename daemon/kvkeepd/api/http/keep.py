@@ -8,6 +8,9 @@ prefix cache can attach blocks to from the kept ones (a closed ephemeral session
 nothing in the cache). A client that names its conversation (`prompt_cache_key`, on
 chat completions and the Responses API) is answered only in sessions kept under that key:
 two conversations of one tenant with the same beginning do not take each other's session.
+A request that gives a cache salt is answered only in sessions made with that salt, and one
+that gives none only in sessions made without: a kept session is never continued under
+another salt than its own.
 A session whose last turn was left before its reply ended (its client hung up) is matched
 by the messages it held before that turn, so the client's retry or next turn continues it.
 Nobody else is given their ids, so the door owns them: it closes the oldest beyond
@@ -24,7 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 from kvkeepd.errors import InvalidRequest, KvkeepError
 from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.session import Session
-from kvkeepd.sessions.tenants import Tenant
+from kvkeepd.sessions.tenants import Tenant, session_salt
 from kvkeepd.values.generation import Chunk, Turn
 from kvkeepd.values.messages import Message
 from kvkeepd.values.sampling import SamplingOverrides
@@ -62,17 +65,20 @@ class SessionKeep:
         self._keys.pop(session_id, None)
         self._answered.pop(session_id, None)
 
-    def find(self, tenant: Tenant, messages: Sequence[Message], key: str = "") -> tuple[Session, int] | None:
-        """The idle session kept under `key` whose messages are the longest proper prefix of
-        `messages` (at least one message long), and that prefix's length; it becomes the most
-        recent."""
+    def find(
+        self, tenant: Tenant, messages: Sequence[Message], key: str = "", cache_salt: bytes = b""
+    ) -> tuple[Session, int] | None:
+        """The idle session kept under `key`, made with `cache_salt`, whose messages are the
+        longest proper prefix of `messages` (at least one message long), and that prefix's
+        length; it becomes the most recent."""
         kept = self._live(tenant)
+        salt = session_salt(tenant, cache_salt)
         best: tuple[Session, int] | None = None
         for s in kept.values():
             n = self._answered.get(s.session_id, len(s.messages))
             if s.busy or not 0 < n < len(messages) or (best is not None and n <= best[1]):
                 continue
-            if self._keys.get(s.session_id, "") != key:
+            if self._keys.get(s.session_id, "") != key or s.salt != salt:
                 continue
             if all(m.message() == w for m, w in zip(s.messages[:n], messages, strict=False)):
                 best = (s, n)
@@ -114,14 +120,15 @@ class SessionKeep:
         turn: Turn,
         *,
         key: str = "",
+        cache_salt: bytes = b"",
         context_policy: str = "",
     ) -> tuple[str, AsyncIterator[Chunk], bool]:
-        """Answer a conversation sent whole: in the session kept under `key` that it
-        continues (only what is new is evaluated), or in a new one kept under it, whose system
-        prompt is the conversation's leading system message. The session's id, the reply, and
-        whether a kept session was continued."""
+        """Answer a conversation sent whole: in the session kept under `key` and made with
+        `cache_salt` that it continues (only what is new is evaluated), or in a new one kept
+        so, whose system prompt is the conversation's leading system message. The session's
+        id, the reply, and whether a kept session was continued."""
         m = self.manager
-        found = self.find(tenant, messages, key)
+        found = self.find(tenant, messages, key, cache_salt)
         if found is not None:
             # The whole conversation: if another request moved the session on meanwhile, the
             # flow keeps what still matches.
@@ -139,6 +146,7 @@ class SessionKeep:
             SamplingOverrides(),
             (),
             persistent=False,
+            cache_salt=cache_salt,
             context_policy=context_policy,
             tools=turn.tools or (),
         )

@@ -43,7 +43,7 @@ from kvkeepd.sessions.memory.residency import Residency
 from kvkeepd.sessions.placement import Docked, HistoryOnly, InSlot, Parked, Stored
 from kvkeepd.sessions.prompting.templates import ChatTemplate
 from kvkeepd.sessions.session import Session
-from kvkeepd.sessions.tenants import Tenant
+from kvkeepd.sessions.tenants import Tenant, check_salt
 from kvkeepd.storage.checkpoints import CHECKPOINT_ID_PREFIX
 from kvkeepd.storage.writes import store_write
 from kvkeepd.values.generation import Chunk, Turn
@@ -111,7 +111,8 @@ class ResponseRequest:
     """A request for a response: the messages it adds to the conversation of
     `previous_response_id` (or to a new one), under `instructions` (the system message;
     a previous response's are not carried over), with `context_policy` ("truncate": earlier
-    turns make way when it does not fit)."""
+    turns make way when it does not fit). A new conversation's session is made with
+    `cache_salt`; a stored one keeps the salt it was begun with, and another is refused."""
 
     response_id: str
     previous_response_id: str
@@ -120,6 +121,7 @@ class ResponseRequest:
     turn: Turn
     store: bool
     context_policy: str = ""
+    cache_salt: bytes = b""
 
 
 @dataclass
@@ -222,6 +224,8 @@ class Responses:
 
         stored = False
         try:
+            if base is not None:
+                check_salt(tenant, request.cache_salt, session.salt)
             messages, whole = self._messages(session, base, request)
             # No input continues the previous response: one more reply after it.
             await self.conversations.converse(
@@ -260,6 +264,7 @@ class Responses:
                 SamplingOverrides(),
                 (),
                 persistent=False,
+                cache_salt=request.cache_salt,
                 context_policy=request.context_policy,
                 tools=request.turn.tools or (),
             )

@@ -4,7 +4,8 @@
 A conversation is answered as the chat door answers one sent whole: in a session the door
 keeps (keep.py), so the next request that resends it continues that session and evaluates
 only what is new; a `cache_control` breakpoint keeps the state up to it for its TTL, where
-any later prompt of the tenant that begins the same way finds it (SessionManager.keep_prefixes).
+any later prompt of the tenant that begins the same way finds it (SessionManager.keep_prefixes),
+or, when the request gives a `cache_salt`, any later prompt that gives the same salt.
 Calls are the chat door's: in the model's own format, held to each tool's
 schema. The caller is the tenant its `x-api-key` names, or its bearer token, as on the other
 routes; `anthropic-version` and `anthropic-beta` are accepted whatever they say. Errors are
@@ -81,12 +82,13 @@ class MessagesDoor:
     async def _create(self, request: Request) -> Response:
         tenant = self._tenant(request)
         req = await self._parse(request, MessagesRequest)
+        salt = req.salt()
         turn = req.turn()
         messages = await bulk.run(
             lambda: req.conversation(self._recall(tenant)), large=len(req.messages) > bulk.LARGE_MESSAGES
         )
         marks = req.breakpoints(messages)
-        session_id, stream = await self._converse(request, tenant, messages, turn)
+        session_id, stream = await self._converse(request, tenant, messages, turn, salt)
         shape = MessageShape("msg_" + secrets.token_hex(12), req.model or self.model_id)
 
         async def keep(last: Chunk) -> int:
@@ -117,13 +119,14 @@ class MessagesDoor:
     # ---- conversations -----------------------------------------------------------------------
 
     async def _converse(
-        self, request: Request, tenant: Tenant, messages: Sequence[Message], turn: Turn
+        self, request: Request, tenant: Tenant, messages: Sequence[Message], turn: Turn, cache_salt: bytes
     ) -> tuple[str, AsyncIterator[Chunk]]:
-        """The session and the reply's stream: in the kept session whose conversation this
-        one continues, or in a new one (kept) whose system prompt is the conversation's."""
+        """The session and the reply's stream: in the kept session (made with `cache_salt`)
+        whose conversation this one continues, or in a new one (kept) whose system prompt is
+        the conversation's."""
         if self.manager.template is None:
             raise NoChatTemplate("the model has no chat template: the Messages API needs one")
-        session_id, stream, _ = await self.keep.converse(tenant, messages, turn)
+        session_id, stream, _ = await self.keep.converse(tenant, messages, turn, cache_salt=cache_salt)
         access(request).session = session_id
         return session_id, counted(request, stream)
 

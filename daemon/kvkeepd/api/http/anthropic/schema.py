@@ -12,6 +12,8 @@ show or to hide. `output_config.format` (structured outputs) holds the reply's t
 JSON schema, as the OpenAI doors' `response_format` does. Images and documents are refused:
 the model has no vision. What would change the reply and cannot be honoured (an assistant's
 message last, to be continued; server tools; MCP servers) is refused with a 400 that names it.
+One extension is taken: `cache_salt` (vLLM's name), the salt of the conversation's cached
+prompt, so that tenants giving the same salt share its breakpoints.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from kvkeepd.api.http.body import Body
+from kvkeepd.api.http.body import Body, salt_bytes
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.values.generation import Turn, check_stop
 from kvkeepd.values.messages import Message
@@ -262,6 +264,13 @@ class MessagesRequest(ConversationBody):
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     output_config: OutputConfig | None = None
+    # An extension: the salt of the prompt blocks and breakpoints of the session made for the
+    # request, shared by whoever gives the same (body.salt_bytes).
+    cache_salt: str | None = None
+
+    def salt(self) -> bytes:
+        """The request's cache salt (b"": none)."""
+        return salt_bytes(self.cache_salt)
 
     def turn(self) -> Turn:
         """The turn, its sampling values and stop strings checked now: before a session is

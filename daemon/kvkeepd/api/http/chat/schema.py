@@ -6,7 +6,7 @@ that asks for two choices, legacy functions or a sampler kvkeep lacks must not g
 else silently. Fields that change nothing here (`user`, `metadata`, `store`...) are ignored.
 Besides OpenAI's, llama.cpp's server's extensions that kvkeep has are taken: `grammar`
 (GBNF), a top-level `json_schema`, `response_format` `json_object` with a `schema`, `top_k`,
-`min_p`, `repeat_penalty` and `return_progress` (streams only).
+`min_p`, `repeat_penalty` and `return_progress` (streams only); and vLLM's `cache_salt`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from kvkeepd.api.http.body import ROLES, Body
+from kvkeepd.api.http.body import ROLES, Body, salt_bytes
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.request_limits import MAX_LOGPROBS
 from kvkeepd.values.generation import Turn, check_stop
@@ -125,6 +125,9 @@ class GenerationBody(Body):
     # prompt; a session started so may be persistent.
     session_id: str | None = None
     persistent: bool = False
+    # vLLM's extension: the salt of the prompt blocks of the session made for the request,
+    # shared by whoever gives the same (body.salt_bytes).
+    cache_salt: str | None = None
     # llama.cpp's server's extensions (see the module's docstring).
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
@@ -159,6 +162,11 @@ class GenerationBody(Body):
                 f"persistent goes with session_id {NEW_SESSION!r}: it starts a session", "persistent"
             )
         self.schema_text()  # a response_format it cannot take is refused here
+        self.salt()  # and a cache_salt
+
+    def salt(self) -> bytes:
+        """The request's cache salt (b"": none)."""
+        return salt_bytes(self.cache_salt)
 
     def stops(self) -> list[str]:
         if self.stop is None:

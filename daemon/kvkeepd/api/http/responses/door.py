@@ -102,6 +102,7 @@ class ResponsesDoor:
                 turn=spec.turn,
                 store=spec.store,
                 context_policy=context_policy,
+                cache_salt=spec.cache_salt,
             )
             stream = counted(request, self.manager.answer(tenant, wanted, shape.document))
         if spec.stream:
@@ -154,7 +155,12 @@ class ResponsesDoor:
         lead = [Message("system", spec.instructions)] if spec.instructions is not None else []
         conversation = [*lead, *spec.messages]
         session_id, stream, continued = await self.keep.converse(
-            tenant, conversation, spec.turn, key=body.prompt_cache_key or "", context_policy=context_policy
+            tenant,
+            conversation,
+            spec.turn,
+            key=body.prompt_cache_key or "",
+            cache_salt=spec.cache_salt,
+            context_policy=context_policy,
         )
         access(request).session = session_id
         system = list(itertools.takewhile(lambda m: m.role == "system", conversation))

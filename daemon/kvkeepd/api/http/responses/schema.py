@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from kvkeepd.api.http.body import ROLES, ClosedBody
+from kvkeepd.api.http.body import ROLES, ClosedBody, salt_bytes
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.request_limits import MAX_LOGPROBS
 from kvkeepd.values.generation import Turn
@@ -89,6 +89,9 @@ class ResponseCreate(ClosedBody):
     top_p: float | None = None
     # An extension: the sampler's seed (the same state and seed give the same reply).
     seed: Annotated[int, Field(ge=0)] | None = None
+    # An extension (vLLM's, on its chat completions): the salt of the prompt blocks of the
+    # session made for the request, shared by whoever gives the same (body.salt_bytes).
+    cache_salt: str | None = None
     text: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -151,6 +154,7 @@ class ResponseCreate(ClosedBody):
             logprobs=logprobs,
             namespaces=namespaces,
             ignored_tools=ignored,
+            cache_salt=salt_bytes(self.cache_salt),
         )
 
     def _refuse_unsupported(self) -> None:
@@ -233,6 +237,8 @@ class ResponseSpec:
     namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: The types of the hosted tools left out of what the model sees.
     ignored_tools: tuple[str, ...] = ()
+    #: The cache salt of a session made for it (b"": the tenant's).
+    cache_salt: bytes = b""
 
 
 def input_items(given: str | list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
