@@ -64,9 +64,13 @@ def exact(ctx: LlamaContext) -> str | None:
 def finding(ctx: LlamaContext, build: dict[str, Any]) -> str | None:
     """The probe's finding for this context (see batch_dependence): kept in the context's
     probe cache for this machine key, or probed now. `build`: what llama.cpp says of itself."""
-    key = machine_key(dataclasses.replace(ctx.cfg, probe_cache=None), PLAN, build)
     layout = _layout(ctx.cfg)
-    return cached(ctx.cfg.probe_cache, key, lambda: batch_dependence(ctx), lambda f: _could_find(layout, f))
+    return cached(
+        ctx.cfg.probe_cache,
+        _key(ctx.cfg, build),
+        lambda: batch_dependence(ctx),
+        lambda f: _could_find(layout, f),
+    )
 
 
 def kept(cfg: ContextConfig, build: dict[str, Any]) -> tuple[bool, str | None]:
@@ -74,14 +78,17 @@ def kept(cfg: ContextConfig, build: dict[str, Any]) -> tuple[bool, str | None]:
     environment kernel_environment sets) without making one, and that result."""
     if cfg.probe_cache is None:
         return False, None
-    key = machine_key(dataclasses.replace(cfg, probe_cache=None), PLAN, build)
-    entry = _read(cfg.probe_cache, quiet=True).get(key)  # what is wrong is said when probing
-    if entry is None or _malformed(entry):
+    entry = _read(cfg.probe_cache, quiet=True).get(_key(cfg, build))  # what is wrong is said when probing
+    layout = _layout(cfg)
+    if entry is None or _problem(entry, lambda f: _could_find(layout, f)):
         return False, None
     found: str | None = entry["found"]
-    if found is not None and not _could_find(_layout(cfg), found):
-        return False, None
     return True, found
+
+
+def _key(cfg: ContextConfig, build: dict[str, Any]) -> str:
+    """The probe cache's key for a context of `cfg` (wherever its results are kept)."""
+    return machine_key(dataclasses.replace(cfg, probe_cache=None), PLAN, build)
 
 
 def probe_plan(n: int, batch: int) -> list[int]:
@@ -207,9 +214,7 @@ def cached(
     entries = {k: v for k, v in _read(path).items() if k == key or not _malformed(v)}
     if key in entries:
         entry = entries[key]
-        problem = _malformed(entry)
-        if not problem and isinstance(entry["found"], str) and not could_find(entry["found"]):
-            problem = f"a finding this probe does not report: {_clip(entry['found'])}"
+        problem = _problem(entry, could_find)
         if not problem:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["at"]))
             log.info("exactness probe: not run again, its result of %s is kept in %s", when, path)
@@ -229,6 +234,15 @@ def cached(
     except OSError as e:  # unwritable: the next start probes again
         log.warning("cannot keep the exactness probe's result in %s: %s", path, e)
     return found
+
+
+def _problem(entry: Any, could_find: Callable[[str], bool]) -> str:
+    """What keeps `entry` from being a kept result for these settings ("" if nothing): it is
+    malformed, or holds a finding that `could_find` says the probe does not report."""
+    problem = _malformed(entry)
+    if not problem and isinstance(entry["found"], str) and not could_find(entry["found"]):
+        problem = f"a finding this probe does not report: {_clip(entry['found'])}"
+    return problem
 
 
 def _malformed(entry: Any) -> str:
