@@ -280,6 +280,9 @@ def session_info_to_pb(s: SessionInfo) -> pb.SessionInfo:
         dropped_tokens=s.dropped_tokens,
         holder=s.holder,
         tools=[tool_to_pb(t) for t in s.tools],
+        location=s.location,
+        expires_at=s.expires_at,
+        forked_from=s.forked_from,
     )
 
 
@@ -303,6 +306,9 @@ def session_info_from_pb(m: pb.SessionInfo) -> SessionInfo:
         dropped_tokens=m.dropped_tokens,
         holder=m.holder,
         tools=tuple(tool_from_pb(t) for t in m.tools),
+        location=m.location,
+        expires_at=m.expires_at,
+        forked_from=m.forked_from,
     )
 
 

@@ -202,6 +202,15 @@ class SessionInfo:
     ``""`` while none does."""
     tools: tuple[Tool, ...] = ()
     """The tools its chat turns may call."""
+    location: str = ""
+    """Where its state is now: ``"slot N"`` (an engine slot), ``"dock"`` (device memory beside
+    the slots), ``"ram"``, ``"disk"``, ``"shared store"`` (a remote block store) or
+    ``"history only"`` (its next turn evaluates its tokens again)."""
+    expires_at: float = 0.0
+    """When it expires idle at the earliest (unix seconds; the daemon's --idle-ttl or
+    --persistent-ttl after its last use), ``0`` for never."""
+    forked_from: str = ""
+    """The session or checkpoint it was forked from, or ``""``."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 import kvkeep
 from kvkeep.cli import DEFAULT_MAX_TOKENS, main
 from kvkeep.cli import _progress as progress
-from kvkeep.cli._output import format_age
+from kvkeep.cli._output import format_age, format_until
 
 Invoke = Callable[..., Result]
 
@@ -162,22 +162,34 @@ def test_unknown_session_is_one_error_line(kv: Invoke) -> None:
     assert "malformed" in one_error_line(kv("session", "show", "../../etc"))
 
 
-def test_session_list_says_how_old_each_is_and_how_persistent_ones_end(
-    kv: Invoke, client: kvkeep.Client
-) -> None:
+def test_session_list_says_where_each_is_how_old_and_how_it_ends(kv: Invoke, client: kvkeep.Client) -> None:
     kept = client.create_session("Be brief.", persistent=True)
+    used = client.create_session(sampling=GREEDY)
     try:
+        used.complete("Bees build", max_tokens=2)
+        slot = used.info().location
+        assert re.fullmatch(r"slot \d", slot), slot
         listed = kv("session", "list")
         assert listed.exit_code == 0, listed.output
         header, *rows = listed.stdout.splitlines()
-        assert header.split()[-2:] == ["AGE", "IDLE"]
+        assert header.split()[:2] == ["SESSION", "WHERE"]
+        assert header.split()[-3:] == ["AGE", "IDLE", "EXPIRES"]
         (row,) = [r for r in rows if r.startswith(kept.session_id)]
-        assert re.search(r"\byes\s+\d+ s\s+\d+ s\b", row), row
+        # Not evaluated yet, and kept until closed (the daemon's --persistent-ttl is 0).
+        assert re.fullmatch(rf"{kept.session_id}\s+history only\s+.*\byes\s+\d+ s\s+\d+ s\s+never", row), row
+        (row,) = [r for r in rows if r.startswith(used.session_id)]
+        # Closed once idle for the daemon's --idle-ttl (an hour).
+        assert re.fullmatch(rf"{used.session_id}\s+{slot}\s+.*\bno\s+\d+ s\s+\d+ s\s+in 59 min", row), row
         assert "kvkeep session close ID" in listed.stderr and "--persistent-ttl" in listed.stderr
+        shown = kv("session", "show", used.session_id).stdout.splitlines()
+        assert f"where: {slot}" in shown and "forked from: -" in shown
     finally:
         kept.close()
+        used.close()
     assert format_age(1_000.0, 1_000.0 + 2 * 3600 + 59) == "2 h"
     assert format_age(1_000.0, 1_000.0 + 3 * 86400) == "3 d" and format_age(0.0, 5.0) == "-"
+    assert format_until(1_000.0 + 2 * 3600 + 59, 1_000.0) == "in 2 h"
+    assert format_until(0.0, 5.0) == "never" and format_until(4.0, 5.0) == "now"
 
 
 def test_checkpoint_restore_says_what_the_session_holds_now(kv: Invoke, client: kvkeep.Client) -> None:

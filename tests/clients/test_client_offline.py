@@ -184,6 +184,9 @@ def test_session_info_round_trip() -> None:
         last_used_at=1700000001.25,
         n_checkpoints=2,
         head_checkpoint_id=None,
+        location="ram",
+        expires_at=1700003601.25,
+        forked_from="c0",
     )
     message = conv.session_info_to_pb(info)
     assert message.head_checkpoint_id == ""

@@ -7,13 +7,17 @@
   with 403 and changes nothing; `--console off` serves none of it, and `--http off` nothing.
 - The page and its files are served with a Content-Security-Policy, behind the door's
   Host/Origin rules.
+- The list and the tree say where each state lives, as the SDK does: `slot 0`, then `ram`
+  once another session takes the only slot, then after a restart `disk` (or `shared store`,
+  with the durable store in Redis); a checkpoint's node names its store and where it is kept.
 - A persistent fork stays under its parent in the tree after a restart.
 - A fork at a message ("branch here") holds the conversation through it and continues as a
   fresh session given those messages does, token for token; its source is unchanged.
-- In a real browser (Debian's Chromium driven by Playwright): the list shows a created session,
-  the tree a checkpoint and a fork, a chat turn streams, a restore from the tree continues as
-  the SDK's restore does, "branch here" on the turn's message forks through it, and a reply or
-  label holding markup is shown as text. It writes the screenshots of docs/console.md.
+- In a real browser (Debian's Chromium driven by Playwright): the list shows a created session
+  and where its state lives, the tree a checkpoint (its store) and a fork, a chat turn streams,
+  a restore from the tree continues as the SDK's restore does, "branch here" on the turn's
+  message forks through it, and a reply or label holding markup is shown as text. It writes the
+  screenshots of docs/console.md.
 """
 
 from __future__ import annotations
@@ -261,6 +265,70 @@ def test_persistent_forks_stay_under_their_parents_after_a_restart(tmp_path: Pat
         d.stop()
 
 
+@pytest.mark.parametrize("store", ["local", "redis"])
+def test_the_list_and_the_tree_say_where_each_state_lives(
+    tmp_path: Path, store: str, request: pytest.FixtureRequest
+) -> None:
+    url_ = "local" if store == "local" else request.getfixturevalue("redis_server")
+    durable, kept_in = ("shared", "shared store") if store == "redis" else ("durable", "disk")
+
+    def start() -> InProcessDaemon:
+        return InProcessDaemon.with_settings(tmp_path, http_address="127.0.0.1:0", slots=1, store=url_)
+
+    def rows(d: InProcessDaemon) -> dict[str, dict[str, Any]]:
+        listed = {r["session_id"]: r for r in send(d, "GET", "/console/api/sessions").json()["data"]}
+        with kvkeep.Client(d.address, timeout=60) as client:  # the SDK says the same
+            assert {s.session_id: s.location for s in client.list_sessions()} == {
+                sid: r["location"] for sid, r in listed.items()
+            }
+        return listed
+
+    d = start()
+    try:
+        with kvkeep.Client(d.address, timeout=60) as client:
+            kept = client.create_session("Be brief.", sampling=GREEDY, persistent=True)
+            kept.chat("Name a fruit.", max_tokens=4)
+            mark = kept.checkpoint("one turn")
+            row = rows(d)[kept.session_id]
+            assert (row["location"], row["tier"]) == ("slot 0", "hot")
+            loose = client.create_session(sampling=GREEDY)
+            loose.complete("Bees build", max_tokens=2)  # takes the only slot: kept is parked in RAM
+            loose_mark = loose.checkpoint("loose")
+            listed = rows(d)
+            assert (listed[kept.session_id]["location"], listed[kept.session_id]["tier"]) == ("ram", "warm")
+            assert listed[loose.session_id]["location"] == "slot 0"
+
+            tree = send(d, "GET", f"/console/api/sessions/{kept.session_id}").json()
+            assert tree["session"]["location"] == "ram"
+            (node,) = tree["checkpoints"]
+            assert (node["checkpoint_id"], node["store"], node["location"]) == (
+                mark.checkpoint_id,
+                durable,
+                kept_in,
+            )
+            assert node["bytes_written"] == mark.bytes_written > 0
+            tree = send(d, "GET", f"/console/api/sessions/{loose.session_id}").json()
+            (node,) = tree["checkpoints"]
+            assert (node["checkpoint_id"], node["store"], node["location"]) == (
+                loose_mark.checkpoint_id,
+                "ephemeral",
+                "ram",
+            )
+    finally:
+        d.stop()
+    d = start()
+    try:
+        # After a restart the persistent session is its stored head, on disk or in the shared store.
+        row = rows(d)[kept.session_id]
+        assert (row["location"], row["tier"]) == (kept_in, "cold")
+        assert (
+            send(d, "GET", f"/console/api/sessions/{kept.session_id}").json()["session"]["location"]
+            == kept_in
+        )
+    finally:
+        d.stop()
+
+
 def test_read_only_refuses_every_action_and_off_serves_nothing(
     door: InProcessDaemon, start_daemon: Any
 ) -> None:
@@ -370,10 +438,15 @@ def test_in_a_browser_the_console_lists_draws_streams_and_restores(start_daemon:
             page.on("dialog", lambda dialog: dialog.accept())  # the actions' confirmations
             page.goto(url(d, "/"))
             # The list shows the session; its tree the checkpoint and the fork.
+            where = page.locator(f'tr[data-session="{session.session_id}"] td.where')
+            assert where.text_content() == session.info().location
+            assert re.fullmatch(r"slot \d", where.text_content() or "")
             page.locator(f'tr[data-session="{session.session_id}"]').click()
             page.locator(f'g.node.checkpoint[data-id="{mark.checkpoint_id}"]').wait_for()
             page.locator(f'g.node.fork[data-id="{fork.session_id}"]').wait_for()
             page.locator("#conversation .message.assistant").last.wait_for()
+            facts = page.locator("#node-facts").text_content() or ""
+            assert f"in {where.text_content()} (hot)" in facts, facts
             # A label and a reply holding markup are shown as text, and nothing of them ran.
             label = page.locator(f'g[data-id="{mark.checkpoint_id}"] text.label').text_content()
             assert label == MARKUP
@@ -387,6 +460,8 @@ def test_in_a_browser_the_console_lists_draws_streams_and_restores(start_daemon:
 
             # Restore from the tree, then a chat turn that streams.
             page.locator(f'g.node.checkpoint[data-id="{mark.checkpoint_id}"]').click()
+            facts = page.locator("#node-facts").text_content() or ""
+            assert f"{mark.n_tokens} tokens" in facts and "in the ephemeral store (ram)" in facts, facts
             page.locator("#node-actions button", has_text="Restore").click()
             page.locator("#status", has_text="restored").wait_for()
             page.evaluate(

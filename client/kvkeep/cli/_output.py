@@ -57,6 +57,17 @@ def format_age(ts: float, now: float) -> str:
     return f"{seconds} s"
 
 
+def format_until(ts: float, now: float) -> str:
+    """How long until a timestamp, in its largest whole unit (`in 5 min`); `never` for none,
+    `now` once it has passed."""
+    if not ts:
+        return "never"
+    seconds = int(ts - now)
+    if seconds <= 0:
+        return "now"
+    return "in " + format_age(now, now + seconds)
+
+
 def format_size(n: int) -> str:
     """Bytes in B, KiB, MiB or GiB."""
     if n < 1024:

@@ -11,7 +11,15 @@ import click
 from kvkeep._client import Session
 from kvkeep.cli._context import State
 from kvkeep.cli._options import sampling_options, sampling_params
-from kvkeep.cli._output import echo_fields, echo_json, format_age, format_time, one_line, table
+from kvkeep.cli._output import (
+    echo_fields,
+    echo_json,
+    format_age,
+    format_time,
+    format_until,
+    one_line,
+    table,
+)
 
 
 @click.group("session")
@@ -59,27 +67,30 @@ def session_create(
 @click.pass_obj
 def session_list(state: State) -> None:
     """List your sessions: the daemon's, and with daemons sharing a catalog, the persistent
-    ones of every daemon (HELD BY: which daemon holds each, `-` while none does). AGE is the
-    time since each was created, IDLE since its last use; a persistent session stays until it
-    is closed or the daemon's --persistent-ttl deletes it idle."""
+    ones of every daemon (HELD BY: which daemon holds each, `-` while none does). WHERE is
+    where its state is now: `slot N`, `dock`, `ram`, `disk`, `shared store` or `history only`.
+    AGE is the time since each was created, IDLE since its last use, EXPIRES when it is ended
+    idle at the earliest (the daemon's --idle-ttl, or --persistent-ttl for a persistent
+    session: `never` when 0)."""
     sessions = state.client().list_sessions()
     if state.as_json:
         echo_json(sessions)
         return
     shared = any(s.holder for s in sessions)
     now = time.time()
-    headers = ("SESSION", "RESIDENCY", "TOKENS", "CHECKPOINTS", "PERSISTENT", "AGE", "IDLE")
+    headers = ("SESSION", "WHERE", "TOKENS", "CHECKPOINTS", "PERSISTENT", "AGE", "IDLE", "EXPIRES")
     table(
         headers + (("HELD BY",) if shared else ()),
         [
             (
                 s.session_id,
-                s.residency,
+                s.location,
                 f"{s.n_tokens}/{s.n_ctx}",
                 str(s.n_checkpoints),
                 "yes" if s.persistent else "no",
                 format_age(s.created_at, now),
                 format_age(s.last_used_at, now),
+                format_until(s.expires_at, now),
             )
             + ((s.holder or "-",) if shared else ())
             for s in sessions
@@ -111,8 +122,11 @@ def session_show(state: State, session_id: str) -> None:
             ("persistent", "yes" if s.persistent else "no"),
             ("tokens", f"{s.n_tokens}/{s.n_ctx}"),
             ("residency", s.residency),
+            ("where", s.location),
             ("created", format_time(s.created_at)),
             ("last used", format_time(s.last_used_at)),
+            ("expires", format_time(s.expires_at) if s.expires_at else "never"),
+            ("forked from", s.forked_from or "-"),
             ("checkpoints", s.n_checkpoints),
             ("head checkpoint", s.head_checkpoint_id or "-"),
             ("sampling", " ".join(f"{k}={v}" for k, v in sampling.items() if v is not None) or "-"),

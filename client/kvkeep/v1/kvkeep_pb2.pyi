@@ -541,6 +541,9 @@ class SessionInfo(_message.Message):
     DROPPED_TOKENS_FIELD_NUMBER: _builtins.int
     HOLDER_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
+    LOCATION_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    FORKED_FROM_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     persistent: _builtins.bool
     n_tokens: _builtins.int
@@ -561,6 +564,15 @@ class SessionInfo(_message.Message):
     """With daemons sharing a catalog: the daemon holding the session (its --daemon-name), or ""
     while none does (its next call's daemon takes it over).
     """
+    location: _builtins.str
+    """Where its state is now: "slot N" (an engine slot), "dock" (device memory beside the
+    slots), "ram", "disk", "shared store" (a remote block store) or "history only" (its next
+    turn evaluates its tokens again). A persistent session no daemon holds: where its head is.
+    """
+    expires_at: _builtins.float
+    """unix seconds when it expires idle at the earliest; 0: never"""
+    forked_from: _builtins.str
+    """the session or checkpoint it was forked from, or "" """
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
     @_builtins.property
@@ -591,10 +603,13 @@ class SessionInfo(_message.Message):
         dropped_tokens: _builtins.int = ...,
         holder: _builtins.str = ...,
         tools: _abc.Iterable[Global___Tool] | None = ...,
+        location: _builtins.str = ...,
+        expires_at: _builtins.float = ...,
+        forked_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_policy", b"context_policy", "created_at", b"created_at", "dropped_tokens", b"dropped_tokens", "head_checkpoint_id", b"head_checkpoint_id", "holder", b"holder", "last_used_at", b"last_used_at", "messages", b"messages", "n_checkpoints", b"n_checkpoints", "n_ctx", b"n_ctx", "n_tokens", b"n_tokens", "persistent", b"persistent", "residency", b"residency", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop", "tools", b"tools", "truncations", b"truncations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_policy", b"context_policy", "created_at", b"created_at", "dropped_tokens", b"dropped_tokens", "expires_at", b"expires_at", "forked_from", b"forked_from", "head_checkpoint_id", b"head_checkpoint_id", "holder", b"holder", "last_used_at", b"last_used_at", "location", b"location", "messages", b"messages", "n_checkpoints", b"n_checkpoints", "n_ctx", b"n_ctx", "n_tokens", b"n_tokens", "persistent", b"persistent", "residency", b"residency", "sampling", b"sampling", "session_id", b"session_id", "stop", b"stop", "tools", b"tools", "truncations", b"truncations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

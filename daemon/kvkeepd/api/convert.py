@@ -129,13 +129,16 @@ def session_to_pb(v: SessionView, n_ctx: int) -> pb.SessionInfo:
         dropped_tokens=s.dropped_tokens,
         holder=v.holder,
         tools=[tool_to_pb(t) for t in s.tools],
+        location=v.location,
+        expires_at=v.expires_at,
+        forked_from=s.forked_from,
     )
 
 
-def listed_to_pb(r: ListedSession, n_ctx: int) -> pb.SessionInfo:
+def listed_to_pb(r: ListedSession, n_ctx: int, location: str, expires_at: float) -> pb.SessionInfo:
     """A persistent session no one holds here, as the catalog has it: what its head's row
     says (its sampling, stop strings and messages are in the head's manifest, which GetSession
-    reads as it takes the session over)."""
+    reads as it takes the session over), its head kept at `location`."""
     return pb.SessionInfo(
         session_id=r.session_id,
         persistent=True,
@@ -147,6 +150,8 @@ def listed_to_pb(r: ListedSession, n_ctx: int) -> pb.SessionInfo:
         n_checkpoints=r.n_checkpoints,
         head_checkpoint_id=r.head,
         holder=r.holder,
+        location=location,
+        expires_at=expires_at,
     )
 
 

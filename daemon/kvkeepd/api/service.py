@@ -266,10 +266,13 @@ class KvKeepService:
     async def ListSessions(
         self, request: pb.ListSessionsRequest, tenant: Tenant, context: Any
     ) -> pb.ListSessionsResponse:
-        views, rows = await self.manager.listing(tenant)
-        n_ctx = self.manager.model.n_ctx_seq
+        m = self.manager
+        views, rows = await m.listing(tenant)
+        n_ctx, heads = m.model.n_ctx_seq, m.store_location(persistent=True)
         found = [(v.session.created_at, self._session_pb(v)) for v in views]
-        found += [(r.created_at, listed_to_pb(r, n_ctx)) for r in rows]
+        found += [
+            (r.created_at, listed_to_pb(r, n_ctx, heads, m.expires_at(True, r.last_used_at))) for r in rows
+        ]
         return pb.ListSessionsResponse(sessions=[info for _, info in sorted(found, key=lambda f: f[0])])
 
     @unary

@@ -36,7 +36,7 @@ from kvkeepd.sessions.flows.parts import build_parts
 from kvkeepd.sessions.flows.response_list import PAGE, ResponsePage, list_responses
 from kvkeepd.sessions.flows.responses import Describe, ResponseRecord, ResponseRequest
 from kvkeepd.sessions.ledger import Counters
-from kvkeepd.sessions.placement import Tier
+from kvkeepd.sessions.placement import Tier, store_location
 from kvkeepd.sessions.prompting.templates import ChatTemplate
 from kvkeepd.sessions.session import Session
 from kvkeepd.sessions.tenants import Tenant, Tenants
@@ -62,6 +62,8 @@ class SessionView:
     session: Session
     n_tokens: int
     tier: Tier
+    location: str  # where its state is now (placement.py's `location`)
+    expires_at: float  # when it expires idle at the earliest; 0: never
     n_checkpoints: int
     holder: str = ""  # with a shared catalog: this daemon's name
 
@@ -206,10 +208,29 @@ class SessionManager:
         n = await asyncio.to_thread(counts)
         holder = self.leases.name if self.shared else ""
         return [
-            SessionView(s, len(s.state.tokens), self.residency.tier(s), n.get(s.session_id, 0), holder)
+            SessionView(
+                s,
+                len(s.state.tokens),
+                self.residency.tier(s),
+                self.residency.location(s),
+                self.expires_at(s.persistent, s.last_used_at),
+                n.get(s.session_id, 0),
+                holder,
+            )
             for s in sessions
             if s.session_id in self.sessions
         ]
+
+    def expires_at(self, persistent: bool, last_used_at: float) -> float:
+        """When a session idle since `last_used_at` is closed (ephemeral) or deleted
+        (persistent) at the earliest, by --idle-ttl or --persistent-ttl; 0: never."""
+        ttl = self.settings.persistent_ttl if persistent else self.settings.idle_ttl
+        return last_used_at + ttl if ttl > 0 else 0.0
+
+    def store_location(self, persistent: bool) -> str:
+        """Where the checkpoints of persistent (or ephemeral) sessions are kept, and the heads
+        of the persistent sessions this daemon does not hold: "disk", "shared store" or "ram"."""
+        return store_location(self.durable if persistent else self.stores.volatile)
 
     async def listing(self, tenant: Tenant) -> tuple[list[SessionView], list[ListedSession]]:
         """The tenant's sessions as ListSessions reports them: those this daemon holds (as

@@ -9,6 +9,9 @@ alone writes; everyone else reads.
 - `Stored`: in a checkpoint store (cold): a persistent session's head after a restart or a
   spill, or an ephemeral session's spill (a disk area wiped at every start);
 - `HistoryOnly`: only the token history; the next generation evaluates it again.
+
+Its `location` names it for people: "slot N", "dock", "ram", "disk", "shared store" (a remote
+block store, which other daemons may read) or "history only".
 """
 
 from __future__ import annotations
@@ -59,6 +62,32 @@ Tier = Literal["hot", "warm", "cold"]
 TIERS: dict[type, Tier] = {InSlot: "hot", Docked: "warm", Parked: "warm", Stored: "cold", HistoryOnly: "cold"}
 
 
+#: The location of a state kept in a remote block store.
+SHARED_STORE = "shared store"
+
+
+def store_location(store: CheckpointStore) -> str:
+    """Where a checkpoint store keeps its blocks: "shared store" (a remote one), "ram" or "disk"."""
+    if store.store.remote:
+        return SHARED_STORE
+    return "ram" if store.store.in_process else "disk"
+
+
+def location(where: Placement) -> str:
+    """A placement as people read it: "slot N", "dock", "ram", "disk", "shared store" or
+    "history only"."""
+    match where:
+        case InSlot(slot):
+            return f"slot {slot}"
+        case Docked():
+            return "dock"
+        case Parked():
+            return "ram"
+        case Stored(store):
+            return store_location(store)
+    return "history only"
+
+
 class Placements:
     """Every session's placement, the slot table (the session in each slot) and the dock
     table: read by anyone, changed only by the Residency's moves. A session is in the slot
@@ -77,6 +106,9 @@ class Placements:
 
     def tier(self, session: Session) -> Tier:
         return TIERS[type(self.where(session))]
+
+    def location(self, session: Session) -> str:
+        return location(self.where(session))
 
     def stream(self, session: Session) -> int | None:
         """The engine sequence that holds the session's cells (its slot or dock), or None."""

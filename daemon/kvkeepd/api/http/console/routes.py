@@ -173,10 +173,11 @@ class Console:
 
     async def sessions(self, request: Request) -> Response:
         tenant = self.tenant(request)
-        views, rows = await self.manager.listing(tenant)
-        settings = self.manager.settings
-        listed = [shapes.session_row(v, settings) for v in views]
-        listed += [shapes.listed_row(r, settings) for r in rows]
+        m = self.manager
+        views, rows = await m.listing(tenant)
+        listed = [shapes.session_row(v) for v in views]
+        heads = m.store_location(persistent=True)
+        listed += [shapes.listed_row(r, heads, m.expires_at(True, r.last_used_at)) for r in rows]
         return JSONResponse({"object": "list", "data": sorted(listed, key=lambda s: s["created_at"])})
 
     async def session_tree(self, request: Request) -> Response:
@@ -188,16 +189,18 @@ class Console:
         sources = {session_id, *(r.checkpoint_id for r in rows)}
         views, _ = await m.listing(tenant)
         forks = [v for v in views if v.session.forked_from in sources]
-        return JSONResponse(shapes.tree(view, rows, forks, m.settings))
+        location = m.store_location(view.session.persistent)
+        return JSONResponse(shapes.tree(view, rows, forks, location))
 
     async def responses(self, request: Request) -> Response:
         tenant = self.tenant(request)
         after = request.query_params.get("after", "")
         page = await self.manager.list_responses(tenant, after=after, limit=100, order="asc")
+        location = self.manager.store_location(persistent=True)
         return JSONResponse(
             {
                 "object": "list",
-                "data": [shapes.response(r) for r in page.responses],
+                "data": [shapes.response(r, location) for r in page.responses],
                 "has_more": page.has_more,
             }
         )
@@ -240,7 +243,8 @@ class Console:
         body = CheckpointBody.model_validate_json(await self.body(request) or b"{}")
         row = await self.manager.checkpoint(request.path_params["session_id"], tenant, body.label)
         session = self.manager.get(row.session_id, tenant)
-        return JSONResponse(shapes.checkpoint(row, session.persistent), 201)
+        location = self.manager.store_location(session.persistent)
+        return JSONResponse(shapes.checkpoint(row, session.persistent, location), 201)
 
     async def restore(self, request: Request) -> Response:
         tenant = self.tenant(request)
@@ -248,7 +252,7 @@ class Console:
         session, reprefilled = await self.manager.restore(
             request.path_params["session_id"], body.checkpoint_id, tenant
         )
-        row = shapes.session_row(await self.manager.view(session), self.manager.settings)
+        row = shapes.session_row(await self.manager.view(session))
         return JSONResponse(row | {"reprefilled": reprefilled})
 
     async def fork(self, request: Request) -> Response:
@@ -292,7 +296,7 @@ class Console:
         self, session_id: str, tenant: Tenant, status: int, extra: dict[str, Any] | None = None
     ) -> Response:
         view = await self.manager.view(await self.manager.find(session_id, tenant))
-        return JSONResponse(shapes.session_row(view, self.manager.settings) | (extra or {}), status)
+        return JSONResponse(shapes.session_row(view) | (extra or {}), status)
 
 
 def branch_point(messages: Sequence[ChatMessage], through: int, n_tokens: int) -> int:

@@ -3,10 +3,11 @@ glance, built from what the SessionManager reports (plain dicts, as JSONResponse
 
 A session's tree is its checkpoints (oldest first, each the state after `n_tokens` of its
 history) and its forks: the sessions this daemon holds that were forked from it or from one of
-its checkpoints (`forked_from`). Where each state lives is its tier: a session's is hot (a
-slot), warm (a dock or RAM) or cold (stored, or only its history); a checkpoint's and a stored
-response's is `stored`, in the durable store (persistent sessions, responses) or the
-ephemeral one.
+its checkpoints (`forked_from`). Where each state lives is its `location`: a session's is
+"slot N", "dock", "ram", "disk", "shared store" (a remote block store) or "history only", and
+its tier hot (a slot), warm (a dock or RAM) or cold (stored, or only its history); a
+checkpoint's and a stored response's tier is `stored`, their `store` durable (persistent
+sessions, responses), shared (the durable store, remote) or ephemeral (kept in RAM).
 """
 
 from __future__ import annotations
@@ -18,19 +19,13 @@ from kvkeepd.config.settings import Settings
 from kvkeepd.sessions.flows.response_list import StoredResponse
 from kvkeepd.sessions.ledger import Counters
 from kvkeepd.sessions.manager import SessionView
+from kvkeepd.sessions.placement import SHARED_STORE
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.storage.catalog import CheckpointRow, ListedSession
 from kvkeepd.values.messages import ChatMessage
 
 
-def expires_at(persistent: bool, last_used_at: float, settings: Settings) -> float:
-    """When an idle session is closed (ephemeral) or deleted (persistent) at the earliest; 0:
-    never."""
-    ttl = settings.persistent_ttl if persistent else settings.idle_ttl
-    return last_used_at + ttl if ttl > 0 else 0.0
-
-
-def session_row(view: SessionView, settings: Settings) -> dict[str, Any]:
+def session_row(view: SessionView) -> dict[str, Any]:
     """A session this daemon holds, as the list shows it."""
     s = view.session
     return {
@@ -38,27 +33,30 @@ def session_row(view: SessionView, settings: Settings) -> dict[str, Any]:
         "persistent": s.persistent,
         "n_tokens": view.n_tokens,
         "tier": view.tier,
+        "location": view.location,
         "holder": view.holder,
         "created_at": s.created_at,
         "last_used_at": s.last_used_at,
-        "expires_at": expires_at(s.persistent, s.last_used_at, settings),
+        "expires_at": view.expires_at,
         "n_checkpoints": view.n_checkpoints,
         "n_messages": len(s.messages),
         "forked_from": s.forked_from,
     }
 
 
-def listed_row(r: ListedSession, settings: Settings) -> dict[str, Any]:
-    """A persistent session of a shared catalog that this daemon does not hold: its head."""
+def listed_row(r: ListedSession, location: str, expires_at: float) -> dict[str, Any]:
+    """A persistent session of a shared catalog that this daemon does not hold: its head, in
+    the durable store (`location`)."""
     return {
         "session_id": r.session_id,
         "persistent": True,
         "n_tokens": r.n_tokens,
         "tier": "cold",
+        "location": location,
         "holder": r.holder,
         "created_at": r.created_at,
         "last_used_at": r.last_used_at,
-        "expires_at": expires_at(True, r.last_used_at, settings),
+        "expires_at": expires_at,
         "n_checkpoints": r.n_checkpoints,
         "n_messages": 0,
         "forked_from": "",
@@ -78,8 +76,16 @@ def message(m: ChatMessage) -> dict[str, Any]:
     }
 
 
-def checkpoint(r: CheckpointRow, persistent: bool) -> dict[str, Any]:
-    """A checkpoint node: its label, tokens, bytes on disk and where it is kept."""
+def store(persistent: bool, location: str) -> str:
+    """The store a checkpoint is kept in: durable, shared (durable and remote) or ephemeral."""
+    if not persistent:
+        return "ephemeral"
+    return "shared" if location == SHARED_STORE else "durable"
+
+
+def checkpoint(r: CheckpointRow, persistent: bool, location: str) -> dict[str, Any]:
+    """A checkpoint node: its label, tokens, bytes written to its store and where it is kept
+    (`location`: the store's "disk", "shared store" or "ram")."""
     return {
         "checkpoint_id": r.checkpoint_id,
         "session_id": r.session_id,
@@ -89,7 +95,8 @@ def checkpoint(r: CheckpointRow, persistent: bool) -> dict[str, Any]:
         "bytes_referenced": r.bytes_referenced,
         "created_at": r.created_at,
         "tier": "stored",
-        "store": "durable" if persistent else "ephemeral",
+        "store": store(persistent, location),
+        "location": location,
     }
 
 
@@ -97,19 +104,21 @@ def tree(
     view: SessionView,
     rows: Sequence[CheckpointRow],
     forks: Sequence[SessionView],
-    settings: Settings,
+    location: str,
 ) -> dict[str, Any]:
-    """A session's tree: the session (with its conversation), its checkpoints and its forks."""
+    """A session's tree: the session (with its conversation), its checkpoints (kept at
+    `location`) and its forks."""
     persistent = view.session.persistent
     return {
-        "session": session_row(view, settings) | {"messages": [message(m) for m in view.session.messages]},
-        "checkpoints": [checkpoint(r, persistent) for r in rows],
-        "forks": [session_row(f, settings) for f in forks],
+        "session": session_row(view) | {"messages": [message(m) for m in view.session.messages]},
+        "checkpoints": [checkpoint(r, persistent, location) for r in rows],
+        "forks": [session_row(f) for f in forks],
     }
 
 
-def response(r: StoredResponse) -> dict[str, Any]:
-    """A stored response node (a tree of its own: each continues `previous_response_id`)."""
+def response(r: StoredResponse, location: str) -> dict[str, Any]:
+    """A stored response node (a tree of its own: each continues `previous_response_id`),
+    kept in the durable store (`location`)."""
     return {
         "response_id": r.response_id,
         "previous_response_id": r.previous_response_id,
@@ -119,7 +128,8 @@ def response(r: StoredResponse) -> dict[str, Any]:
         "bytes_referenced": r.bytes_referenced,
         "expires_at": r.expires_at,
         "tier": "stored",
-        "store": "durable",
+        "store": store(True, location),
+        "location": location,
     }
 
 

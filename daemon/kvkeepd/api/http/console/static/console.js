@@ -50,10 +50,10 @@ function renderSessions() {
   const key = $("#sort").value;
   const shown = state.sessions
     .filter((s) => {
-      const text = `${s.session_id} ${s.tier} ${s.persistent ? "persistent" : "ephemeral"} ${s.holder}`;
+      const text = `${s.session_id} ${s.location} ${s.tier} ${s.persistent ? "persistent" : "ephemeral"} ${s.holder}`;
       return words.every((w) => text.toLowerCase().includes(w));
     })
-    .sort((a, b) => (key === "tier" ? a.tier.localeCompare(b.tier) : b[key] - a[key]));
+    .sort((a, b) => (key === "tier" ? byWhere(a, b) : b[key] - a[key]));
   const rows = shown.map((s) => {
     const row = el(
       "tr",
@@ -61,7 +61,7 @@ function renderSessions() {
       el("td", { class: "id" }, short(s.session_id)),
       el("td", {}, s.persistent ? "persistent" : "ephemeral"),
       el("td", { class: "num" }, String(s.n_tokens)),
-      el("td", {}, el("span", { class: `tier ${s.tier}` }, s.tier)),
+      el("td", { class: "where" }, el("span", { class: `tier ${s.tier}`, title: s.tier }, s.location)),
       el("td", {}, s.holder || "here"),
       el("td", {}, when(s.last_used_at)),
       el("td", {}, when(s.expires_at)),
@@ -71,6 +71,12 @@ function renderSessions() {
     return row;
   });
   $("#sessions tbody").replaceChildren(...rows);
+}
+
+// Hot first (slots), then warm (dock, RAM), then cold (stored, history only); by location within.
+const HEAT = { hot: 0, warm: 1, cold: 2 };
+function byWhere(a, b) {
+  return HEAT[a.tier] - HEAT[b.tier] || a.location.localeCompare(b.location, undefined, { numeric: true });
 }
 
 // ---- a session's tree ------------------------------------------------------------------------
@@ -106,15 +112,15 @@ function treeNodes(tree) {
     parent = s.forked_from;
   }
   for (const c of tree.checkpoints) {
-    const detail = `${c.n_tokens} tokens, ${bytes(c.bytes_written)} written (${bytes(c.bytes_referenced)} referenced), ${c.tier} (${c.store})`;
+    const detail = `${c.n_tokens} tokens, ${bytes(c.bytes_written)} written (${bytes(c.bytes_referenced)} referenced), in the ${c.store} store (${c.location})`;
     nodes.push({ id: c.checkpoint_id, kind: "checkpoint", label: c.label, tokens: c.n_tokens, detail, parent, data: c });
     parent = c.checkpoint_id;
   }
-  const detail = `${s.n_tokens} tokens, ${s.tier}, ${s.persistent ? "persistent" : "ephemeral"}`;
+  const detail = `${s.n_tokens} tokens, in ${s.location} (${s.tier}), ${s.persistent ? "persistent" : "ephemeral"}`;
   nodes.push({ id: s.session_id, kind: "now", label: "now", tokens: s.n_tokens, detail, parent, data: s });
   for (const f of tree.forks) {
     const from = f.forked_from === s.session_id ? s.session_id : f.forked_from;
-    const text = `fork: ${f.n_tokens} tokens, ${f.tier}`;
+    const text = `fork: ${f.n_tokens} tokens, in ${f.location} (${f.tier})`;
     nodes.push({ id: f.session_id, kind: "fork", label: short(f.session_id), tokens: f.n_tokens, detail: text, parent: from, branch: true, data: f });
   }
   return nodes;
@@ -134,7 +140,7 @@ async function showResponses() {
     const branch = parent !== null && continued.has(parent);
     if (parent) continued.add(parent);
     known.add(r.response_id);
-    const detail = `${r.n_tokens} tokens, ${bytes(r.bytes_written)} written, ${r.tier}, expires ${when(r.expires_at)}`;
+    const detail = `${r.n_tokens} tokens, ${bytes(r.bytes_written)} written, in the ${r.store} store (${r.location}), expires ${when(r.expires_at)}`;
     return { id: r.response_id, kind: "response", label: short(r.response_id), tokens: r.n_tokens, detail, parent, branch, data: r };
   });
   draw($("#tree"), nodes, state.node?.id, pick);
