@@ -188,6 +188,9 @@ def test_every_daemon_lists_a_tenants_persistent_sessions_and_never_another_tena
         on_a = s.info()
         got = listed[s.session_id]
         assert got.persistent and got.residency == "cold" and got.n_checkpoints == 1
+        # Its head is in the daemons' shared (Redis) store; --persistent-ttl 0: it never expires.
+        assert got.location == "shared store" and got.expires_at == 0
+        assert listed[here.session_id].expires_at > 0  # --idle-ttl's
         assert got.head_checkpoint_id == on_a.head_checkpoint_id and 0 < got.n_tokens <= on_a.n_tokens
         # The catalog's times: the first head's save (just after the creation) and the last one's.
         assert on_a.created_at <= got.created_at < on_a.last_used_at <= got.last_used_at
