@@ -24,6 +24,9 @@ RULES = {
     # The HTTP door's stack (an optional extra) stays inside its package.
     "starlette": {
         "daemon/kvkeepd/api/http/app.py",
+        "daemon/kvkeepd/api/http/body.py",
+        "daemon/kvkeepd/api/http/chat/door.py",
+        "daemon/kvkeepd/api/http/handlers.py",
         "daemon/kvkeepd/api/http/responses/door.py",
         "daemon/kvkeepd/api/http/waiting.py",
         "daemon/kvkeepd/api/http/anthropic/door.py",

@@ -1,16 +1,46 @@
-"""Request bodies' common ground: the base of their typed models, the roles of OpenAI's
-messages, and the cache salt a request may give."""
+"""Request bodies' common ground: reading one within the door's limit, the base of their typed
+models and their parsing, the roles of OpenAI's messages, and the cache salt a request may give."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import TypeVar
 
+from pydantic import BaseModel, ConfigDict
+from starlette.requests import Request
+
+from kvkeepd import bulk
 from kvkeepd.errors import InvalidRequest
 from kvkeepd.sessions.tenants import MAX_SALT, MIN_SALT
 
 # Roles of OpenAI's messages and the template role each becomes (a Responses input message
 # has no tool role: a tool's result is an item of its own there).
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class BodyTooLarge(Exception):
+    """A request body beyond the daemon's message limit (413)."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, read within `limit` bytes (BodyTooLarge beyond it, by its declared
+    length or as soon as what arrived passes it)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise BodyTooLarge
+    return bytes(body)
+
+
+async def parsed(raw: bytes, model: type[M]) -> M:
+    """`raw` as a `model` (pydantic's ValidationError where it is not one), parsed beside the
+    event loop when it is large (bulk.py)."""
+    return await bulk.run(lambda: model.model_validate_json(raw), large=len(raw) > bulk.LARGE_BYTES)
 
 
 class Body(BaseModel):

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from kvkeepd import bulk
 from kvkeepd.api.http.anthropic.schema import ConversationBody, MessagesRequest
 from kvkeepd.api.http.anthropic.shapes import MessageShape, domain_error, error, event
+from kvkeepd.api.http.body import BodyTooLarge, parsed, read_body
 from kvkeepd.api.http.keep import SessionKeep
 from kvkeepd.api.http.sse import STREAM_HEADERS, beating
 from kvkeepd.api.http.waiting import access, client_closed, counted, unless_left
@@ -46,10 +47,6 @@ Handler = Callable[[Request], Awaitable[Response]]
 # The calls whose arguments the door remembers as the model wrote them (a client resends a
 # call's input as an object, which JSON may write otherwise): the latest, of all tenants.
 REMEMBERED_CALLS = 4096
-
-
-class BodyTooLarge(Exception):
-    """A request body beyond the daemon's message limit (413)."""
 
 
 class MessagesDoor:
@@ -252,20 +249,7 @@ class MessagesDoor:
         return tenant
 
     async def _parse(self, request: Request, model: type[B]) -> B:
-        body = await self._body(request)
-        return await bulk.run(lambda: model.model_validate_json(body), large=len(body) > bulk.LARGE_BYTES)
-
-    async def _body(self, request: Request) -> bytes:
-        """The request's body, read within the body limit."""
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.body_limit:
-            raise BodyTooLarge
-        body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > self.body_limit:
-                raise BodyTooLarge
-        return bytes(body)
+        return await parsed(await read_body(request, self.body_limit), model)
 
 
 def _same_json(text: str, value: dict[str, Any]) -> bool:

@@ -23,14 +23,15 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvkeepd import bulk
-from kvkeepd.api.http.keep import SessionKeep
+from kvkeepd.api.http.body import parsed
+from kvkeepd.api.http.handlers import Handlers
 from kvkeepd.api.http.openai import domain_error
 from kvkeepd.api.http.responses.schema import LOGPROBS, ResponseCreate, ResponseSpec
 from kvkeepd.api.http.responses.shapes import ResponseShape, holder_of, listing, replay
@@ -40,7 +41,6 @@ from kvkeepd.errors import InvalidRequest, KvkeepError, NoChatTemplate, NotFound
 from kvkeepd.sessions.flows.response_list import PAGE as LISTED
 from kvkeepd.sessions.flows.response_list import StoredResponse
 from kvkeepd.sessions.flows.responses import ResponseRequest, new_response_id
-from kvkeepd.sessions.manager import SessionManager
 from kvkeepd.sessions.tenants import Tenant
 from kvkeepd.values.generation import Chunk
 from kvkeepd.values.messages import Message
@@ -54,35 +54,15 @@ MAX_PAGE, PAGE = 100, 20
 HOUR, DAY = 3600.0, 86400.0
 
 
-class ResponsesDoor:
-    """The Responses API's handlers; `tenant` resolves a request's caller, `body` reads its
-    body within the door's limit; `keep` holds the sessions of conversations sent whole; a
-    stream that says nothing for `heartbeat` seconds sends a heartbeat. A request may name
-    any model: one is served."""
-
-    def __init__(
-        self,
-        manager: SessionManager,
-        model_id: str,
-        keep: SessionKeep,
-        *,
-        tenant: Callable[[Request], Tenant],
-        body: Callable[[Request], Awaitable[bytes]],
-        heartbeat: float,
-    ) -> None:
-        self.manager = manager
-        self.model_id = model_id
-        self.keep = keep
-        self.tenant = tenant
-        self.body = body
-        self.heartbeat = heartbeat
+class ResponsesDoor(Handlers):
+    """The Responses API's handlers (handlers.py says what they are given)."""
 
     async def create(self, request: Request) -> Response:
         tenant = self.tenant(request)
         raw = await self.body(request)
 
         large = len(raw) > bulk.LARGE_BYTES
-        body = await bulk.run(lambda: ResponseCreate.model_validate_json(raw), large=large)
+        body = await parsed(raw, ResponseCreate)
         if isinstance(body.input, list) and any(i.get("type") == "item_reference" for i in body.input):
             body.input = await self._dereferenced(tenant, body.input)
         spec = await bulk.run(body.checked, large=large)
