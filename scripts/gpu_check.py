@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "daemon"))
 import gpu_model
 
 from kvkeepd.engine import probes, streams
-from kvkeepd.engine.context import BatchItem, ContextConfig
+from kvkeepd.engine.context import BatchItem
+from kvkeepd.engine.context_config import ContextConfig
 from kvkeepd.engine.engine import Engine
 from kvkeepd.engine.job import SeqState
 from kvkeepd.state import pieces

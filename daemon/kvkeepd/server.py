@@ -23,7 +23,8 @@ from kvkeepd.api.listen import bind, check_free
 from kvkeepd.api.metrics import serve_metrics
 from kvkeepd.api.service import KvKeepService
 from kvkeepd.config.settings import ConfigError, Settings
-from kvkeepd.engine.context import ContextConfig, ModelInfo
+from kvkeepd.engine.context import ModelInfo
+from kvkeepd.engine.context_config import ContextConfig
 from kvkeepd.engine.engine import Engine
 from kvkeepd.heap import keep_freed_memory
 from kvkeepd.model.fingerprints import fingerprint

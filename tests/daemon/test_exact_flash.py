@@ -31,7 +31,8 @@ import testmodels
 from daemons import DaemonProcess, model_path
 
 import kvkeep
-from kvkeepd.engine.context import BatchItem, ContextConfig, LlamaContext
+from kvkeepd.engine.context import BatchItem, LlamaContext
+from kvkeepd.engine.context_config import ContextConfig
 
 SUFFIXES = (1, 7, 63, 64, 65, 500)
 BATCH = 512
@@ -139,7 +140,8 @@ def test_one_thread_and_two_give_the_same_logits(opened: Callable[[ContextConfig
 STOCK = """
 import sys
 from pathlib import Path
-from kvkeepd.engine.context import ContextConfig, LlamaContext
+from kvkeepd.engine.context import LlamaContext
+from kvkeepd.engine.context_config import ContextConfig
 from kvkeepd.engine.probes import batch_dependence
 cfg = ContextConfig(model_path=Path(sys.argv[1]), slots=2, ctx_per_session=512, batch_size=512,
     threads=1, gpu_layers=0, kv_type="f16", kv_unified=False, flash_attn=True)

@@ -20,7 +20,8 @@ from daemons import InProcessDaemon, model_path
 import kvkeep
 from kvkeepd.api.convert import device_fields
 from kvkeepd.engine import backend, streams
-from kvkeepd.engine.context import ContextConfig, LlamaContext
+from kvkeepd.engine.context import LlamaContext
+from kvkeepd.engine.context_config import ContextConfig
 from kvkeepd.errors import KvkeepError
 from kvkeepd.sessions.dock_table import Docks
 from kvkeepd.sessions.session import Session

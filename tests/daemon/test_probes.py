@@ -17,7 +17,7 @@ import pytest
 from daemons import InProcessDaemon, model_path
 
 from kvkeepd.engine import probes
-from kvkeepd.engine.context import ContextConfig
+from kvkeepd.engine.context_config import ContextConfig
 
 KEPT = "exactness probe: not run again, its result of"
 PROBED = "exactness probe: passed in"

@@ -8,6 +8,9 @@ probes, the engine's steps, jobs, sampling and grammars.
   log routed to Python logging, pinned host memory for transfers to a GPU, and a start given up.
 - context.py: LlamaContext: the llama.cpp model and context, and the only module that imports
   llama_cpp.
+- context_config.py: What the llama.cpp context is asked to be: ContextConfig, the daemon's
+  settings it needs and the mode they make (exact or compact, with or without flash attention),
+  and the ggml switches exact mode sets before any graph runs (kernel_environment).
 - engine.py: Engine: the one thread that owns llama.cpp (through a LlamaContext).
 - job.py: Generations: a session's computed state, a request to extend it, and the token output.
 - probes.py: The start-up exactness probe, and its results kept by everything that picks

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import llama_cpp as llama
 import llguidance
 import numpy as np
 from llguidance.llamacpp import lltokenizer_from_vocab
 
-from kvkeepd.config.settings import Settings, user_cache_dir
 from kvkeepd.engine import backend, streams
+from kvkeepd.engine.context_config import ContextConfig, kernel_environment
 from kvkeepd.errors import InvalidRequest, KvkeepError
 from kvkeepd.heap import state_buffer
 from kvkeepd.state import cells as kvstate
@@ -43,69 +41,6 @@ _PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the recurrent part of a hybr
 MIN_OUTPUTS = 64
 # Sliding-window caches whose window is not "the last n_swa positions" (chunked attention).
 _OTHER_WINDOWS = {"llama4"}
-
-
-@dataclass(frozen=True)
-class ContextConfig:
-    """What the context needs from the daemon's settings."""
-
-    model_path: Path
-    slots: int
-    ctx_per_session: int
-    batch_size: int
-    threads: int
-    gpu_layers: int
-    kv_type: str
-    kv_unified: bool
-    flash_attn: bool = False
-    # Exact mode takes flash attention with batch-invariant kernels (see exact_flash below).
-    exact_flash: bool = False
-    # Where the exactness probe's results are kept (probes.py); None: probe at every start.
-    probe_cache: Path | None = None
-    # Bytes of KV the context may take (--gpu-kv-budget; 0: one stream per slot, no docks).
-    kv_budget: int = 0
-    # Most prompt tokens one step evaluates beside other work (steps.plan caps it at batch_size).
-    prefill_chunk: int = 256
-
-    @classmethod
-    def of(cls, settings: Settings) -> ContextConfig:
-        """What the settings ask of the context. `--probe-cache none`: probe at every start."""
-        probes: Path | None = None
-        if settings.probe_cache != "none":
-            probes = Path(settings.probe_cache) if settings.probe_cache else user_cache_dir() / "probes.json"
-        return cls(
-            model_path=settings.model_path,
-            slots=settings.slots,
-            ctx_per_session=settings.ctx_per_session,
-            batch_size=settings.batch_size,
-            prefill_chunk=settings.prefill_chunk,
-            threads=settings.threads,
-            gpu_layers=settings.gpu_layers,
-            kv_type=settings.kv_type,
-            kv_unified=settings.kv_unified,
-            flash_attn=settings.flash_attn,
-            exact_flash=settings.exact_attention == "auto",
-            probe_cache=probes,
-            kv_budget=settings.gpu_kv_budget,
-        )
-
-    @property
-    def flash_attention(self) -> bool:
-        """Flash attention is on: asked for, needed by quantized K/V, or exact mode's own."""
-        return self.flash_attn or self.kv_type != "f16" or self.batch_invariant_flash
-
-    @property
-    def batch_invariant_flash(self) -> bool:
-        """Exact mode on flash attention whose kernels do not depend on the batch's shape:
-        GGML_CPU_FA_BATCH_INVARIANT, which patches/llama.cpp/ adds to llama.cpp's CPU kernel
-        (a build without it ignores the switch, and the start-up probe finds the dependence)."""
-        return self.exact and self.exact_flash
-
-    @property
-    def exact(self) -> bool:
-        """f16 K/V, a stream per slot, no flash attention but the batch-invariant kind: the
-        bit-exact mode."""
-        return self.kv_type == "f16" and not self.kv_unified and not self.flash_attn
 
 
 @dataclass(frozen=True)
@@ -155,16 +90,6 @@ class BatchItem:
     token: int
     pos: int
     logits: bool
-
-
-def kernel_environment(cfg: ContextConfig) -> None:
-    """Set the ggml switches exact mode needs before any graph runs: ggml reads each once,
-    at the first kernel that asks (see LlamaContext.__init__)."""
-    if cfg.exact:
-        os.environ["GGML_CPU_TILED_MM"] = "0"
-    if cfg.batch_invariant_flash:
-        # An operator's own value stands (0: llama.cpp's kernels; the probe then decides).
-        os.environ.setdefault("GGML_CPU_FA_BATCH_INVARIANT", "1")
 
 
 class LlamaContext:

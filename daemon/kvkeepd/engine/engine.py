@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvkeepd.engine import backend, startup, steps
-from kvkeepd.engine.context import BatchItem, ContextConfig, LlamaContext, ModelInfo
+from kvkeepd.engine.context import BatchItem, LlamaContext, ModelInfo
+from kvkeepd.engine.context_config import ContextConfig
 from kvkeepd.engine.job import Job, Outbox, SeqState
 from kvkeepd.engine.streams import StreamPlan
 from kvkeepd.errors import ContextFull, CorruptCheckpoint, InvalidRequest, KvkeepError, Unavailable

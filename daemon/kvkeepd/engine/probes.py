@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from kvkeepd.engine import backend
-from kvkeepd.engine.context import BatchItem, ContextConfig, LlamaContext
+from kvkeepd.engine.context import BatchItem, LlamaContext
+from kvkeepd.engine.context_config import ContextConfig
 from kvkeepd.files import write_private
 from kvkeepd.values.sampling import Logits
 

@@ -13,7 +13,8 @@ import time
 import numpy as np
 
 from kvkeepd.engine import backend, probes
-from kvkeepd.engine.context import ContextConfig, LlamaContext, ModelInfo, kernel_environment
+from kvkeepd.engine.context import LlamaContext, ModelInfo
+from kvkeepd.engine.context_config import ContextConfig, kernel_environment
 from kvkeepd.state import pieces
 
 log = logging.getLogger(__name__)
