@@ -120,6 +120,22 @@ def unframe(data: bytes, expect_len: int, *, checksum: bool = True) -> bytes | m
     return payload
 
 
+def raw_frame_holds(header: bytes | bytearray, parts: Sequence[memoryview], expect_len: int) -> bool:
+    """Whether a block read as its header and then its payload in `parts` (a scattered
+    read, see state/pieces.py's Scatter) is a whole uncompressed frame of `expect_len`
+    bytes with a good checksum. False for anything else: the caller reads it again the
+    ordinary way, which says what is wrong."""
+    if len(header) != _HEADER.size or sum(len(p) for p in parts) != expect_len:
+        return False
+    magic, code, length, crc = _HEADER.unpack_from(header)
+    if magic != MAGIC or code != CODECS["none"] or length != expect_len:
+        return False
+    value = 0
+    for part in parts:
+        value = crc32(part, value)
+    return bool(value == crc)
+
+
 def _zstd_bounded(body: memoryview, length: int) -> bytes:
     """At most length + 1 bytes of a zstd frame. `decompress(max_output_size=)` ignores its
     bound when the frame declares a content size and allocates that size first, so a

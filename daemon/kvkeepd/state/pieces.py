@@ -219,9 +219,34 @@ def _section_size(s: Section, n: int) -> int:
 
 def _write_kv(out: Bytes, at: int, s: KvCells, n: int, seq_id: int) -> int:
     lay = s.layout
+    k_at, v_at, end = _kv_frame(out, at, lay, n, seq_id)
+    pad = s.p0  # cells below the window: zeros
+    for layer, (_, row) in enumerate(lay.k):
+        dest = out[k_at[layer] : k_at[layer] + n * row].reshape(n, row)
+        dest[:pad] = 0
+        _fill(dest[pad:], [k[layer] for _, k, _ in s.runs])
+    stage = _Stage()
+    for layer, (_, a, b) in enumerate(lay.v):
+        if lay.v_trans:
+            vdest = out[v_at[layer] : v_at[layer] + n * a * b].reshape(b, n * a)
+            vdest[:, : pad * a] = 0
+            _fill_rows(vdest[:, pad * a :], [v[layer] for _, _, v in s.runs], stage)
+        else:
+            dest = out[v_at[layer] : v_at[layer] + n * a].reshape(n, a)
+            dest[:pad] = 0
+            _fill(dest[pad:], [v[layer] for _, _, v in s.runs])
+    return end
+
+
+def _kv_frame(out: Bytes, at: int, lay: KvLayout, n: int, seq_id: int) -> tuple[list[int], list[int], int]:
+    """Write a KV section of n cells at `at`, all but its rows: the stream header, the cells'
+    positions and every layer's row header. Returns where each layer's K rows and V rows
+    start, and where the section ends."""
     blob = memoryview(out.data)
     struct.pack_into("<II", blob, at, lay.n_stream, n)
     at += 8
+    k_at: list[int] = []
+    v_at: list[int] = []
     if n:
         meta = np.frombuffer(blob, dtype=CELL_META, count=n, offset=at)
         meta["pos"] = np.arange(n, dtype=np.int32)
@@ -230,29 +255,80 @@ def _write_kv(out: Bytes, at: int, s: KvCells, n: int, seq_id: int) -> int:
         at += 12 * n
         struct.pack_into("<II", blob, at, int(lay.v_trans), lay.n_layer)
         at += 8
-        pad = s.p0  # cells below the window: zeros
-        for layer, (t, row) in enumerate(lay.k):
+        for t, row in lay.k:
             struct.pack_into("<iQ", blob, at, t, row)
-            dest = out[at + 12 : at + 12 + n * row].reshape(n, row)
-            dest[:pad] = 0
-            _fill(dest[pad:], [k[layer] for _, k, _ in s.runs])
+            k_at.append(at + 12)
             at += 12 + n * row
-        stage = _Stage()
-        for layer, (t, a, b) in enumerate(lay.v):
+        for t, a, b in lay.v:
             if lay.v_trans:
                 struct.pack_into("<iII", blob, at, t, a, b)
-                vdest = out[at + 12 : at + 12 + n * a * b].reshape(b, n * a)
-                vdest[:, : pad * a] = 0
-                _fill_rows(vdest[:, pad * a :], [v[layer] for _, _, v in s.runs], stage)
-                at += 12 + n * a * b
             else:
                 struct.pack_into("<iQ", blob, at, t, a)
-                dest = out[at + 12 : at + 12 + n * a].reshape(n, a)
-                dest[:pad] = 0
-                _fill(dest[pad:], [v[layer] for _, _, v in s.runs])
-                at += 12 + n * a
+            v_at.append(at + 12)
+            at += 12 + n * a * (b if lay.v_trans else 1)
     out[at : at + 4 * (lay.n_stream - 1)] = 0  # the other streams hold no cells
-    return at + 4 * (lay.n_stream - 1)
+    return k_at, v_at, at + 4 * (lay.n_stream - 1)
+
+
+class Scatter:
+    """The blob llama.cpp takes for n positions, made by reading pieces straight into it.
+
+    For a layout of one full-attention KV section with V not transposed, a piece's payload
+    (`cut`'s order: every layer's K rows, then every layer's V rows, of cells [a, b)) is
+    2 x n_layer runs of bytes, each contiguous in the blob. A restore that reads each block
+    into those places needs no assembly: the state is copied once from the file and once
+    into llama.cpp, as a slot restore of llama-server does. Other layouts (a window to
+    place, a recurrent state, V transposed into rows of every cell) are assembled.
+    """
+
+    def __init__(self, layout: StateLayout, n: int, into: Bytes) -> None:
+        """`into`: a uint8 array of `Scatter.size(layout, n)` bytes; its metadata is written
+        now, its rows by whoever fills `regions`."""
+        (lay,) = layout.sections
+        assert isinstance(lay, KvLayout) and n > 0
+        self.layout, self.n, self.blob = layout, n, into
+        struct.pack_into("<Ii", memoryview(into.data), 0, SEQ_MAGIC, 0)
+        k_at, v_at, end = _kv_frame(into, 8, lay, n, 0)
+        assert end == into.shape[0]
+        # Where each layer's K rows, then V rows, start, and one cell's row of each.
+        rows = [row for _, row in lay.k] + [row for _, row, _ in lay.v]
+        self._rows = list(zip(k_at + v_at, rows, strict=True))
+
+    @staticmethod
+    def fits(layout: StateLayout) -> bool:
+        """Whether states of this layout can be read in place."""
+        if len(layout.sections) != 1:
+            return False
+        (lay,) = layout.sections
+        return isinstance(lay, KvLayout) and not lay.window and not lay.v_trans
+
+    @staticmethod
+    def size(layout: StateLayout, n: int) -> int:
+        return blob_bound(layout, n)
+
+    def regions(self, a: int, b: int) -> list[memoryview]:
+        """The places in the blob of a piece of cells [a, b), in its payload's order."""
+        if not 0 <= a < b <= self.n:
+            raise ValueError(f"bad range [{a}, {b}) of {self.n} cells")
+        data = memoryview(self.blob.data)
+        return [data[at + a * row : at + b * row] for at, row in self._rows]
+
+    def place(self, a: int, b: int, payload: bytes | memoryview) -> None:
+        """Copy a piece's payload (as `cut` made it) to its places."""
+        at = 0
+        view = memoryview(payload)
+        for region in self.regions(a, b):
+            region[:] = view[at : at + len(region)]
+            at += len(region)
+        if at != len(view):
+            raise StateFormatError(f"a KV piece holds {len(view)} bytes, not {at}")
+
+    def state(self) -> SeqKv:
+        """The state the filled blob holds, parsed (and so checked) as an export is."""
+        kv = parse(memoryview(self.blob.data), self.layout)
+        if kv.n != self.n or kv.raw is None:
+            raise StateFormatError("a state read in place does not parse back whole")
+        return kv
 
 
 def _fill(dest: Bytes, sources: Sequence[Bytes]) -> None:

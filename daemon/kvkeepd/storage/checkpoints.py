@@ -29,6 +29,7 @@ from kvkeepd.errors import (
     StoreReadFailed,
     StoreUnreachable,
 )
+from kvkeepd.heap import state_buffer
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import frames as blk
 from kvkeepd.state import layout as kvlayout
@@ -342,6 +343,8 @@ class CheckpointStore:
         assert lay is not None
         wanted = [*full, *window, *([rec] if rec else [])]
         ours = read == self.store.get
+        if ours and not self.store.in_process and not self.store.remote and full and pieces.Scatter.fits(lay):
+            return self._read_in_place(n, full)
         if ours and self.store.remote:
             # All at once: a remote store pipelines or parallelises what one get per piece
             # would wait for in turn.
@@ -367,6 +370,32 @@ class CheckpointStore:
             runs = [pieces.piece(section, found[p.key], p.end - p.start) for p in mine]
             sections.append(pieces.cells_from(section, mine[0].start, runs))
         return pieces.build(lay, n, sections)
+
+    def _read_in_place(self, n: int, full: list[Piece]) -> kvstate.SeqKv:
+        """The state after n positions, each piece read from its file straight into the blob
+        llama.cpp takes (pieces.Scatter) and checked there. A piece that is not a raw frame
+        of its size with a good checksum is read again the ordinary way (read_block), which
+        decodes it, or names the damage and removes the block."""
+        lay = self.layout
+        assert lay is not None
+        if [p.start for p in full] != [0, *(p.end for p in full[:-1])] or full[-1].end != n:
+            raise CorruptCheckpoint("the checkpoint's blocks do not cover its state")
+        blob = pieces.Scatter(lay, n, state_buffer(pieces.Scatter.size(lay, n)))
+
+        def fill(p: Piece) -> None:
+            parts = blob.regions(p.start, p.end)
+            header = bytearray(blk.FRAME_HEADER)
+            try:
+                whole = self.store.read_into(p.key, [memoryview(header), *parts])
+            except KeyError:
+                raise CorruptCheckpoint(f"a KV block of the checkpoint is missing ({p.key[:12]})") from None
+            if not (whole and blk.raw_frame_holds(header, parts, p.size)):
+                blob.place(p.start, p.end, self.read_block(p.key, p.size, self.store.get, ours=True)[1])
+
+        # File reads and CRC-32 release the GIL: pieces are read and checked on every core.
+        for _ in _READERS.map(fill, full):
+            pass
+        return blob.state()
 
     # ---- the prefix cache --------------------------------------------------------------------
 

@@ -40,6 +40,13 @@ class BlockStore(Protocol):
         concurrently or pipelined."""
         ...
 
+    def read_into(self, key: str, parts: Sequence[memoryview]) -> bool:
+        """Read the block straight into `parts`, one after another, when it holds exactly
+        their bytes (a file store; a read that skips the copy from a `get`'s bytes). False,
+        nothing promised of `parts`, where the block is of another size or the store cannot
+        read in place; KeyError if absent."""
+        ...
+
     def put(self, key: str, data: bytes) -> int:
         """Store a block unless present; returns the bytes written (0 if it was present).
         Once it returns, the block is durable."""

@@ -26,6 +26,22 @@ log = logging.getLogger(__name__)
 _READERS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kvkeep-file")
 
 
+# The most buffers one preadv takes (Linux's UIO_MAXIOV).
+_IOV_MAX = 1024
+
+
+def _after(parts: Sequence[memoryview], skip: int) -> list[memoryview]:
+    """`parts` less their first `skip` bytes."""
+    out = []
+    for p in parts:
+        if skip >= len(p):
+            skip -= len(p)
+            continue
+        out.append(p[skip:])
+        skip = 0
+    return out
+
+
 class LocalBlockStore:
     """Blocks under `root` (which the start checks, with the state directory's other fixed
     entries: statedir.check_entries). Nothing under it is followed: a block file that is a
@@ -71,20 +87,42 @@ class LocalBlockStore:
             return False
 
     def get(self, key: str) -> bytes:
+        fd = self._open(key)
+        try:
+            with open(fd, "rb") as f:
+                return f.read()
+        except OSError as e:
+            log.error("cannot read block %s: %s", self._path(key), e)
+            raise StoreReadFailed("the state store cannot be read (see the daemon's log)") from None
+
+    def _open(self, key: str) -> int:
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise KeyError(key) from None
         except OSError as e:  # a link (ELOOP) among them
             log.error("cannot read block %s: %s", path, e)
             raise StoreReadFailed("the state store cannot be read (see the daemon's log)") from None
+
+    def read_into(self, key: str, parts: Sequence[memoryview]) -> bool:
+        fd = self._open(key)
         try:
-            with open(fd, "rb") as f:
-                return f.read()
+            size = os.fstat(fd).st_size
+            if size != sum(len(p) for p in parts) or len(parts) > _IOV_MAX:
+                return False
+            done = 0
+            while done < size:  # preadv may stop short (a signal): the rest is read on
+                got = os.preadv(fd, _after(parts, done), done)
+                if not got:
+                    return False
+                done += got
+            return True
         except OSError as e:
-            log.error("cannot read block %s: %s", path, e)
+            log.error("cannot read block %s: %s", self._path(key), e)
             raise StoreReadFailed("the state store cannot be read (see the daemon's log)") from None
+        finally:
+            os.close(fd)
 
     def present(self, keys: Sequence[str]) -> set[str]:
         return {k for k in keys if self.has(k)}

@@ -24,6 +24,10 @@ class MemoryBlockStore:
     def get(self, key: str) -> bytes:
         return self._blocks[check_key(key)]
 
+    def read_into(self, key: str, parts: Sequence[memoryview]) -> bool:
+        """Its blocks are in RAM already: a `get` copies nothing."""
+        return False
+
     def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
         return {k: self._blocks[k] for k in keys if self.has(k)}
 

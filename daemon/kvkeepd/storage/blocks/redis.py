@@ -99,6 +99,10 @@ class RedisBlockStore:
             raise KeyError(key)
         return found[key]
 
+    def read_into(self, key: str, parts: Sequence[memoryview]) -> bool:
+        """A server's reply arrives as bytes: there is no read in place."""
+        return False
+
     def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
         if not keys:

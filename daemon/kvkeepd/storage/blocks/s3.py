@@ -113,6 +113,10 @@ class S3BlockStore:
         except botocore.exceptions.BotoCoreError as e:
             raise read_failed(self, e) from None
 
+    def read_into(self, key: str, parts: Sequence[memoryview]) -> bool:
+        """A server's reply arrives as bytes: there is no read in place."""
+        return False
+
     def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
         def fetch(key: str) -> bytes | None:
             try:
