@@ -20,6 +20,9 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+import numpy as np
+import numpy.typing as npt
+
 from kvkeepd.errors import (
     Busy,
     CorruptCheckpoint,
@@ -45,7 +48,11 @@ from kvkeepd.storage.collector import claim_blocks, delete_decided
 
 log = logging.getLogger(__name__)
 
-_READERS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kvkeep-read")
+Blob = npt.NDArray[np.uint8]
+
+# Eight, whatever the cores: a restore's block reads mostly wait for the disk, and more of
+# them at once keep it busy (a 47 MB state read cold in 31-35 ms with eight, 41-43 with four).
+_READERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvkeep-read")
 CHECKPOINT_ID_PREFIX = "c_"
 
 
@@ -273,9 +280,31 @@ class CheckpointStore:
         _, data = self.row(checkpoint_id)
         return mf.decode(data, self.key, self.n_vocab)
 
-    def cells(self, snap: Snapshot) -> tuple[kvstate.SeqKv | None, bool]:
-        """The state of a checked snapshot from this store: (state, must re-prefill)."""
-        return self.checked_cells(snap, self.store.get)
+    def cells(self, snap: Snapshot, into: Blob | None = None) -> tuple[kvstate.SeqKv | None, bool]:
+        """The state of a checked snapshot from this store: (state, must re-prefill);
+        `into`: the buffer `read_buffer(snap)` gave for it."""
+        return self.checked_cells(snap, self.store.get, into)
+
+    def read_buffer(self, snap: Snapshot) -> Blob | None:
+        """Memory for the snapshot's state where this store reads it in place (a file store,
+        a plain layout; None elsewhere), to be allocated by the thread that will also free
+        it: glibc then reuses one arena's freed states instead of faulting in tens of MB
+        of new memory for each, as a worker thread's arena does. Its contents are not kept."""
+        if not self.reads_in_place or not snap.n_kv or snap.kv_layout != self.layout_desc:
+            return None
+        assert self.layout is not None
+        return state_buffer(pieces.Scatter.size(self.layout, snap.n_kv))
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether states are read from this store straight into the blob llama.cpp takes."""
+        lay = self.layout
+        return (
+            not self.store.in_process
+            and not self.store.remote
+            and lay is not None
+            and pieces.Scatter.fits(lay)
+        )
 
     def load(
         self,
@@ -283,23 +312,25 @@ class CheckpointStore:
         now: float,
         snap: Snapshot | None = None,
         whole: kvstate.SeqKv | None = None,
+        into: Blob | None = None,
     ) -> Loaded:
         """A checkpoint's manifest and state, read and checked; `snap`: its manifest, if
         `snapshot` gave it already (checkpoints are immutable: it is not decoded again);
-        `whole`: its state as this daemon saved it (sessions/whole_states.py): its blocks are not read."""
+        `whole`: its state as this daemon saved it (sessions/whole_states.py): its blocks are not
+        read; `into`: the buffer `read_buffer` gave for it."""
         row, data = self.row(checkpoint_id)
         snap = snap or mf.decode(data, self.key, self.n_vocab)
         kv: kvstate.SeqKv | None = whole
         reprefill = False
         if whole is None or whole.n != snap.n_kv or snap.kv_layout != self.layout_desc:
-            kv, reprefill = self.checked_cells(snap, self.store.get)
+            kv, reprefill = self.checked_cells(snap, self.store.get, into)
         keys = snap.piece_keys()
         if keys:
             self.catalog.touch(keys, now)
         return Loaded(row, snap, kv, reprefill)
 
     def checked_cells(
-        self, snap: Snapshot, read: Callable[[str], bytes]
+        self, snap: Snapshot, read: Callable[[str], bytes], into: Blob | None = None
     ) -> tuple[kvstate.SeqKv | None, bool]:
         """Check the snapshot fits this daemon; read its pieces. (state, must re-prefill)."""
         if snap.fingerprint != self.fingerprint:
@@ -328,7 +359,7 @@ class CheckpointStore:
             or (rec.key if rec else "") != snap.recurrent
         ):
             raise CorruptCheckpoint("the checkpoint's block keys do not follow from its tokens")
-        return self._read(snap.n_kv, full, window, rec, read), False
+        return self._read(snap.n_kv, full, window, rec, read, into), False
 
     def _read(
         self,
@@ -337,14 +368,16 @@ class CheckpointStore:
         window: list[Piece],
         rec: Piece | None,
         read: Callable[[str], bytes],
+        into: Blob | None = None,
     ) -> kvstate.SeqKv:
-        """The state after n positions from its pieces, each read once and checked."""
+        """The state after n positions from its pieces, each read once and checked (read in
+        place, into `into` if given, where the store and the layout allow)."""
         lay = self.layout
         assert lay is not None
         wanted = [*full, *window, *([rec] if rec else [])]
         ours = read == self.store.get
-        if ours and not self.store.in_process and not self.store.remote and full and pieces.Scatter.fits(lay):
-            return self._read_in_place(n, full)
+        if ours and self.reads_in_place and full:
+            return self._read_in_place(n, full, into)
         if ours and self.store.remote:
             # All at once: a remote store pipelines or parallelises what one get per piece
             # would wait for in turn.
@@ -371,7 +404,7 @@ class CheckpointStore:
             sections.append(pieces.cells_from(section, mine[0].start, runs))
         return pieces.build(lay, n, sections)
 
-    def _read_in_place(self, n: int, full: list[Piece]) -> kvstate.SeqKv:
+    def _read_in_place(self, n: int, full: list[Piece], into: Blob | None) -> kvstate.SeqKv:
         """The state after n positions, each piece read from its file straight into the blob
         llama.cpp takes (pieces.Scatter) and checked there. A piece that is not a raw frame
         of its size with a good checksum is read again the ordinary way (read_block), which
@@ -380,7 +413,10 @@ class CheckpointStore:
         assert lay is not None
         if [p.start for p in full] != [0, *(p.end for p in full[:-1])] or full[-1].end != n:
             raise CorruptCheckpoint("the checkpoint's blocks do not cover its state")
-        blob = pieces.Scatter(lay, n, state_buffer(pieces.Scatter.size(lay, n)))
+        size = pieces.Scatter.size(lay, n)
+        blob = pieces.Scatter(
+            lay, n, into if into is not None and into.shape == (size,) else state_buffer(size)
+        )
 
         def fill(p: Piece) -> None:
             parts = blob.regions(p.start, p.end)

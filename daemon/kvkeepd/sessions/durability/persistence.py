@@ -169,7 +169,14 @@ class Persistence:
         not read)."""
         store = store or await self.find(checkpoint_id, tenant)
         whole = wholes.get(checkpoint_id) if wholes is not None else None
-        return await asyncio.to_thread(store.load, checkpoint_id, self.clock(), snap, whole)
+        into = None
+        if whole is None and store.reads_in_place:
+            # Its blocks are read into memory allocated here, on the event loop's thread
+            # (CheckpointStore.read_buffer says why).
+            if snap is None:
+                snap = await asyncio.to_thread(store.snapshot, checkpoint_id)
+            into = store.read_buffer(snap)
+        return await asyncio.to_thread(store.load, checkpoint_id, self.clock(), snap, whole, into)
 
     async def tenant_checkpoints(self, tenant: Tenant) -> list[CheckpointRow]:
         def rows() -> list[CheckpointRow]:

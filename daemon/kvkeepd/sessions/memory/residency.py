@@ -468,7 +468,10 @@ class Residency(Placements):
         ref = self.where(session)
         assert isinstance(ref, Stored)
         try:
-            kv, _ = await asyncio.to_thread(ref.store.cells, ref.snapshot)
+            # Read into memory allocated here, on the event loop's thread (see read_buffer).
+            kv, _ = await asyncio.to_thread(
+                ref.store.cells, ref.snapshot, ref.store.read_buffer(ref.snapshot)
+            )
         except CorruptCheckpoint as e:
             await self._drop_spill(session)
             self._set(session, HistoryOnly(str(e)))
