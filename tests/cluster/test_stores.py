@@ -183,7 +183,7 @@ def test_a_damaged_block_is_found_and_removed(backend: Backend, damage: str) -> 
     key, framed = new_key(), block(payload)
     store.put(key, framed)
     checkpoints = checkpoints_on(store)
-    _, got = checkpoints.read_block(key, len(payload), store.get)
+    _, got = checkpoints.reads.block(key, len(payload), store.get)
     assert bytes(got) == payload
     if damage == "bit":
         bad = bytearray(framed)
@@ -193,7 +193,7 @@ def test_a_damaged_block_is_found_and_removed(backend: Backend, damage: str) -> 
         bad = bytearray(framed[: len(framed) // 2] if damage == "truncated" else b"")
     backend.tamper(key, bytes(bad))
     with pytest.raises(CorruptCheckpoint):
-        checkpoints.read_block(key, len(payload), store.get)
+        checkpoints.reads.block(key, len(payload), store.get)
     assert not store.has(key)  # removed: the next checkpoint of those tokens writes it again
 
 

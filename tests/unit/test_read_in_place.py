@@ -1,5 +1,5 @@
 """A restore from a file store reads each block straight into the blob llama.cpp takes
-(storage/checkpoints.py's `_read_in_place`, state/pieces.py's `Scatter`): the blob is the one
+(storage/state_reads.py, state/pieces.py's `Scatter`): the blob is the one
 assembling the pieces gives, byte for byte, for every layout, codec and length; a block that is
 compressed is decoded on the way; a damaged, cut or grown block file is refused with
 CorruptCheckpoint and removed, as the ordinary read does (no model, no daemon)."""

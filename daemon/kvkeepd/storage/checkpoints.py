@@ -5,7 +5,8 @@ commits the manifest. A load checks everything before llama.cpp can see it: the 
 MAC and fields, the model fingerprint and KV layout, that the block keys follow from the
 tokens, and each block's checksum and size. Methods block (file I/O, hashing); the
 session manager runs them in worker threads.
-Exports and imports are storage/exports.py's: a client of this store.
+Reading blocks back into a state is storage/state_reads.py's; exports and imports are
+storage/exports.py's: a client of this store.
 """
 
 from __future__ import annotations
@@ -16,11 +17,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-
-import numpy as np
-import numpy.typing as npt
 
 from kvkeepd.errors import (
     Busy,
@@ -31,12 +28,10 @@ from kvkeepd.errors import (
     StoreReadFailed,
     StoreUnreachable,
 )
-from kvkeepd.heap import state_buffer
 from kvkeepd.state import cells as kvstate
 from kvkeepd.state import frames as blk
 from kvkeepd.state import layout as kvlayout
 from kvkeepd.state import manifest as mf
-from kvkeepd.state import pieces
 from kvkeepd.state.manifest import Snapshot
 from kvkeepd.state.plan import Piece, Plan, payloads, plan
 from kvkeepd.storage.blocks.base import BlockStore
@@ -44,14 +39,11 @@ from kvkeepd.storage.blocks.puts import put_framed
 from kvkeepd.storage.budget import DiskBudget
 from kvkeepd.storage.catalog import Catalog, CheckpointRow
 from kvkeepd.storage.collector import claim_blocks, delete_decided
+from kvkeepd.storage.state_reads import Blob, StateReads
 
 log = logging.getLogger(__name__)
 
-Blob = npt.NDArray[np.uint8]
 
-# Eight, whatever the cores: a restore's block reads mostly wait for the disk, and more of
-# them at once keep it busy (a 47 MB state read cold in 31-35 ms with eight, 41-43 with four).
-_READERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvkeep-read")
 CHECKPOINT_ID_PREFIX = "c_"
 
 
@@ -112,6 +104,7 @@ class CheckpointStore:
         self.quota: Callable[[str], int] | None = None
         # Saves of different sessions may run at once; each block is written once.
         self._lock = threading.Lock()
+        self.reads = StateReads(store, layout, self._lock)
 
     # ---- save ----------------------------------------------------------------------------
 
@@ -285,25 +278,16 @@ class CheckpointStore:
         return self.checked_cells(snap, self.store.get, into)
 
     def read_buffer(self, snap: Snapshot) -> Blob | None:
-        """Memory for the snapshot's state where this store reads it in place (a file store,
-        a plain layout; None elsewhere), to be allocated by the thread that will also free
-        it: glibc then reuses one arena's freed states instead of faulting in tens of MB
-        of new memory for each, as a worker thread's arena does. Its contents are not kept."""
-        if not self.reads_in_place or not snap.n_kv or snap.kv_layout != self.layout_desc:
+        """Memory for the snapshot's state where this store reads it in place (None
+        elsewhere), for the thread that will also free it to allocate (StateReads.buffer)."""
+        if not snap.n_kv or snap.kv_layout != self.layout_desc:
             return None
-        assert self.layout is not None
-        return state_buffer(pieces.Scatter.size(self.layout, snap.n_kv))
+        return self.reads.buffer(snap.n_kv)
 
     @property
     def reads_in_place(self) -> bool:
         """Whether states are read from this store straight into the blob llama.cpp takes."""
-        lay = self.layout
-        return (
-            not self.store.in_process
-            and not self.store.remote
-            and lay is not None
-            and pieces.Scatter.fits(lay)
-        )
+        return self.reads.in_place
 
     def load(
         self,
@@ -358,79 +342,7 @@ class CheckpointStore:
             or (rec.key if rec else "") != snap.recurrent
         ):
             raise CorruptCheckpoint("the checkpoint's block keys do not follow from its tokens")
-        return self._read(snap.n_kv, full, window, rec, read, into), False
-
-    def _read(
-        self,
-        n: int,
-        full: list[Piece],
-        window: list[Piece],
-        rec: Piece | None,
-        read: Callable[[str], bytes],
-        into: Blob | None = None,
-    ) -> kvstate.SeqKv:
-        """The state after n positions from its pieces, each read once and checked (read in
-        place, into `into` if given, where the store and the layout allow)."""
-        lay = self.layout
-        assert lay is not None
-        wanted = [*full, *window, *([rec] if rec else [])]
-        ours = read == self.store.get
-        if ours and self.reads_in_place and full:
-            return self._read_in_place(n, full, into)
-        if ours and self.store.remote:
-            # All at once: a remote store pipelines or parallelises what one get per piece
-            # would wait for in turn.
-            frames = self.store.get_many([p.key for p in wanted])
-            read = frames.__getitem__  # an absent piece is the KeyError `get` gives
-
-        def payload(p: Piece) -> bytes | memoryview:
-            return self.read_block(p.key, p.size, read, ours=ours)[1]
-
-        if ours and self.store.in_process:
-            # Nothing to read or check (see read_block): handing pieces to threads cost more.
-            found = {p.key: payload(p) for p in wanted}
-        else:
-            # File reads and CRC-32 release the GIL: pieces are read and checked on every core.
-            found = dict(zip((p.key for p in wanted), _READERS.map(payload, wanted), strict=True))
-        sections: list[kvstate.Section] = []
-        for section in lay.sections:
-            if isinstance(section, kvlayout.RecurrentLayout):
-                assert rec is not None
-                sections.append(pieces.recurrent_from(section, n - 1, found[rec.key]))
-                continue
-            mine = window if section.window else full
-            runs = [pieces.piece(section, found[p.key], p.end - p.start) for p in mine]
-            sections.append(pieces.cells_from(section, mine[0].start, runs))
-        return pieces.build(lay, n, sections)
-
-    def _read_in_place(self, n: int, full: list[Piece], into: Blob | None) -> kvstate.SeqKv:
-        """The state after n positions, each piece read from its file straight into the blob
-        llama.cpp takes (pieces.Scatter) and checked there. A piece that is not a raw frame
-        of its size with a good checksum is read again the ordinary way (read_block), which
-        decodes it, or names the damage and removes the block."""
-        lay = self.layout
-        assert lay is not None
-        if [p.start for p in full] != [0, *(p.end for p in full[:-1])] or full[-1].end != n:
-            raise CorruptCheckpoint("the checkpoint's blocks do not cover its state")
-        size = pieces.Scatter.size(lay, n)
-        blob = pieces.Scatter(
-            lay, n, into if into is not None and into.shape == (size,) else state_buffer(size)
-        )
-
-        def fill(p: Piece) -> None:
-            parts = blob.regions(p.start, p.end)
-            header = bytearray(blk.FRAME_HEADER)
-            try:
-                whole = self.store.read_into(p.key, [memoryview(header), *parts])
-            except KeyError:
-                raise CorruptCheckpoint(f"a KV block of the checkpoint is missing ({p.key[:12]})") from None
-            if not (whole and blk.raw_frame_holds(header, parts, p.size)):
-                blob.place(p.start, p.end, self.read_block(p.key, p.size, self.store.get, ours=True)[1])
-
-        # File reads and CRC-32 release the GIL: pieces are read and checked on every core.
-        for _ in _READERS.map(fill, full):
-            pass
-        return blob.state()
+        return self.reads.state(snap.n_kv, full, window, rec, read, into), False
 
     # ---- the prefix cache --------------------------------------------------------------------
 
@@ -463,29 +375,7 @@ class CheckpointStore:
     def prefix_state(self, tokens: list[int], n: int, block_tokens: int, salt: str) -> kvstate.SeqKv:
         """The state after tokens[:n] from this store's pieces (see longest_prefix)."""
         full, window, rec = self.plan(tokens, n, block_tokens, salt)
-        return self._read(n, full, window, rec, self.store.get)
-
-    def read_block(
-        self, key: str, size: int, read: Callable[[str], bytes], *, ours: bool | None = None
-    ) -> tuple[bytes, bytes | memoryview]:
-        """One block, read once and checked: (its frame, its payload). A damaged block of
-        this store (`ours`; by default when `read` is the store's) is removed, so that the
-        next checkpoint holding those tokens writes it again instead of reusing it."""
-        try:
-            data = read(key)
-        except KeyError:
-            raise CorruptCheckpoint(f"a KV block of the checkpoint is missing ({key[:12]})") from None
-        # NOTE: blocks that never left this process's memory are not checksummed again: at
-        # 3.5 GB/s that was 12 ms of a 2,000-token restore from RAM.
-        trusted = read == self.store.get and self.store.in_process
-        try:
-            return data, blk.unframe(data, size, checksum=not trusted)
-        except CorruptCheckpoint:
-            if ours or (ours is None and read == self.store.get):
-                log.error("removing damaged block %s", key)
-                with self._lock, contextlib.suppress(OSError, KvkeepError):
-                    self.store.delete(key)
-            raise
+        return self.reads.state(n, full, window, rec, self.store.get)
 
     # ---- delete and sweep -------------------------------------------------------------------
 

@@ -57,7 +57,7 @@ def export(store: CheckpointStore, checkpoint_id: str) -> Iterator[bytes]:
     if snap.kv_layout == store.layout_desc:
         full, window, rec = store.plan(snap.tokens, snap.n_kv, snap.block_tokens, snap.salt)
         for piece in [*full, *window, *([rec] if rec else [])]:
-            block, _ = store.read_block(piece.key, piece.size, store.store.get)  # never ship damage
+            block, _ = store.reads.block(piece.key, piece.size, store.store.get)  # never ship damage
             yield from emit(_REC.pack(2, 64 + len(block)) + piece.key.encode() + block)
     final = out.getvalue() + _REC.pack(0, 32) + digest.digest()
     for at in range(0, len(final), EXPORT_CHUNK):
