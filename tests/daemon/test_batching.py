@@ -1,7 +1,8 @@
 """Continuous batching: one llama_decode carries every active session's next tokens; a
 prompt alone goes in whole batches, and beside other work in chunks of at most
---prefill-chunk tokens a step, the shortest prompts first, so that a long prompt never
-holds a stream or a short request for long.
+--prefill-chunk tokens a step, fewer where --step-target says a step would take too long,
+the shortest prompts first, so that a long prompt never holds a stream or a short request
+for long.
 
 The tests watch the real llama_decode calls through a pass-through wrapper: llama.cpp still
 does all the work; the wrapper only records how many tokens of each sequence a batch held.
@@ -19,6 +20,7 @@ from daemons import GREEDY, InProcessDaemon, wait_until
 import kvkeep
 import kvkeepd.engine.context as context_module
 from kvkeepd.config.settings import Settings
+from kvkeepd.engine.steps import MIN_CHUNK
 
 CHUNK = Settings.__dataclass_fields__["prefill_chunk"].default
 
@@ -75,7 +77,32 @@ def test_concurrent_sessions_share_each_decode(
 def test_a_long_prompt_is_prefilled_in_small_chunks_while_others_decode(
     start_daemon: Callable[..., InProcessDaemon], batches: list[dict[int, int]]
 ) -> None:
-    d = start_daemon(slots=2, ctx_per_session=1024, batch_size=512)
+    during, prompt_tokens = _prompt_beside_a_stream(start_daemon(slots=2, ctx_per_session=1024), batches)
+    # Every step carried the streaming session's token plus at most one chunk of the prompt.
+    assert max(during) <= 1 + CHUNK
+    assert sum(during) >= prompt_tokens
+
+
+def test_a_step_target_shrinks_the_chunks_that_would_make_long_steps(
+    start_daemon: Callable[..., InProcessDaemon], batches: list[dict[int, int]]
+) -> None:
+    """With a 10 ms target, which no step of a prompt chunk meets on a CPU, the prompt goes
+    in chunks of the fewest tokens (steps.MIN_CHUNK) once the first steps were timed; with
+    none, in chunks of --prefill-chunk."""
+    paced = start_daemon(slots=2, ctx_per_session=1024, step_target=0.01)
+    during, prompt_tokens = _prompt_beside_a_stream(paced, batches)
+    assert sum(during) >= prompt_tokens
+    assert max(during) <= 1 + CHUNK
+    assert during.count(1 + MIN_CHUNK) >= prompt_tokens // MIN_CHUNK - 2
+    batches.clear()
+    fixed = start_daemon(slots=2, ctx_per_session=1024, step_target=0)
+    during, prompt_tokens = _prompt_beside_a_stream(fixed, batches)
+    assert during.count(1 + CHUNK) == prompt_tokens // CHUNK
+
+
+def _prompt_beside_a_stream(d: InProcessDaemon, batches: list[dict[int, int]]) -> tuple[list[int], int]:
+    """The sizes of the steps while a ~700-token prompt is evaluated beside a stream, and the
+    prompt's tokens."""
     with kvkeep.Client(d.address) as client:
         streaming, other = client.create_session(), client.create_session()
         thread, started = _stream_in_background(streaming, 300)
@@ -85,9 +112,7 @@ def test_a_long_prompt_is_prefilled_in_small_chunks_while_others_decode(
         during = sizes(batches[before:])
         thread.join(120)
     assert done.usage is not None and done.usage.prompt_tokens > 600
-    # Every step carried the streaming session's token plus at most one chunk of the prompt.
-    assert max(during) <= 1 + CHUNK
-    assert sum(during) >= done.usage.prompt_tokens
+    return during, done.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("chunk", [CHUNK, 64])
@@ -107,7 +132,8 @@ def test_a_short_prompt_goes_ahead_of_a_long_one_in_the_same_step(
     """A request arriving while a long prompt is evaluated has its whole prompt in the next
     step, without any of the long prompt's, and answers while the long prompt is still being
     evaluated."""
-    d = start_daemon(slots=2, ctx_per_session=4096, batch_size=512)
+    # A fixed chunk: a short prompt goes in whole when it fits one.
+    d = start_daemon(slots=2, ctx_per_session=4096, batch_size=512, step_target=0)
     with kvkeep.Client(d.address) as client:
         long, short = client.create_session(), client.create_session()
         steps = len(batches)  # the start-up probe's batches before

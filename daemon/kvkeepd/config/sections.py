@@ -38,6 +38,7 @@ SECTIONS: tuple[Section, ...] = tuple(
                 "gpu-kv-budget",
                 "batch-size",
                 "prefill-chunk",
+                "step-target",
                 "kv-type",
                 "kv-unified",
                 "flash-attn",

@@ -162,6 +162,16 @@ class Settings(NetworkSettings):
             high=8192,
         ),
     )
+    step_target: float = field(
+        default=0.25,
+        metadata=spec(
+            "Seconds an engine step shared with other sessions aims at: prompt chunks shrink as "
+            "their context grows, so that a step stays near it (at most --prefill-chunk tokens; "
+            "0: always --prefill-chunk).",
+            low=0.0,
+            high=60.0,
+        ),
+    )
     threads: int = field(
         default_factory=_cpu_count,
         metadata=spec("CPU threads for evaluation.", low=1, high=512, shown="CPU count"),

@@ -32,6 +32,8 @@ class ContextConfig:
     kv_budget: int = 0
     # Most prompt tokens one step evaluates beside other work (steps.plan caps it at batch_size).
     prefill_chunk: int = 256
+    # Seconds a step shared with other work aims at (steps.Pace); 0: prefill_chunk tokens.
+    step_target: float = 0.25
 
     @classmethod
     def of(cls, settings: Settings) -> ContextConfig:
@@ -45,6 +47,7 @@ class ContextConfig:
             ctx_per_session=settings.ctx_per_session,
             batch_size=settings.batch_size,
             prefill_chunk=settings.prefill_chunk,
+            step_target=settings.step_target,
             threads=settings.threads,
             gpu_layers=settings.gpu_layers,
             kv_type=settings.kv_type,

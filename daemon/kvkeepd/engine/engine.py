@@ -16,6 +16,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -66,6 +67,8 @@ class Engine:
         self.layout: kvlayout.StateLayout | None = None
         self.stats_evaluated = 0
         self.stats_generated = 0
+        # How many prompt tokens a step shared with other work takes (timed on this thread).
+        self._pace = steps.Pace(config.step_target, config.prefill_chunk)
         # Calls that read the vocabulary from other threads (tokenize, detokenize): the
         # context is not freed while one runs.
         self._readers = 0
@@ -371,7 +374,7 @@ class Engine:
             self._sample(job, job.state.logits)
         jobs = list(self._active)
         cfg = self.config
-        counts = steps.plan([j.state.pending for j in jobs], cfg.batch_size, cfg.prefill_chunk)
+        counts = steps.plan([j.state.pending for j in jobs], cfg.batch_size, self._pace.chunk())
         items: list[BatchItem] = []
         taken: list[tuple[Job, int, bool]] = []  # job, tokens taken, wants logits
         for job, count in zip(jobs, counts, strict=True):
@@ -389,6 +392,7 @@ class Engine:
             return
         # What was sampled from stored logits goes out now, not after this decode.
         self.outbox.flush()
+        started = time.perf_counter()
         try:
             rows = ctx.decode(items)
         except KvkeepError as e:
@@ -396,6 +400,8 @@ class Engine:
             for job, _, _ in taken:
                 self._fail(job, KvkeepError("the engine failed to evaluate the batch"))
             return
+        if max(counts) >= steps.MIN_CHUNK:  # a prompt's chunk: what the pace sizes
+            self._pace.took(len(items), time.perf_counter() - started)
         self.stats_evaluated += len(items)
         rows_iter = iter(rows)
         for job, count, last in taken:
