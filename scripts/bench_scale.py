@@ -439,7 +439,9 @@ def peer_sessions(peer: Peer, n: int, args: argparse.Namespace, vocab: int) -> d
 def run(args: argparse.Namespace) -> None:
     if args.peer is not None and not os.access(args.peer, os.X_OK):
         raise SystemExit(f"not an executable: {args.peer}")
-    default = "1024,2048,4096" if args.shape else "1024,2048,4096,8192"
+    # 8,000, not 8,192: a slot holds the length, the grown tokens and the turns after it, and
+    # llama-server gives a slot no more than the model's own context (SmolLM2's is 8,192).
+    default = "1024,2048,4096" if args.shape else "1024,2048,4096,8000"
     lengths = [int(x) for x in (args.lengths or default).split(",")]
     work = Path(tempfile.mkdtemp(prefix="kvkeep-scale-", dir=args.work))
     try:
