@@ -163,7 +163,7 @@ class Settings(NetworkSettings):
         ),
     )
     step_target: float = field(
-        default=0.25,
+        default=0.5,
         metadata=spec(
             "Seconds an engine step shared with other sessions aims at: prompt chunks shrink as "
             "their context grows, so that a step stays near it (at most --prefill-chunk tokens; "

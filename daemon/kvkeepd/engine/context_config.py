@@ -33,7 +33,7 @@ class ContextConfig:
     # Most prompt tokens one step evaluates beside other work (steps.plan caps it at batch_size).
     prefill_chunk: int = 256
     # Seconds a step shared with other work aims at (steps.Pace); 0: prefill_chunk tokens.
-    step_target: float = 0.25
+    step_target: float = 0.5
 
     @classmethod
     def of(cls, settings: Settings) -> ContextConfig:
