@@ -465,8 +465,11 @@ def test_in_a_browser_the_console_lists_draws_streams_and_restores(start_daemon:
             page.locator("#node-actions button", has_text="Restore").click()
             page.locator("#status", has_text="restored").wait_for()
             page.evaluate(
+                # Counted by mutation, not by callback: chunks that arrive together are shown one
+                # by one, but reported in one callback.
                 """() => { window.updates = 0;
-                new MutationObserver(() => window.updates++).observe(document.querySelector('#chat'),
+                new MutationObserver((records) => window.updates += records.length).observe(
+                  document.querySelector('#chat'),
                   {subtree: true, childList: true, characterData: true}); }"""
             )
             page.fill("#max-tokens", "8")

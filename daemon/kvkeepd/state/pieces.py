@@ -220,6 +220,8 @@ def _section_size(s: Section, n: int) -> int:
 def _write_kv(out: Bytes, at: int, s: KvCells, n: int, seq_id: int) -> int:
     lay = s.layout
     k_at, v_at, end = _kv_frame(out, at, lay, n, seq_id)
+    if not n:
+        return end
     pad = s.p0  # cells below the window: zeros
     for layer, (_, row) in enumerate(lay.k):
         dest = out[k_at[layer] : k_at[layer] + n * row].reshape(n, row)
