@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 from checkpoint_helpers import SPAWN_ARGS, edit_export, edit_manifest, export_bytes, remac
 from click.testing import CliRunner
-from daemons import DaemonProcess, InProcessDaemon
+from daemons import DaemonProcess, InProcessDaemon, wait_until
 
 import kvkeep
 from kvkeep.cli import main
@@ -444,3 +444,12 @@ def test_manifests_carry_the_open_constraint() -> None:
 
         with pytest.raises(CorruptCheckpoint, match="constraint"):
             decode(remac(edit_manifest(good, edit), key), key, 100)
+
+
+def test_the_grammars_vocabulary_is_built_at_start(start_daemon: Callable[..., InProcessDaemon]) -> None:
+    """The first request with a schema or tools after a start does not wait a few hundred
+    milliseconds for llguidance's view of the vocabulary: the daemon builds it as it starts."""
+    d = start_daemon()
+    assert d.daemon is not None and d.daemon.manager is not None
+    grammars = d.daemon.manager._conversations.grammars
+    wait_until(lambda: grammars.warmed, 60, "the grammars' vocabulary")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,6 +30,8 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from kvkeepd.errors import InvalidRequest, KvkeepError
 from kvkeepd.tools.call_grammar import JSON_STYLE
 from kvkeepd.values.constraints import Constraint, GrammarSpec
+
+log = logging.getLogger(__name__)
 
 # Compact JSON with the usual spaces after separators (kvkeepd.tools.call_grammar): a small model
 # left free to choose whitespace may emit it forever. A schema's own "x-guidance" options
@@ -96,6 +99,20 @@ class Grammars:
         self.n_vocab = n_vocab
         self._cache: OrderedDict[tuple[str, GrammarSpec], llguidance.LLMatcher] = OrderedDict()
         self._limits = llguidance.LLParserLimits()
+
+    async def warm(self) -> None:
+        """Build the vocabulary llguidance needs now, so that the first request with tools or
+        a schema after a start does not wait for it (a few hundred milliseconds). A failure
+        is left to that request, which builds it again and says why."""
+        try:
+            await self._llg_tokenizer()
+        except Exception:
+            log.debug("the grammars' vocabulary was not built ahead", exc_info=True)
+
+    @property
+    def warmed(self) -> bool:
+        """Whether the vocabulary llguidance needs is built."""
+        return self._tokenizer is not None
 
     async def check(self, tenant: str, spec: GrammarSpec) -> None:
         """Compile `spec` (or find it compiled); InvalidRequest says what is wrong with it."""

@@ -104,12 +104,15 @@ class SessionManager:
         self._prefixes = parts.prefixes
         self.counters = Counters()
         self.invariant_violations = 0
+        self._warming: asyncio.Task[None] | None = None
         # A shared catalog: sessions are found in it on demand, one lookup at a time.
         self.shared = self.durable.catalog.shared
 
     async def start(self) -> None:
         """Finish set-up: persistent sessions from disk (with a shared catalog, the leases'
-        renewal instead: other daemons' sessions are theirs until asked for)."""
+        renewal instead: other daemons' sessions are theirs until asked for); the grammars'
+        vocabulary built beside it."""
+        self._warming = asyncio.get_running_loop().create_task(self._conversations.grammars.warm())
         if self.shared:
             self._handover.start()
             self.publish()
@@ -130,6 +133,8 @@ class SessionManager:
 
     async def shutdown(self) -> None:
         """Let running operations end, then save every persistent session that changed."""
+        if self._warming is not None:
+            self._warming.cancel()
         if not await self.ops.settle(self.settings.grace_seconds + 5):
             log.warning("%d operations still running at shutdown", self.ops.running)
         for session in list(self.sessions.values()):

@@ -372,10 +372,13 @@ class CheckpointStore:
             n -= block_tokens
         return 0
 
-    def prefix_state(self, tokens: list[int], n: int, block_tokens: int, salt: str) -> kvstate.SeqKv:
-        """The state after tokens[:n] from this store's pieces (see longest_prefix)."""
+    def prefix_state(
+        self, tokens: list[int], n: int, block_tokens: int, salt: str, into: Blob | None = None
+    ) -> kvstate.SeqKv:
+        """The state after tokens[:n] from this store's pieces (see longest_prefix); `into`:
+        the buffer `reads.buffer(n)` gave for it."""
         full, window, rec = self.plan(tokens, n, block_tokens, salt)
-        return self.reads.state(n, full, window, rec, self.store.get)
+        return self.reads.state(n, full, window, rec, self.store.get, into)
 
     # ---- delete and sweep -------------------------------------------------------------------
 

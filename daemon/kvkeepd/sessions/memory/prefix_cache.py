@@ -161,7 +161,9 @@ class PrefixCache:
     ) -> kvstate.SeqKv | None:
         block = self.settings.block_tokens
         try:
-            return await asyncio.to_thread(store.prefix_state, history, n, block, salt)
+            # Read into memory allocated here, on the event loop's thread (StateReads.buffer).
+            into = store.reads.buffer(n)
+            return await asyncio.to_thread(store.prefix_state, history, n, block, salt, into)
         except (CorruptCheckpoint, StoreReadFailed) as e:
             log.warning("a cached prefix could not be read (%s); evaluating it instead", e)
             return None
